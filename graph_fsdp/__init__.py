@@ -1,0 +1,17 @@
+"""graph_fsdp: a CUDA-graph-compatible FSDP engine (ZeRO-1/2/3) for PyTorch."""
+
+from graph_fsdp.api import STRATEGIES, BufferPolicy, MixedPrecisionPolicy, placements_for
+from graph_fsdp.fully_shard import FSDPModule, fully_shard, synchronize_param_gather
+from graph_fsdp.state import TrainingState
+
+__all__ = [
+    "STRATEGIES",
+    "BufferPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "TrainingState",
+    "fully_shard",
+    "placements_for",
+    "synchronize_param_gather",
+]
+__version__ = "0.1.0"

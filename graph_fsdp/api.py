@@ -1,0 +1,103 @@
+"""User-facing value types: frozen policies resolved once at the API edge.
+
+Strategy names become placements here and nowhere else: the engine and ``buffers/`` only
+ever see ``Placements`` (is this tensor kind sharded or replicated over the data-parallel
+group?).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placements:
+    """Which tensor kinds of a unit are sharded over the data-parallel group."""
+
+    params: bool
+    """Compute weights sharded (ZeRO-3): all-gathered before use, released after."""
+    grads: bool
+    """Gradients reduce-scattered into a sharded main grad (ZeRO-2/3); else all-reduced."""
+    optim: bool
+    """Main weights and optimizer state sharded (ZeRO-1/2/3)."""
+
+
+def placements_for(strategy: str) -> Placements:
+    """Map a Megatron-FSDP strategy name to placements (the only place names are read)."""
+    level = {name: i for i, name in enumerate(STRATEGIES)}.get(strategy)
+    if level is None:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; valid strategies are {', '.join(STRATEGIES)} "
+            "(no_shard=DDP, optim=ZeRO-1, optim_grads=ZeRO-2, optim_grads_params=ZeRO-3)"
+        )
+    return Placements(params=level >= 3, grads=level >= 2, optim=level >= 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionPolicy:
+    """Dtypes of the four tensor kinds FSDP keeps per parameter."""
+
+    param_dtype: torch.dtype | None = None
+    """Compute dtype of the gathered weights (e.g. torch.bfloat16). None: the parameter's
+    original dtype."""
+    main_params_dtype: torch.dtype = torch.float32
+    """Dtype of the sharded main weights the optimizer updates."""
+    main_grads_dtype: torch.dtype = torch.float32
+    """Dtype of the sharded main gradients the optimizer reads."""
+    grad_comm_dtype: torch.dtype | None = None
+    """Dtype gradients are reduced in. None: ``main_grads_dtype`` (fp32 reduction). bf16
+    halves reduce-scatter bytes; the sum is then rounded to bf16 before fp32 accumulation."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{name}={value!r} must be a floating torch.dtype "
+                    "such as torch.bfloat16 or torch.float32"
+                )
+
+    def compute_dtype(self, original: torch.dtype) -> torch.dtype:
+        return self.param_dtype or original
+
+    def comm_dtype(self) -> torch.dtype:
+        return self.grad_comm_dtype or self.main_grads_dtype
+
+
+AllocatorKind = Literal["dynamic", "double_buffer", "trace_pool"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferPolicy:
+    """Where the unsharded weights and gradients of the units live.
+
+    ``dynamic`` frees them back to the caching allocator (lowest memory, addresses change:
+    eager only). ``double_buffer`` and ``trace_pool`` keep every graph-visible buffer at a
+    fixed address, which layerwise and full-iteration CUDA graphs require.
+    """
+
+    allocator: AllocatorKind = "dynamic"
+    """One of dynamic, double_buffer, trace_pool."""
+    num_slots: int = 2
+    """double_buffer: slots per buffer size class (units of one size alternate slots)."""
+    persist_on_alloc_fail: bool = False
+    """double_buffer/trace_pool: a request no planned slot can serve gets a persistent
+    dedicated buffer instead of an error."""
+
+    def __post_init__(self) -> None:
+        if self.allocator not in ("dynamic", "double_buffer", "trace_pool"):
+            raise ValueError(
+                f"BufferPolicy.allocator={self.allocator!r}; choose dynamic, double_buffer "
+                "or trace_pool"
+            )
+        if self.num_slots < 1:
+            raise ValueError(f"BufferPolicy.num_slots={self.num_slots} must be >= 1 (default 2)")
+
+    @property
+    def static_addresses(self) -> bool:
+        return self.allocator != "dynamic"

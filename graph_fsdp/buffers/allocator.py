@@ -1,0 +1,311 @@
+"""One allocator interface for the unsharded buffers FSDP creates and releases.
+
+Every request names a *key* (an identity such as ``("layers.3", "param", torch.bfloat16)``)
+and the allocator returns a tensor for it. Keys are identities, not sequence numbers: the
+same key gets the same tensor object for as long as the plan holds, so views made on it
+(unsharded parameters, preset ``.grad``) stay valid across steps, eval passes and
+microbatches. Implementations differ in where the bytes live:
+
+- :class:`DynamicAllocator` - the caching allocator: the key's tensor keeps its identity but
+  its storage is resized to zero on ``free`` (lowest memory; addresses change; eager only);
+- :class:`~graph_fsdp.buffers.double_buffer.DoubleBufferAllocator` - N persistent slots per
+  size class, units alternate slots;
+- :class:`~graph_fsdp.buffers.trace_pool.TracePoolAllocator` - traces one step, then serves
+  every key from a planned slot at a fixed address.
+
+Stream safety: ``free(key, used_on=streams)`` says which streams still read or write the
+buffer; reuse of the bytes waits for those streams (events for slots, ``record_stream`` for
+the caching allocator). See [Note: slot reuse across streams].
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+Key = Hashable
+
+
+def nvtx_range(name: str):
+    """NVTX range on CUDA builds; a no-op context elsewhere."""
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return nullcontext()
+
+
+def key_role(key: Key) -> str:
+    """Role of a key for memory reports: the second element of tuple keys."""
+    if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[1], str):
+        return key[1]
+    return "other"
+
+
+@dataclass
+class MemoryStats:
+    """Bytes by role: reserved now, live now and the live peak."""
+
+    reserved: dict[str, int] = field(default_factory=dict)
+    live: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+
+    def on_alloc(self, role: str, nbytes: int) -> None:
+        self.live[role] = self.live.get(role, 0) + nbytes
+        self.peak[role] = max(self.peak.get(role, 0), self.live[role])
+
+    def on_free(self, role: str, nbytes: int) -> None:
+        self.live[role] = self.live.get(role, 0) - nbytes
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "reserved_bytes": dict(self.reserved),
+            "live_bytes": dict(self.live),
+            "peak_live_bytes": dict(self.peak),
+            "total_reserved_bytes": {"all": sum(self.reserved.values())},
+        }
+
+
+class SlotReuseError(RuntimeError):
+    """A planned slot was requested while another key still holds it."""
+
+
+class BufferAllocator(ABC):
+    """Interface shared by all allocators (see module docstring)."""
+
+    static_addresses: bool = False
+    """True when a key's bytes never move while the plan holds (CUDA graphs need this)."""
+
+    def __init__(self) -> None:
+        self.stats = MemoryStats()
+        self.generation = 0
+        """Bumped whenever addresses handed out earlier become invalid (plan, release):
+        graphs captured under an older generation must be dropped and recaptured."""
+
+    def register(self, key: Key, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Announce a key before the first step (lets planning allocators size slots)."""
+
+    @abstractmethod
+    def allocate(
+        self, key: Key, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Bytes for ``key``, safe to write on the current stream."""
+
+    @abstractmethod
+    def free(self, key: Key, *, used_on: Sequence[torch.cuda.Stream] = ()) -> None:
+        """Give ``key``'s bytes back once work already queued on ``used_on`` is done."""
+
+    def step_boundary(self) -> None:
+        """Called by the root between training steps (trace pool plans here)."""
+
+    def release(self) -> None:
+        """Free every persistent byte; later requests re-create them at new addresses."""
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        return self.stats.as_dict()
+
+    def plan_json(self) -> dict:
+        return {"allocator": type(self).__name__}
+
+
+class DynamicAllocator(BufferAllocator):
+    """Caching-allocator path: storage resized to zero on free, object identity kept.
+
+    Keeping the tensor object (and resizing its storage, as torch FSDP2 does) means views
+    created once, and tensors autograd saved in forward, see the bytes again after the
+    backward re-gather, although the address may differ.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tensors: dict[Key, torch.Tensor] = {}
+
+    def allocate(self, key, numel, dtype, device):
+        tensor = self._tensors.get(key)
+        if tensor is None or tensor.numel() != numel or tensor.dtype != dtype:
+            tensor = torch.empty(numel, dtype=dtype, device=device)
+            self._tensors[key] = tensor
+        else:
+            storage = tensor.untyped_storage()
+            nbytes = numel * tensor.element_size()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        nbytes = numel * tensor.element_size()
+        self.stats.on_alloc(key_role(key), nbytes)
+        self.stats.reserved[key_role(key)] = self.stats.live[key_role(key)]
+        return tensor
+
+    def free(self, key, *, used_on=()):
+        tensor = self._tensors.get(key)
+        if tensor is None or tensor.untyped_storage().nbytes() == 0:
+            return
+        for stream in used_on:
+            tensor.record_stream(stream)
+        self.stats.on_free(key_role(key), tensor.untyped_storage().nbytes())
+        self.stats.reserved[key_role(key)] = self.stats.live[key_role(key)]
+        tensor.untyped_storage().resize_(0)
+
+
+class Slot:
+    """A persistent buffer plus the events that must complete before it is reused.
+
+    [Note: slot reuse across streams] A slot freed by a key whose last use was queued on
+    stream S (e.g. the reduce-scatter stream reading a gradient) records an event on S; the
+    next allocation waits for those events on the stream it allocates from. Inside a CUDA
+    graph capture these records and waits become graph edges.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, label: str):
+        self.numel, self.dtype, self.device, self.label = numel, dtype, device, label
+        self.tensor: torch.Tensor | None = None
+        self.holder: Key | None = None
+        self.pending: list[torch.cuda.Event] = []
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def materialise(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self.tensor
+
+    def take(self, key: Key, numel: int) -> torch.Tensor:
+        if self.holder is not None and self.holder != key:
+            raise SlotReuseError(
+                f"slot {self.label} ({self.numel} x {self.dtype}) is still held by "
+                f"{self.holder!r} when {key!r} asks for it: a unit was not resharded (or its "
+                "gradient not reduced) before the next unit sharing its slot started. Raise "
+                "BufferPolicy.num_slots or check the module call order."
+            )
+        self.holder = key
+        tensor = self.materialise()
+        if self.pending and tensor.is_cuda:
+            stream = torch.cuda.current_stream(tensor.device)
+            for event in self.pending:
+                stream.wait_event(event)
+        self.pending = []
+        return tensor[:numel]
+
+    def give_back(self, used_on: Sequence[torch.cuda.Stream]) -> None:
+        self.holder = None
+        for stream in used_on:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.pending.append(event)
+
+    def drop(self) -> None:
+        self.tensor, self.holder, self.pending = None, None, []
+
+
+class SlotAllocator(BufferAllocator):
+    """Shared machinery of the persistent allocators: key -> slot, one cached view per key.
+
+    Subclasses fill ``_assignment`` (key -> Slot) in ``_plan``. A key with no assignment gets
+    a persistent dedicated slot when ``persist_on_alloc_fail`` is set, else a clear error.
+    """
+
+    static_addresses = True
+
+    def __init__(self, *, persist_on_alloc_fail: bool = False) -> None:
+        super().__init__()
+        self.persist_on_alloc_fail = persist_on_alloc_fail
+        self._assignment: dict[Key, Slot] = {}
+        self._views: dict[Key, torch.Tensor] = {}
+        self._dedicated: dict[Key, Slot] = {}
+        self._planned = False
+
+    # -- subclass hooks ------------------------------------------------------------------
+    def _plan(self) -> None:
+        raise NotImplementedError
+
+    def _unplanned(self, key: Key, numel: int, dtype: torch.dtype) -> str:
+        """Why ``key`` has no slot (for the error message)."""
+        return f"key {key!r} ({numel} x {dtype}) was not part of the plan"
+
+    # -- interface -----------------------------------------------------------------------
+    def _slot_for(self, key, numel, dtype, device) -> Slot:
+        if not self._planned:
+            with nvtx_range(f"graph_fsdp/allocator/plan/{type(self).__name__}"):
+                self._plan()
+            self._planned = True
+        slot = self._assignment.get(key) or self._dedicated.get(key)
+        if slot is not None and slot.numel >= numel and slot.dtype == dtype:
+            return slot
+        if slot is not None:
+            reason = (
+                f"key {key!r} asks for {numel} x {dtype} but its planned slot {slot.label} "
+                f"holds {slot.numel} x {slot.dtype} (a buffer grew after planning)"
+            )
+        else:
+            reason = self._unplanned(key, numel, dtype)
+        if not self.persist_on_alloc_fail:
+            raise SlotReuseError(
+                f"{type(self).__name__}: {reason}. Set BufferPolicy(persist_on_alloc_fail=True) "
+                "(--fsdp-db-use-persist-buf-on-alloc-fail) to give such requests a persistent "
+                "dedicated buffer, or call release() and re-plan."
+            )
+        dedicated = Slot(numel, dtype, device, label=f"dedicated[{key!r}]")
+        self._dedicated[key] = dedicated
+        self._views.pop(key, None)
+        self.stats.reserved["dedicated"] = self.stats.reserved.get("dedicated", 0) + dedicated.nbytes
+        return dedicated
+
+    def allocate(self, key, numel, dtype, device):
+        slot = self._slot_for(key, numel, dtype, torch.device(device))
+        view = slot.take(key, numel)
+        cached = self._views.get(key)
+        if cached is None or cached.data_ptr() != view.data_ptr() or cached.numel() != numel:
+            self._views[key] = cached = view
+        self.stats.on_alloc(key_role(key), numel * view.element_size())
+        return cached
+
+    def free(self, key, *, used_on=()):
+        slot = self._assignment.get(key) or self._dedicated.get(key)
+        if slot is None or slot.holder != key:
+            return
+        slot.give_back(used_on)
+        view = self._views.get(key)
+        if view is not None:
+            self.stats.on_free(key_role(key), view.numel() * view.element_size())
+
+    def release(self) -> None:
+        for slot in [*set(self._assignment.values()), *self._dedicated.values()]:
+            slot.drop()
+        self._views.clear()
+        self.generation += 1
+
+    def slots(self) -> list[Slot]:
+        unique = {id(s): s for s in self._assignment.values()}
+        return [*unique.values(), *self._dedicated.values()]
+
+    def plan_json(self) -> dict:
+        keys_by_slot: dict[int, list[str]] = {}
+        for key, slot in self._assignment.items():
+            keys_by_slot.setdefault(id(slot), []).append(repr(key))
+        return {
+            "allocator": type(self).__name__,
+            "generation": self.generation,
+            "slots": [
+                {
+                    "label": s.label,
+                    "numel": s.numel,
+                    "dtype": str(s.dtype),
+                    "device": str(s.device),
+                    "bytes": s.nbytes,
+                    "keys": keys_by_slot.get(id(s), [f"{s.label}"]),
+                }
+                for s in self.slots()
+            ],
+        }
+
+    def _account_reserved(self) -> None:
+        self.stats.reserved = {}
+        seen: set[int] = set()
+        for key, slot in self._assignment.items():
+            if id(slot) not in seen:
+                seen.add(id(slot))
+                role = key_role(key)
+                self.stats.reserved[role] = self.stats.reserved.get(role, 0) + slot.nbytes

@@ -1,0 +1,50 @@
+"""Persistent double (N-) buffers: units of one size alternate between N slots.
+
+Keys are grouped into size classes by (role, numel, dtype, device) in registration order
+(the engine registers units in forward order). Within a class the i-th key uses slot
+``i % N`` - so unit k always sees the same address, and neighbours in execution order use
+different slots, letting the all-gather of unit k+1 overlap the compute of unit k. Classes
+with fewer members than N get one slot per member: asymmetric models (dense and MoE
+layers, a large root unit) cost ``min(N, members) x size`` per class, never a max-size pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graph_fsdp.buffers.allocator import Key, Slot, SlotAllocator
+
+
+class DoubleBufferAllocator(SlotAllocator):
+    def __init__(self, *, num_slots: int = 2, persist_on_alloc_fail: bool = False) -> None:
+        super().__init__(persist_on_alloc_fail=persist_on_alloc_fail)
+        if num_slots < 1:
+            raise ValueError(f"num_slots={num_slots} must be >= 1")
+        self.num_slots = num_slots
+        self._registered: dict[Key, tuple[int, torch.dtype, torch.device]] = {}
+
+    def register(self, key, numel, dtype, device):
+        if self._planned and key not in self._registered:
+            # A key announced after planning joins as a dedicated request.
+            return
+        self._registered[key] = (numel, dtype, torch.device(device))
+
+    def _plan(self) -> None:
+        classes: dict[tuple, list[Key]] = {}
+        for key, (numel, dtype, device) in self._registered.items():
+            role = key[1] if isinstance(key, tuple) and len(key) > 1 else "other"
+            classes.setdefault((role, numel, dtype, device), []).append(key)
+        for (role, numel, dtype, device), keys in classes.items():
+            ring = [
+                Slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#{i}")
+                for i in range(min(self.num_slots, len(keys)))
+            ]
+            for i, key in enumerate(keys):
+                self._assignment[key] = ring[i % len(ring)]
+        self._account_reserved()
+
+    def _unplanned(self, key, numel, dtype):
+        return (
+            f"key {key!r} ({numel} x {dtype}) was never registered with the double buffer "
+            f"(registered size classes: {sorted({(v[0], str(v[1])) for v in self._registered.values()})})"
+        )

@@ -1,0 +1,261 @@
+"""``fully_shard``: turn a module into an FSDP unit, innermost first, then the root.
+
+    model = build_model(cfg)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model, mp_policy=...)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # sharded fp32 main weights
+
+The unit's registered parameters become 1-D views of this rank's fp32 main shard (what
+``model.parameters()``, the optimizer and checkpoints see); during forward/backward they are
+swapped for unsharded compute-dtype views of the gathered flat buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
+from graph_fsdp.comm import CommContext
+from graph_fsdp.param_group import FlatParamGroup
+from graph_fsdp.state import FSDPState
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class FSDPModule:
+    """Mixin added to every ``fully_shard``-ed module's class."""
+
+    _fsdp_state: FSDPState
+
+    def unshard(self) -> None:
+        """Gather this unit's compute weights now (and swap them in)."""
+        state = self._fsdp_state
+        if state.root is None:
+            state.lazy_init()
+        state.unshard()
+        state.wait_for_unshard()
+
+    def reshard(self) -> None:
+        """Release this unit's gathered weights (ZeRO-3) and restore the sharded params."""
+        if self._fsdp_state.root is not None:
+            self._fsdp_state.reshard()
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """False: backward keeps gradients local (accumulated in fp32) until a sync step."""
+        for state in collect_states(self):
+            state.requires_grad_sync = requires
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: backward passes inside reduce nothing."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def synchronize_param_gather(self) -> None:
+        """Bring every unit's compute weights up to date with the main weights now."""
+        synchronize_param_gather([self])
+
+    def finish_grad_sync(self) -> None:
+        """Wait for pending gradient reductions and expose the sharded ``.grad`` views."""
+        state = self._fsdp_state
+        if state.root is None:
+            return
+        comm = state.root.comm
+        comm.wait(comm.main_stream(), comm.rs_stream)
+        for s in state.root.states:
+            if s.requires_grad_sync:
+                for group in s.groups:
+                    group.attach_sharded_grads()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the sharded gradients by the global norm (all ranks' shards together)."""
+        states = collect_states(self)
+        grads = [p.grad for s in states for g in s.groups for p in g.sharded_params() if p.grad is not None]
+        device = states[0].groups[0].device
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += g.float().pow(2).sum()
+        if states[0].placements.optim:
+            dist.all_reduce(local, group=states[0].comm.group)
+        total = local.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def fsdp_memory_report(self) -> dict:
+        """Bytes by kind: persistent FSDP tensors and the allocator's roles and peaks."""
+        states = collect_states(self)
+        persistent: dict[str, int] = {}
+
+        def add(name: str, t: torch.Tensor | None) -> None:
+            if t is not None:
+                persistent[name] = persistent.get(name, 0) + t.numel() * t.element_size()
+
+        for s in states:
+            for g in s.groups:
+                add("main_params", g.main_flat)
+                add("main_grads", g.main_grad)
+                add("compute_shard", g.compute_shard)
+                add("compute_full_persistent", getattr(g, "_persistent_full", None))
+                add("grad_accum", g.accum)
+        root = states[0].root
+        report = {"persistent_bytes": persistent}
+        if root is not None:
+            report.update(root.allocator.memory_report())
+            report["allocator"] = type(root.allocator).__name__
+        return report
+
+
+def collect_states(module: nn.Module) -> list[FSDPState]:
+    """FSDP states at or below ``module`` in pre-order (construction == forward order)."""
+    return [m._fsdp_state for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
+    """Refresh compute weights of *all* given model chunks (not just the first one)."""
+    for module in modules:
+        for state in collect_states(module):
+            if state.root is None:
+                state.lazy_init()
+            for group in state.groups:
+                if group.stale():
+                    group.unshard(state.allocator)
+                    group.wait_unshard()
+                    if state.placements.params and state.training_state.value == "idle":
+                        group.reshard(state.allocator)
+
+
+def _managed_params(module: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
+    """Parameters of ``module`` not owned by an already-sharded descendant, deduplicated."""
+    found: dict[int, tuple[str, list, nn.Parameter]] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if getattr(p, "_graph_fsdp_sharded", False):
+                raise ValueError(
+                    f"parameter {prefix}{name} is already sharded by an enclosing fully_shard: "
+                    "apply fully_shard to children (layers) first, then to their parents and "
+                    "the root last"
+                )
+            entry = found.setdefault(id(p), (prefix + name, [], p))
+            entry[1].append((m, name))
+        for child_name, child in m._modules.items():
+            if child is not None and not isinstance(child, FSDPModule):
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return list(found.values())
+
+
+def _materialise(module: nn.Module, device: torch.device) -> None:
+    """Meta-device init: allocate this unit's own params and run ``reset_parameters``."""
+
+    def own(m: nn.Module) -> Iterator[nn.Module]:
+        yield m
+        for child in m.children():
+            if not isinstance(child, FSDPModule):
+                yield from own(child)
+
+    mods = list(own(module))
+    for m in mods:
+        m.to_empty(device=device, recurse=False)
+    for m in mods:
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh=None,
+    strategy: str = "optim_grads_params",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    buffer_policy: BufferPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters over the data-parallel group (see module docstring).
+
+    Args:
+        mesh: a 1-D ``DeviceMesh`` (or None: the default process group).
+        strategy: ``no_shard`` | ``optim`` | ``optim_grads`` | ``optim_grads_params``.
+        mp_policy: dtypes; default keeps the parameters' dtype with fp32 main weights.
+        buffer_policy: where unsharded buffers live; read from the root's call.
+        reshard_after_forward: ZeRO-3 only; False keeps weights gathered until backward.
+    """
+    placements = placements_for(strategy)
+    mp = mp_policy or MixedPrecisionPolicy()
+    buffer_policy = buffer_policy or BufferPolicy()
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to {type(module).__name__}; apply it once per module")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call dist.init_process_group('nccl' or 'gloo') "
+            "first (torchrun sets the environment), even for a single process"
+        )
+    if mesh is not None and getattr(mesh, "ndim", 1) != 1:
+        raise ValueError(f"fully_shard takes a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}")
+    group = mesh.get_group() if mesh is not None else dist.group.WORLD
+    entries = _managed_params(module)
+    if not entries:
+        raise ValueError(
+            f"{type(module).__name__} has no parameters of its own to shard (all belong to "
+            "already-sharded children); skip fully_shard on it"
+        )
+    devices = {p.device for _, _, p in entries}
+    if len(devices) > 1:
+        by_dev = {str(d): [f for f, _, p in entries if p.device == d][:3] for d in devices}
+        raise ValueError(f"{type(module).__name__} has parameters on several devices {by_dev}; move it to one device first")
+    device = devices.pop()
+    backend = dist.get_backend(group)
+    if device.type == "meta":
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        _materialise(module, device)
+        entries = _managed_params(module)
+        broadcast = True
+    else:
+        broadcast = False
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"{type(module).__name__} is on {device} but the process group uses NCCL; move it to CUDA")
+    if mesh is not None and mesh.device_type != device.type:
+        raise ValueError(f"mesh device type {mesh.device_type!r} does not match the module's device {device}")
+
+    comm = CommContext(device, group)
+    by_dtype: dict[torch.dtype, list] = {}
+    for entry in entries:
+        by_dtype.setdefault(mp.compute_dtype(entry[2].dtype), []).append(entry)
+    fqn = type(module).__name__  # renamed to the FQN under the root at lazy init
+    groups = [
+        FlatParamGroup(f"{fqn}.{str(dt).removeprefix('torch.')}" if len(by_dtype) > 1 else fqn, ents,
+                       placements=placements, mp=mp, comm=comm, device=device, broadcast_from_rank0=broadcast)
+        for dt, ents in by_dtype.items()
+    ]
+    for g in groups:
+        for ref in g.params:
+            ref.sharded._graph_fsdp_sharded = True
+            ref.sharded._graph_fsdp_fqn = ref.fqn
+        g.use_sharded(initial=True)
+    state = FSDPState(
+        module, fqn, groups, placements=placements, mp=mp, buffer_policy=buffer_policy,
+        comm=comm, reshard_after_forward=reshard_after_forward and placements.params,
+    )
+    state.register_hooks()
+    module._fsdp_state = state
+    cls = module.__class__
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _CLASS_CACHE[cls]
+    return module

@@ -1,0 +1,41 @@
+"""Reference models for graph_fsdp: deterministic, static-shape, CUDA-graph-capturable GPTs.
+
+They exist so the engine's tests and benchmarks share one model family whose weights and data
+depend only on a config, making eager-vs-graph and sharded-vs-unsharded runs comparable.
+"""
+
+from graph_fsdp.models.gpt import (
+    MLP,
+    GPTConfig,
+    GPTModel,
+    MoEExperts,
+    MoELayer,
+    MoEPreprocess,
+    MoERouter,
+    SelfAttention,
+    TransformerLayer,
+    build_model,
+    init_weights,
+    model_flops_per_token,
+    moe_capacity,
+    synthetic_batch,
+    transformer_layers,
+)
+
+__all__ = [
+    "MLP",
+    "GPTConfig",
+    "GPTModel",
+    "MoEExperts",
+    "MoELayer",
+    "MoEPreprocess",
+    "MoERouter",
+    "SelfAttention",
+    "TransformerLayer",
+    "build_model",
+    "init_weights",
+    "model_flops_per_token",
+    "moe_capacity",
+    "synthetic_batch",
+    "transformer_layers",
+]

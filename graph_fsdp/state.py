@@ -1,0 +1,341 @@
+"""Per-unit FSDP state: the hooks, as named lifecycle methods, and the shared root context.
+
+Hook registration (see ``register_hooks``) keeps capture in mind: the hooks that only
+*register* autograd backward handlers are separate wrappers that carry a sentinel attribute
+naming the handler (``_cuda_graph_backward_handler`` / ``_cuda_graph_backward_pre_handler``),
+so the capture layer can withhold the wrapper and route the handler to the backward keys.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
+from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator, nvtx_range
+from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
+from graph_fsdp.buffers.trace_pool import TracePoolAllocator
+from graph_fsdp.comm import CommContext
+from graph_fsdp.param_group import FlatParamGroup
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+def make_allocator(policy: BufferPolicy) -> BufferAllocator:
+    if policy.allocator == "double_buffer":
+        return DoubleBufferAllocator(
+            num_slots=policy.num_slots, persist_on_alloc_fail=policy.persist_on_alloc_fail
+        )
+    if policy.allocator == "trace_pool":
+        return TracePoolAllocator(persist_on_alloc_fail=policy.persist_on_alloc_fail)
+    return DynamicAllocator()
+
+
+def in_backward() -> bool:
+    """True while autograd executes (activation recompute re-enters forward hooks then)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass
+class RootContext:
+    """State shared by all units under one root (streams, allocator, execution order)."""
+
+    comm: CommContext
+    allocator: BufferAllocator
+    states: list[FSDPState]
+    forward_order: list[FSDPState] = field(default_factory=list)
+    order_frozen: bool = False
+    callback_queued: bool = False
+    capturing: bool = False
+    """Set by the capture layer: reductions are skipped while warming up/capturing layers."""
+    backward_done: set[int] = field(default_factory=set)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs whose backward runs after the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    def __init__(
+        self,
+        module: nn.Module,
+        fqn_hint: str,
+        groups: list[FlatParamGroup],
+        *,
+        placements: Placements,
+        mp: MixedPrecisionPolicy,
+        buffer_policy: BufferPolicy,
+        comm: CommContext,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.fqn = fqn_hint
+        self.groups = groups
+        self.placements = placements
+        self.mp = mp
+        self.buffer_policy = buffer_policy
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.training_state = TrainingState.IDLE
+        self.root: RootContext | None = None
+        self.is_root = False
+        self._pre_backward_done = False
+        self._post_backward_done = False
+        self.requires_grad_sync = True
+        self._handles: list = []
+
+    # ------------------------------------------------------------------ registration
+    def register_hooks(self) -> None:
+        m = self.module
+        self._handles = [
+            m.register_forward_pre_hook(_pre_forward_hook(self), with_kwargs=True),
+            m.register_forward_pre_hook(_register_post_backward_hook(self), with_kwargs=True),
+            m.register_forward_hook(_post_forward_hook(self)),
+            m.register_forward_hook(_register_pre_backward_hook(self)),
+        ]
+
+    @property
+    def allocator(self) -> BufferAllocator:
+        return self.root.allocator
+
+    # ------------------------------------------------------------------ lazy init
+    def lazy_init(self) -> None:
+        """Run by the first unit whose forward starts: it becomes the root."""
+        if self.root is not None:
+            return
+        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415 (cycle)
+
+        states = collect_states(self.module)
+        for other in states:
+            if other.root is not None:
+                raise RuntimeError(
+                    f"{other.fqn} already belongs to another root's forward; call the outermost "
+                    "fully_shard-ed module, or fully_shard the root last"
+                )
+            if other.comm.group is not self.comm.group:
+                raise ValueError(
+                    f"{other.fqn} was sharded on a different mesh than the root {self.fqn}; "
+                    "pass the same mesh to every fully_shard call of one model"
+                )
+        names = {id(m): name for name, m in self.module.named_modules()}
+        for other in states:
+            prefix = names[id(other.module)]
+            other.fqn = prefix or "root"
+            for group in other.groups:
+                suffix = group.fqn.split(".")[-1] if len(other.groups) > 1 else ""
+                group.fqn = ".".join(x for x in (other.fqn, suffix) if x)
+                for ref in group.params:
+                    ref.fqn = ref.local_fqn if not prefix else f"{prefix}.{ref.local_fqn}"
+        ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
+        for other in states:
+            other.root = ctx
+            other.comm = self.comm  # one set of streams for the whole model
+            for group in other.groups:
+                group.comm = self.comm
+                group.register_buffers(ctx.allocator)
+        self.is_root = True
+        # The root's weights are used first in forward and backward: keep them gathered.
+        self.reshard_after_forward = False
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self) -> None:
+        if self.root is None:
+            self.lazy_init()
+        if in_backward():  # activation recompute: weights are gathered by pre_backward
+            self.unshard()
+            self.wait_for_unshard()
+            return
+        root = self.root
+        if self.is_root:
+            root.backward_done.clear()
+            root.callback_queued = False
+            for s in root.states:
+                s._pre_backward_done = s._post_backward_done = False
+        with nvtx_range(f"graph_fsdp/pre_forward/{self.fqn}"):
+            self.training_state = TrainingState.FORWARD
+            if not root.order_frozen and torch.is_grad_enabled():
+                if self in root.forward_order:
+                    root.order_frozen = True
+                else:
+                    root.forward_order.append(self)
+            self.unshard()
+            nxt = self._neighbour(+1)
+            if nxt is not None:
+                nxt.unshard()
+            self.wait_for_unshard()
+
+    def post_forward(self) -> None:
+        if in_backward():  # recompute must not reshard what the running backward needs
+            return
+        with nvtx_range(f"graph_fsdp/post_forward/{self.fqn}"):
+            keep = not self.reshard_after_forward and torch.is_grad_enabled()
+            if self.is_root and not torch.is_grad_enabled():
+                keep = False
+            if not keep:
+                self.reshard()
+            self.training_state = TrainingState.IDLE
+            if self.is_root:
+                self.root.order_frozen = self.root.order_frozen or bool(self.root.forward_order)
+
+    # ------------------------------------------------------------------ backward
+    def pre_backward(self) -> None:
+        if self._pre_backward_done:
+            return
+        root = self.root
+        self._pre_backward_done = True
+        if not root.callback_queued and in_backward():
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(root_final_callback(root))
+        with nvtx_range(f"graph_fsdp/pre_backward/{self.fqn}"):
+            self.training_state = TrainingState.PRE_BACKWARD
+            self.unshard()
+            prev = self._neighbour(-1)
+            if prev is not None and not prev.is_root:
+                prev.unshard()
+            self.wait_for_unshard()
+            for group in self.groups:
+                group.prepare_grads(self.allocator)
+                group.use_unsharded()
+
+    def post_backward(self) -> None:
+        if self._post_backward_done:
+            return
+        self._post_backward_done = True
+        root = self.root
+        with nvtx_range(f"graph_fsdp/post_backward/{self.fqn}"):
+            self.training_state = TrainingState.POST_BACKWARD
+            for group in self.groups:
+                if group.grad_full is None:
+                    continue
+                if root.capturing:
+                    self.allocator.free(group.grad_key, used_on=group._main_streams())
+                    continue
+                overwrite = not group.grads_defined()
+                group.reduce_grads(self.allocator, sync=self.requires_grad_sync, overwrite=overwrite)
+            if not self.is_root:
+                self.reshard()
+            self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ primitives
+    def unshard(self) -> None:
+        for group in self.groups:
+            group.unshard(self.allocator)
+
+    def wait_for_unshard(self) -> None:
+        for group in self.groups:
+            group.wait_unshard()
+            group.use_unsharded()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            if self.placements.params:
+                group.reshard(self.allocator)
+            else:
+                group.use_sharded()
+
+    def _neighbour(self, step: int) -> FSDPState | None:
+        order = self.root.forward_order
+        if not self.root.order_frozen or self not in order:
+            return None
+        i = order.index(self) + step
+        return order[i] if 0 <= i < len(order) else None
+
+
+def root_final_callback(root: RootContext):
+    def finish() -> None:
+        with nvtx_range("graph_fsdp/final_backward/root"):
+            for state in reversed(root.states):
+                if state._pre_backward_done and not state._post_backward_done:
+                    state.post_backward()
+            for state in root.states:
+                if state.is_root:
+                    state.reshard()
+            comm = root.comm
+            comm.wait(comm.main_stream(), comm.rs_stream)
+            if not root.capturing:
+                for state in root.states:
+                    if state.requires_grad_sync:
+                        for group in state.groups:
+                            group.attach_sharded_grads()
+            root.allocator.step_boundary()
+            root.callback_queued = False
+
+    return finish
+
+
+def _pre_forward_hook(state: FSDPState):
+    def hook(module, args, kwargs):
+        state.pre_forward()
+
+    hook._capture_time_fn = lambda module: state.pre_forward()
+    hook._graph_fsdp_state = state
+    return hook
+
+
+def _post_forward_hook(state: FSDPState):
+    def hook(module, args, output):
+        state.post_forward()
+
+    hook._capture_time_fn = lambda module: state.post_forward()
+    hook._graph_fsdp_state = state
+    return hook
+
+
+def _register_post_backward_hook(state: FSDPState):
+    def hook(module, args, kwargs):
+        if not torch.is_grad_enabled() or in_backward():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        outs = _PostBackward.apply(state, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    hook._cuda_graph_backward_handler = state.post_backward
+    hook._graph_fsdp_state = state
+    return hook
+
+
+def _register_pre_backward_hook(state: FSDPState):
+    def hook(module, args, output):
+        if not torch.is_grad_enabled() or in_backward():
+            return None
+        flat, _ = tree_flatten(output)
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(_pre_backward_tensor_hook(state))
+        return None
+
+    hook._cuda_graph_backward_pre_handler = state.pre_backward
+    hook._graph_fsdp_state = state
+    return hook
+
+
+def _pre_backward_tensor_hook(state: FSDPState):
+    def fn(grad):
+        state.pre_backward()
+        return None
+
+    return fn

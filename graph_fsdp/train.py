@@ -1,0 +1,199 @@
+"""Training loop shared by the CLI, the tests and the benchmarks.
+
+``run(rank, world_size, cfg)`` trains the reference model under graph_fsdp (or, with
+``cfg.mode == "reference"``, an unsharded single-process mixed-precision reference on the
+global batch) and returns per-step losses, step times and final full parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fully_shard import fully_shard
+from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    """Model shape."""
+    mode: str = "fsdp"
+    """fsdp: graph_fsdp; reference: unsharded single-process model on the global batch."""
+    strategy: str = "optim_grads_params"
+    """Data-parallel sharding strategy."""
+    micro_batch_size: int = 1
+    """Sequences per rank per microbatch."""
+    grad_accum: int = 1
+    """Microbatches per step (no_sync on all but the last)."""
+    steps: int = 10
+    """Optimizer steps."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    bf16: bool = False
+    """bf16 compute weights with fp32 main weights and grads."""
+    grad_comm_dtype: str | None = None
+    """None (fp32) or bf16 reduction."""
+    allocator: str = "dynamic"
+    """dynamic | double_buffer | trace_pool."""
+    num_slots: int = 2
+    """Double-buffer slots per size class."""
+    persist_on_alloc_fail: bool = False
+    """Dedicated persistent buffers for unplanned requests."""
+    recompute: bool = False
+    """Activation checkpointing of every transformer layer."""
+    eval_interval: int = 0
+    """Run a forward-only eval pass every N steps (0: never)."""
+    save_path: str | None = None
+    """DCP checkpoint directory written after ``save_at`` steps."""
+    save_at: int = 0
+    """Step after which to save."""
+    load_path: str | None = None
+    """DCP checkpoint to resume from before training (steps continue at ``start_step``)."""
+    start_step: int = 0
+    """Data stream position of the first step (for resume)."""
+    fused_optimizer: bool = False
+    """AdamW(fused=True)."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    log_path: str | None = None
+    """JSON lines: one record per step (rank 0)."""
+    return_params: bool = True
+    """Gather full parameters at the end (for parity tests)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
+
+
+def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    mp = MixedPrecisionPolicy(
+        param_dtype=cfg.compute_dtype if cfg.bf16 else None,
+        grad_comm_dtype=torch.bfloat16 if cfg.grad_comm_dtype == "bf16" else None,
+    )
+    bp = BufferPolicy(allocator=cfg.allocator, num_slots=cfg.num_slots,
+                      persist_on_alloc_fail=cfg.persist_on_alloc_fail)
+    for layer in transformer_layers(model):
+        fully_shard(layer, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+    return fully_shard(model, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+
+
+class MixedPrecisionReference:
+    """Unsharded reference: compute-dtype model, fp32 master weights and AdamW over them."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters()]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     fused=cfg.fused_optimizer or None)
+        if cfg.bf16:
+            model.to(torch.bfloat16)
+
+    def step(self) -> None:
+        for m, p in zip(self.master, self.params):
+            m.grad = p.grad.float() if p.grad is not None else None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+        for p in self.params:
+            p.grad = None
+
+
+def _checkpoint_layers(model: nn.Module) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in transformer_layers(model):
+        forward = layer.forward
+
+        def wrapped(*args, _f=forward, **kwargs):
+            return checkpoint(_f, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = wrapped
+
+
+def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    device = torch.device(cfg.device, rank if cfg.device == "cuda" and world_size > 1 else 0) \
+        if cfg.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(cfg.model.seed)
+    reference = cfg.mode == "reference"
+    model = build_model(cfg.model, device=device)
+    if cfg.recompute:
+        _checkpoint_layers(model)
+    if reference:
+        trainer = MixedPrecisionReference(model, cfg)
+        optimizer = None
+    else:
+        shard_model(model, cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      fused=cfg.fused_optimizer or None)
+        if cfg.load_path:
+            from graph_fsdp import checkpoint as ckpt
+
+            ckpt.load(cfg.load_path, model, optimizer)
+    # The reference sees every rank's microbatches as one global batch.
+    ranks = range(world_size) if reference else [rank]
+    losses, times, eval_losses = [], [], []
+    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
+    for step in range(cfg.start_step, cfg.start_step + cfg.steps):
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step_loss = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            batches = [synthetic_batch(cfg.model, cfg.micro_batch_size, step * cfg.grad_accum + micro,
+                                       rank=r, device=device) for r in ranks]
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            last = micro == cfg.grad_accum - 1
+            if not reference:
+                model.set_requires_gradient_sync(last)
+            loss = model(x, y) / cfg.grad_accum
+            loss.backward()
+            step_loss += loss.detach()
+        if reference:
+            trainer.step()
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not reference and world_size > 1:
+            dist.all_reduce(step_loss, group=None)
+            step_loss /= world_size
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(step_loss.item())
+        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+            with torch.no_grad():
+                xe, ye = synthetic_batch(cfg.model, cfg.micro_batch_size, 10**6 + step, rank=rank, device=device)
+                eval_losses.append(model(xe, ye).item())
+        if log is not None:
+            log.write(json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n")
+            log.flush()
+        if cfg.save_path and step + 1 == cfg.start_step + cfg.save_at and not reference:
+            from graph_fsdp import checkpoint as ckpt
+
+            ckpt.save(cfg.save_path, model, optimizer)
+    result = {"losses": losses, "times": times, "eval_losses": eval_losses, "config": asdict(cfg)}
+    if cfg.return_params:
+        if reference:
+            result["params"] = {n: p.detach().float().cpu() for n, p in zip(
+                [n for n, _ in model.named_parameters()], trainer.master)}
+        else:
+            from graph_fsdp.checkpoint import full_state_dict
+
+            result["params"] = {k: v.cpu() for k, v in full_state_dict(model).items()}
+    if cfg.device == "cuda":
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    if log is not None:
+        log.close()
+    return result
