@@ -68,6 +68,12 @@ class TrainConfig:
     """JSON lines: one record per step (rank 0)."""
     return_params: bool = True
     """Gather full parameters at the end (for parity tests)."""
+    cuda_graph_impl: str = "none"
+    """none | torch | te: layerwise/full-iteration CUDA graphs (CUDA only)."""
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    """Megatron scopes: [] whole layer, attn, mlp, moe, moe_router, moe_preprocess, full_iteration."""
+    cuda_graph_warmup_steps: int = 2
+    """Eager training steps before capture."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
