@@ -56,7 +56,9 @@ class MixedPrecisionPolicy:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+            if value is not None and (
+                not isinstance(value, torch.dtype) or not value.is_floating_point
+            ):
                 raise ValueError(
                     f"MixedPrecisionPolicy.{name}={value!r} must be a floating torch.dtype "
                     "such as torch.bfloat16 or torch.float32"

@@ -12,10 +12,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.metadata import TensorProperties
 
 from graph_fsdp.fully_shard import collect_states
 from graph_fsdp.param_group import ParamRef
@@ -31,18 +35,24 @@ class FlatPiece:
         return torch.Size([self.numel])
 
     def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
+        return ChunkStorageMetadata(
+            offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()])
+        )
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         if self.local.numel() == 0:
             return []
-        return [WriteItem(
-            index=MetadataIndex(fqn, torch.Size([self.offset])),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=self._chunk(),
-                                        properties=TensorProperties.create_from_tensor(self.local),
-                                        size=self.size()),
-        )]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size([self.offset])),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=self._chunk(),
+                    properties=TensorProperties.create_from_tensor(self.local),
+                    size=self.size(),
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [self._chunk()] if self.local.numel() else []
@@ -57,6 +67,16 @@ class _SavePlanner(DefaultSavePlanner):
 
 
 class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        # DefaultLoadPlanner first runs _init_state_dict, which replaces values it does not
+        # know (our FlatPiece) with None; our values are never on the meta device, so skip it.
+        self.original_state_dict = state_dict
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
     def lookup_tensor(self, index):
         obj = self.state_dict[index.fqn]
         if isinstance(obj, FlatPiece):
@@ -114,9 +134,13 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     if optimizer is not None:
         by_fqn = {ref.fqn: ref for ref in refs}
         for key, md in meta.items():
-            if not key.startswith("optim.") or key == "optim.param_groups" or key.startswith("optim.param_groups"):
+            if (
+                not key.startswith("optim.")
+                or key == "optim.param_groups"
+                or key.startswith("optim.param_groups")
+            ):
                 continue
-            fqn, name = key[len("optim."):].rsplit(".", 1)
+            fqn, name = key[len("optim.") :].rsplit(".", 1)
             ref = by_fqn.get(fqn)
             if ref is None:
                 continue
@@ -126,18 +150,20 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             else:
                 t = torch.zeros(md.size, dtype=md.properties.dtype, device="cpu")
                 sd[key] = t
-            optim_values[(ref, name)] = t
+            optim_values[(fqn, name)] = t
         sd["optim.param_groups"] = [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ]
     dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner())
     if optimizer is not None:
-        for (ref, name), _ in optim_values.items():
-            t = sd[f"optim.{ref.fqn}.{name}"]
-            optim_values[(ref, name)] = t.local if isinstance(t, FlatPiece) else t
-        index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        by_fqn = {ref.fqn: ref for ref in refs}
+        index = {
+            id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+        }
         state: dict = {}
-        for (ref, name), value in optim_values.items():
+        for fqn, name in optim_values:
+            ref, value = by_fqn[fqn], sd[f"optim.{fqn}.{name}"]
+            value = value.local if isinstance(value, FlatPiece) else value
             if ref.sharded.numel() == 0 or id(ref.sharded) not in index:
                 continue
             state.setdefault(index[id(ref.sharded)], {})[name] = value
@@ -161,5 +187,5 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             else:
                 full = g.main_flat
             for ref, offset in zip(g.params, g.layout.offsets):
-                out[ref.fqn] = full[offset: offset + ref.shape.numel()].view(ref.shape).clone()
+                out[ref.fqn] = full[offset : offset + ref.shape.numel()].view(ref.shape).clone()
     return out

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
 from graph_fsdp.comm import CommContext
@@ -26,6 +27,25 @@ from graph_fsdp.param_group import FlatParamGroup
 from graph_fsdp.state import FSDPState
 
 _CLASS_CACHE: dict[type, type] = {}
+_STEP_HOOK = None
+
+
+def _mark_updated(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """After any optimizer step: the FSDP groups it updated need a compute-weight refresh."""
+    groups = getattr(optimizer, "_graph_fsdp_groups", None)
+    if groups is None or optimizer._graph_fsdp_nparams != sum(
+        len(g["params"]) for g in optimizer.param_groups
+    ):
+        groups = {
+            id(g): g
+            for pg in optimizer.param_groups
+            for p in pg["params"]
+            if (g := getattr(p, "_graph_fsdp_group", None)) is not None
+        }
+        optimizer._graph_fsdp_groups = list(groups.values())
+        optimizer._graph_fsdp_nparams = sum(len(g["params"]) for g in optimizer.param_groups)
+    for group in optimizer._graph_fsdp_groups:
+        group.dirty = True
 
 
 class FSDPModule:
@@ -79,7 +99,13 @@ class FSDPModule:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the sharded gradients by the global norm (all ranks' shards together)."""
         states = collect_states(self)
-        grads = [p.grad for s in states for g in s.groups for p in g.sharded_params() if p.grad is not None]
+        grads = [
+            p.grad
+            for s in states
+            for g in s.groups
+            for p in g.sharded_params()
+            if p.grad is not None
+        ]
         device = states[0].groups[0].device
         if norm_type != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
@@ -137,7 +163,9 @@ def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
                         group.reshard(state.allocator)
 
 
-def _managed_params(module: nn.Module) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
+def _managed_params(
+    module: nn.Module,
+) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
     """Parameters of ``module`` not owned by an already-sharded descendant, deduplicated."""
     found: dict[int, tuple[str, list, nn.Parameter]] = {}
 
@@ -196,18 +224,25 @@ def fully_shard(
         buffer_policy: where unsharded buffers live; read from the root's call.
         reshard_after_forward: ZeRO-3 only; False keeps weights gathered until backward.
     """
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(_mark_updated)
     placements = placements_for(strategy)
     mp = mp_policy or MixedPrecisionPolicy()
     buffer_policy = buffer_policy or BufferPolicy()
     if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to {type(module).__name__}; apply it once per module")
+        raise ValueError(
+            f"fully_shard was already applied to {type(module).__name__}; apply it once per module"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs torch.distributed: call dist.init_process_group('nccl' or 'gloo') "
             "first (torchrun sets the environment), even for a single process"
         )
     if mesh is not None and getattr(mesh, "ndim", 1) != 1:
-        raise ValueError(f"fully_shard takes a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}")
+        raise ValueError(
+            f"fully_shard takes a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}"
+        )
     group = mesh.get_group() if mesh is not None else dist.group.WORLD
     entries = _managed_params(module)
     if not entries:
@@ -218,20 +253,30 @@ def fully_shard(
     devices = {p.device for _, _, p in entries}
     if len(devices) > 1:
         by_dev = {str(d): [f for f, _, p in entries if p.device == d][:3] for d in devices}
-        raise ValueError(f"{type(module).__name__} has parameters on several devices {by_dev}; move it to one device first")
+        raise ValueError(
+            f"{type(module).__name__} has parameters on several devices {by_dev}; move it to one device first"
+        )
     device = devices.pop()
     backend = dist.get_backend(group)
     if device.type == "meta":
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
         _materialise(module, device)
         entries = _managed_params(module)
         broadcast = True
     else:
         broadcast = False
     if backend == "nccl" and device.type != "cuda":
-        raise ValueError(f"{type(module).__name__} is on {device} but the process group uses NCCL; move it to CUDA")
+        raise ValueError(
+            f"{type(module).__name__} is on {device} but the process group uses NCCL; move it to CUDA"
+        )
     if mesh is not None and mesh.device_type != device.type:
-        raise ValueError(f"mesh device type {mesh.device_type!r} does not match the module's device {device}")
+        raise ValueError(
+            f"mesh device type {mesh.device_type!r} does not match the module's device {device}"
+        )
 
     comm = CommContext(device, group)
     by_dtype: dict[torch.dtype, list] = {}
@@ -239,8 +284,15 @@ def fully_shard(
         by_dtype.setdefault(mp.compute_dtype(entry[2].dtype), []).append(entry)
     fqn = type(module).__name__  # renamed to the FQN under the root at lazy init
     groups = [
-        FlatParamGroup(f"{fqn}.{str(dt).removeprefix('torch.')}" if len(by_dtype) > 1 else fqn, ents,
-                       placements=placements, mp=mp, comm=comm, device=device, broadcast_from_rank0=broadcast)
+        FlatParamGroup(
+            f"{fqn}.{str(dt).removeprefix('torch.')}" if len(by_dtype) > 1 else fqn,
+            ents,
+            placements=placements,
+            mp=mp,
+            comm=comm,
+            device=device,
+            broadcast_from_rank0=broadcast,
+        )
         for dt, ents in by_dtype.items()
     ]
     for g in groups:
@@ -249,8 +301,14 @@ def fully_shard(
             ref.sharded._graph_fsdp_fqn = ref.fqn
         g.use_sharded(initial=True)
     state = FSDPState(
-        module, fqn, groups, placements=placements, mp=mp, buffer_policy=buffer_policy,
-        comm=comm, reshard_after_forward=reshard_after_forward and placements.params,
+        module,
+        fqn,
+        groups,
+        placements=placements,
+        mp=mp,
+        buffer_policy=buffer_policy,
+        comm=comm,
+        reshard_after_forward=reshard_after_forward and placements.params,
     )
     state.register_hooks()
     module._fsdp_state = state

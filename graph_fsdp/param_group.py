@@ -79,7 +79,9 @@ class FlatParamGroup:
         for offset, p in zip(self.layout.offsets, originals):
             full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
         if broadcast_from_rank0 and W > 1:
-            torch.distributed.broadcast(full, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group)
+            torch.distributed.broadcast(
+                full, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group
+            )
         self.main_flat = full[lo:hi].clone()
         grad_numel = self.layout.shard_numel if placements.grads else self.layout.total
         self.main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
@@ -88,26 +90,35 @@ class FlatParamGroup:
         self.params: list[ParamRef] = []
         for index, (pfqn, owners, p) in enumerate(entries):
             offset = self.layout.offsets[index]
-            start, end = self.layout.local_range(index, rank) if placements.optim else (0, p.numel())
+            start, end = (
+                self.layout.local_range(index, rank) if placements.optim else (0, p.numel())
+            )
             view = self.main_flat[offset + start - lo : offset + end - lo]
             sharded = nn.Parameter(view, requires_grad=p.requires_grad)
             ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
             ref.local_fqn = pfqn
+            sharded._graph_fsdp_group = self
             ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
             self.params.append(ref)
         del full
 
         if placements.params:
-            self.compute_shard = torch.empty(self.layout.shard_numel, dtype=self.compute_dtype, device=device)
+            self.compute_shard = torch.empty(
+                self.layout.shard_numel, dtype=self.compute_dtype, device=device
+            )
         else:
             self.compute_shard = torch.empty(hi - lo, dtype=self.compute_dtype, device=device)
-            self._persistent_full = torch.empty(self.layout.total, dtype=self.compute_dtype, device=device)
+            self._persistent_full = torch.empty(
+                self.layout.total, dtype=self.compute_dtype, device=device
+            )
         self._synced_version = -1
         self.full: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         self.accum: torch.Tensor | None = None
         self.accum_pending = False
         self.ag_event = None
+        self.dirty = False
+        """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
         self.force_refresh = False
         """Set while capturing a full iteration: the graph must contain the refresh."""
 
@@ -137,7 +148,9 @@ class FlatParamGroup:
         if self.mp.comm_dtype() != dt:
             allocator.register(self.comm_key, total, self.mp.comm_dtype(), self.device)
         if self.placements.grads and not self._rs_direct():
-            allocator.register(self.rs_key, self.layout.shard_numel, self.mp.comm_dtype(), self.device)
+            allocator.register(
+                self.rs_key, self.layout.shard_numel, self.mp.comm_dtype(), self.device
+            )
 
     def _rs_direct(self) -> bool:
         return self.mp.comm_dtype() == self.mp.main_grads_dtype
@@ -147,7 +160,10 @@ class FlatParamGroup:
 
     # ---------------------------------------------------------------- unshard / reshard
     def stale(self) -> bool:
-        return self.force_refresh or self.main_flat._version != self._synced_version
+        # The version counter catches in-place updates through the views (foreach AdamW,
+        # checkpoint loads); fused kernels do not bump it, so optimizer steps also mark
+        # the group dirty through the step hook in fully_shard.py.
+        return self.force_refresh or self.dirty or self.main_flat._version != self._synced_version
 
     def unshard(self, allocator: BufferAllocator) -> None:
         """Queue the all-gather (or refresh) of the compute weights on the AG stream."""
@@ -161,12 +177,16 @@ class FlatParamGroup:
             return
         with nvtx_range(f"graph_fsdp/unshard/{self.fqn}"):
             if self.stale():
-                self.compute_shard.copy_(self.main_flat)
+                with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):
+                    self.compute_shard.copy_(self.main_flat)
                 self._synced_version = self.main_flat._version
+                self.dirty = False
             comm.wait(comm.ag_stream, comm.main_stream())
             with comm.on(comm.ag_stream):
                 if self.placements.params:
-                    full = allocator.allocate(self.param_key, self.layout.total, self.compute_dtype, self.device)
+                    full = allocator.allocate(
+                        self.param_key, self.layout.total, self.compute_dtype, self.device
+                    )
                     all_gather(full, self.compute_shard, comm, self.fqn)
                 elif self.placements.optim:
                     full = self._persistent_full
@@ -219,7 +239,11 @@ class FlatParamGroup:
     def use_sharded(self, *, initial: bool = False) -> None:
         for ref in self.params:
             for module, name in ref.owners:
-                if not initial and module._parameters.get(name) is not ref.sharded and module._parameters.get(name) is not ref.unsharded:
+                if (
+                    not initial
+                    and module._parameters.get(name) is not ref.sharded
+                    and module._parameters.get(name) is not ref.unsharded
+                ):
                     raise RuntimeError(
                         f"parameter {ref.fqn} was replaced after fully_shard (now "
                         f"{tuple(module._parameters[name].shape) if module._parameters.get(name) is not None else None},"
@@ -232,13 +256,17 @@ class FlatParamGroup:
     # ---------------------------------------------------------------- gradients
     def prepare_grads(self, allocator: BufferAllocator) -> None:
         """Give the unsharded params zeroed ``.grad`` views before their backward runs."""
-        grad_full = allocator.allocate(self.grad_key, self.layout.total, self.compute_dtype, self.device)
+        grad_full = allocator.allocate(
+            self.grad_key, self.layout.total, self.compute_dtype, self.device
+        )
         grad_full.zero_()
         if self.grad_full is not grad_full or self._grads_attached_to is not self.full:
             self.grad_full = grad_full
             for ref, offset in zip(self.params, self.layout.offsets):
                 if ref.unsharded is not None and ref.unsharded.requires_grad:
-                    ref.unsharded.grad = grad_full[offset : offset + ref.shape.numel()].view(ref.shape)
+                    ref.unsharded.grad = grad_full[offset : offset + ref.shape.numel()].view(
+                        ref.shape
+                    )
             self._grads_attached_to = self.full
 
     def reduce_grads(self, allocator: BufferAllocator, *, sync: bool, overwrite: bool) -> None:
@@ -250,7 +278,9 @@ class FlatParamGroup:
             src = self.grad_full
             if not sync:
                 if self.accum is None:
-                    self.accum = torch.empty(self.layout.total, dtype=mp.main_grads_dtype, device=self.device)
+                    self.accum = torch.empty(
+                        self.layout.total, dtype=mp.main_grads_dtype, device=self.device
+                    )
                 if self.accum_pending:
                     self.accum.add_(src)
                 else:
@@ -270,8 +300,12 @@ class FlatParamGroup:
             inv_world = 1.0 / comm.world_size
             if self.placements.grads:
                 direct = self._rs_direct() and overwrite
-                out = self.main_grad if direct else allocator.allocate(
-                    self.rs_key, self.layout.shard_numel, comm_dtype, self.device
+                out = (
+                    self.main_grad
+                    if direct
+                    else allocator.allocate(
+                        self.rs_key, self.layout.shard_numel, comm_dtype, self.device
+                    )
                 )
                 reduce_scatter(out, src, comm, self.fqn)
             else:

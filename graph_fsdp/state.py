@@ -230,7 +230,9 @@ class FSDPState:
                     self.allocator.free(group.grad_key, used_on=group._main_streams())
                     continue
                 overwrite = not group.grads_defined()
-                group.reduce_grads(self.allocator, sync=self.requires_grad_sync, overwrite=overwrite)
+                group.reduce_grads(
+                    self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
+                )
             if not self.is_root:
                 self.reshard()
             self.training_state = TrainingState.IDLE

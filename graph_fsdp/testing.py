@@ -19,14 +19,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+def _entry(
+    rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple, queue
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-            dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    device_id=torch.device("cuda", rank))
+            dist.init_process_group(
+                backend, rank=rank, world_size=world_size, device_id=torch.device("cuda", rank)
+            )
         else:
             dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
@@ -41,7 +49,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, ar
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeout: float = 300) -> list:
+def spawn(
+    fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeout: float = 300
+) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return results.
 
     ``fn`` must be importable (module level). Raises with the first failing rank's traceback.
@@ -49,8 +59,10 @@ def spawn(fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeo
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, args, queue))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, args, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

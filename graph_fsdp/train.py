@@ -85,8 +85,11 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         param_dtype=cfg.compute_dtype if cfg.bf16 else None,
         grad_comm_dtype=torch.bfloat16 if cfg.grad_comm_dtype == "bf16" else None,
     )
-    bp = BufferPolicy(allocator=cfg.allocator, num_slots=cfg.num_slots,
-                      persist_on_alloc_fail=cfg.persist_on_alloc_fail)
+    bp = BufferPolicy(
+        allocator=cfg.allocator,
+        num_slots=cfg.num_slots,
+        persist_on_alloc_fail=cfg.persist_on_alloc_fail,
+    )
     for layer in transformer_layers(model):
         fully_shard(layer, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
     return fully_shard(model, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
@@ -99,8 +102,9 @@ class MixedPrecisionReference:
         self.model = model
         self.params = [p for p in model.parameters()]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                     fused=cfg.fused_optimizer or None)
+        self.opt = torch.optim.AdamW(
+            self.master, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None
+        )
         if cfg.bf16:
             model.to(torch.bfloat16)
 
@@ -128,8 +132,11 @@ def _checkpoint_layers(model: nn.Module) -> None:
 
 
 def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    device = torch.device(cfg.device, rank if cfg.device == "cuda" and world_size > 1 else 0) \
-        if cfg.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(cfg.device, rank if cfg.device == "cuda" and world_size > 1 else 0)
+        if cfg.device == "cuda"
+        else torch.device("cpu")
+    )
     torch.manual_seed(cfg.model.seed)
     reference = cfg.mode == "reference"
     model = build_model(cfg.model, device=device)
@@ -140,8 +147,12 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         optimizer = None
     else:
         shard_model(model, cfg)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                      fused=cfg.fused_optimizer or None)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            fused=cfg.fused_optimizer or None,
+        )
         if cfg.load_path:
             from graph_fsdp import checkpoint as ckpt
 
@@ -156,23 +167,29 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
-            batches = [synthetic_batch(cfg.model, cfg.micro_batch_size, step * cfg.grad_accum + micro,
-                                       rank=r, device=device) for r in ranks]
-            x = torch.cat([b[0] for b in batches])
-            y = torch.cat([b[1] for b in batches])
             last = micro == cfg.grad_accum - 1
             if not reference:
                 model.set_requires_gradient_sync(last)
-            loss = model(x, y) / cfg.grad_accum
-            loss.backward()
-            step_loss += loss.detach()
+            # The reference runs every rank's microbatch in turn (MoE capacity is per
+            # microbatch, so concatenating them would route tokens differently).
+            for r in ranks:
+                x, y = synthetic_batch(
+                    cfg.model,
+                    cfg.micro_batch_size,
+                    step * cfg.grad_accum + micro,
+                    rank=r,
+                    device=device,
+                )
+                loss = model(x, y) / (cfg.grad_accum * len(ranks))
+                loss.backward()
+                step_loss += loss.detach()
         if reference:
             trainer.step()
         else:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if not reference and world_size > 1:
-            dist.all_reduce(step_loss, group=None)
+            dist.all_reduce(step_loss)
             step_loss /= world_size
         if cfg.device == "cuda":
             torch.cuda.synchronize()
@@ -180,10 +197,14 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         losses.append(step_loss.item())
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
-                xe, ye = synthetic_batch(cfg.model, cfg.micro_batch_size, 10**6 + step, rank=rank, device=device)
+                xe, ye = synthetic_batch(
+                    cfg.model, cfg.micro_batch_size, 10**6 + step, rank=rank, device=device
+                )
                 eval_losses.append(model(xe, ye).item())
         if log is not None:
-            log.write(json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n")
+            log.write(
+                json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n"
+            )
             log.flush()
         if cfg.save_path and step + 1 == cfg.start_step + cfg.save_at and not reference:
             from graph_fsdp import checkpoint as ckpt
@@ -192,8 +213,10 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     result = {"losses": losses, "times": times, "eval_losses": eval_losses, "config": asdict(cfg)}
     if cfg.return_params:
         if reference:
-            result["params"] = {n: p.detach().float().cpu() for n, p in zip(
-                [n for n, _ in model.named_parameters()], trainer.master)}
+            result["params"] = {
+                n: p.detach().float().cpu()
+                for n, p in zip([n for n, _ in model.named_parameters()], trainer.master)
+            }
         else:
             from graph_fsdp.checkpoint import full_state_dict
 

@@ -84,7 +84,9 @@ class BufferAllocator(ABC):
         """Bumped whenever addresses handed out earlier become invalid (plan, release):
         graphs captured under an older generation must be dropped and recaptured."""
 
-    def register(self, key: Key, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def register(  # noqa: B027 - optional hook
+        self, key: Key, numel: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         """Announce a key before the first step (lets planning allocators size slots)."""
 
     @abstractmethod
@@ -97,10 +99,10 @@ class BufferAllocator(ABC):
     def free(self, key: Key, *, used_on: Sequence[torch.cuda.Stream] = ()) -> None:
         """Give ``key``'s bytes back once work already queued on ``used_on`` is done."""
 
-    def step_boundary(self) -> None:
+    def step_boundary(self) -> None:  # noqa: B027 - optional hook
         """Called by the root between training steps (trace pool plans here)."""
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
 
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -231,7 +233,8 @@ class SlotAllocator(BufferAllocator):
             with nvtx_range(f"graph_fsdp/allocator/plan/{type(self).__name__}"):
                 self._plan()
             self._planned = True
-        slot = self._assignment.get(key) or self._dedicated.get(key)
+        # Dedicated first: a key that outgrew its planned slot must keep its dedicated one.
+        slot = self._dedicated.get(key) or self._assignment.get(key)
         if slot is not None and slot.numel >= numel and slot.dtype == dtype:
             return slot
         if slot is not None:
@@ -250,7 +253,9 @@ class SlotAllocator(BufferAllocator):
         dedicated = Slot(numel, dtype, device, label=f"dedicated[{key!r}]")
         self._dedicated[key] = dedicated
         self._views.pop(key, None)
-        self.stats.reserved["dedicated"] = self.stats.reserved.get("dedicated", 0) + dedicated.nbytes
+        self.stats.reserved["dedicated"] = (
+            self.stats.reserved.get("dedicated", 0) + dedicated.nbytes
+        )
         return dedicated
 
     def allocate(self, key, numel, dtype, device):
@@ -263,7 +268,7 @@ class SlotAllocator(BufferAllocator):
         return cached
 
     def free(self, key, *, used_on=()):
-        slot = self._assignment.get(key) or self._dedicated.get(key)
+        slot = self._dedicated.get(key) or self._assignment.get(key)
         if slot is None or slot.holder != key:
             return
         slot.give_back(used_on)

@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graph_fsdp.buffers.allocator import DynamicAllocator, Key, Slot, SlotAllocator
+from graph_fsdp.buffers.allocator import (
+    DynamicAllocator,
+    Key,
+    Slot,
+    SlotAllocator,
+    SlotReuseError,
+)
 
 
 @dataclass
@@ -37,7 +43,9 @@ class KeyTrace:
         return any(a0 < b1 and b0 < a1 for a0, a1 in self.intervals for b0, b1 in other.intervals)
 
 
-def plan_slots(traces: dict[Key, KeyTrace]) -> tuple[dict[Key, int], list[tuple[int, torch.dtype, torch.device]]]:
+def plan_slots(
+    traces: dict[Key, KeyTrace],
+) -> tuple[dict[Key, int], list[tuple[int, torch.dtype, torch.device]]]:
     """Greedy left-edge colouring of keys onto slots.
 
     Returns (key -> slot index, slot specs as (numel, dtype, device)). Only keys whose
@@ -68,6 +76,11 @@ def plan_slots(traces: dict[Key, KeyTrace]) -> tuple[dict[Key, int], list[tuple[
         specs[best][0] = max(specs[best][0], trace.numel)
         assignment[key] = best
     return assignment, [tuple(s) for s in specs]
+
+
+def _held(trace: KeyTrace) -> bool:
+    """True when the key was still allocated at the end of the trace."""
+    return bool(trace.intervals) and trace.intervals[-1][1] == math.inf
 
 
 class TracePoolAllocator(SlotAllocator):
@@ -103,7 +116,9 @@ class TracePoolAllocator(SlotAllocator):
         if trace is not None and trace.intervals and trace.intervals[-1][1] == math.inf:
             trace.intervals[-1][1] = self._clock
             self._clock += 1
-            self.stats.on_free("trace", trace.numel * torch.empty((), dtype=trace.dtype).element_size())
+            self.stats.on_free(
+                "trace", trace.numel * torch.empty((), dtype=trace.dtype).element_size()
+            )
         self._tracer.free(key, used_on=used_on)
 
     def step_boundary(self) -> None:
@@ -124,8 +139,16 @@ class TracePoolAllocator(SlotAllocator):
                 "TracePoolAllocator has no trace to plan from: run at least one training step "
                 "(forward + backward) before capturing graphs"
             )
-        # Keys still held at the step boundary (e.g. ZeRO-1/2 weights) live forever.
-        assignment, specs = plan_slots(self._traces)
+        # Keys still held at the step boundary (e.g. ZeRO-1/2 weights) live forever: plan
+        # them as live over the whole step, or a key traced before their allocation could
+        # share their slot and find it busy on the next step.
+        whole_step = [[-math.inf, math.inf]]
+        assignment, specs = plan_slots(
+            {
+                key: KeyTrace(t.numel, t.dtype, t.device, whole_step) if _held(t) else t
+                for key, t in self._traces.items()
+            }
+        )
         slots = [
             Slot(numel, dtype, device, label=f"pool[{i}]:{numel}x{dtype}")
             for i, (numel, dtype, device) in enumerate(specs)
@@ -133,7 +156,7 @@ class TracePoolAllocator(SlotAllocator):
         self._assignment = {key: slots[i] for key, i in assignment.items()}
         # Keys the tracer still holds keep their contents: copy them into their slots.
         for key, trace in self._traces.items():
-            if trace.intervals and trace.intervals[-1][1] == math.inf:
+            if _held(trace):
                 old = self._tracer._tensors.get(key)
                 slot = self._assignment[key]
                 view = slot.take(key, trace.numel)
@@ -142,6 +165,16 @@ class TracePoolAllocator(SlotAllocator):
                 self._views[key] = view
         self._tracer = DynamicAllocator()
         self._account_reserved()
+
+    def _slot_for(self, key, numel, dtype, device):
+        trace = self._traces.get(key)
+        if trace is not None and (numel > trace.numel or dtype != trace.dtype):
+            # Never a dedicated slot (even with persist_on_alloc_fail): growth is a bug.
+            raise SlotReuseError(
+                f"TracePoolAllocator: key {key!r} asks for {numel} x {dtype} but was traced "
+                f"and planned as {trace.numel} x {trace.dtype}: a buffer grew after planning"
+            )
+        return super()._slot_for(key, numel, dtype, device)
 
     def _unplanned(self, key, numel, dtype):
         return f"key {key!r} ({numel} x {dtype}) first appeared after the trace was planned"
