@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--num-attention-heads", type=int, default=16)
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--num-experts", type=int, default=None)
+    ap.add_argument("--moe-layer-freq", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--nproc", type=int, default=torch.cuda.device_count())
@@ -180,6 +182,8 @@ def main() -> None:
         hidden_size=a.hidden_size,
         num_attention_heads=a.num_attention_heads,
         seq_length=a.seq_length,
+        num_experts=a.num_experts,
+        moe_layer_freq=a.moe_layer_freq,
     )
     res = spawn(
         worker, a.nproc, cfg, a.micro_batch_size, a.warmup, a.iters, a.modes, backend="nccl"

@@ -55,7 +55,7 @@ def _profile_overlap(rank: int, world: int) -> dict:
     model = build_model(cfg.model, device=torch.device("cuda", rank))
     shard_model(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = synthetic_batch(cfg.model, 2, 0, rank=rank, device=torch.device("cuda", rank))
+    x, y = synthetic_batch(cfg.model, 4, 0, rank=rank, device=torch.device("cuda", rank))
     for _ in range(2):
         model(x, y).backward()
         opt.step()
@@ -87,7 +87,7 @@ def test_all_gather_and_reduce_scatter_overlap_compute():
         assert s["n_comm"] > 0
         # Judged from kernel intervals, not wall clock: a sizeable part of NCCL kernel time
         # runs while compute kernels run on the other stream.
-        assert s["overlapped_us"] >= 0.3 * s["comm_us"], s
+        assert s["overlapped_us"] >= 0.5 * s["comm_us"], s
 
 
 def _addresses(rank: int, world: int, allocator: str) -> dict:
