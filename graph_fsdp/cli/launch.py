@@ -9,6 +9,7 @@ the one process that prints and writes reports.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.testing import spawn
 
 DEFAULT_CPU_NPROC = 2
+
+
+class RankFailure(RuntimeError):
+    """A spawned rank raised; the message carries the first failing rank's traceback."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,12 +82,20 @@ def resolve_plan(device: str, nproc: int | None) -> LaunchPlan:
                 f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
                 "check torchrun --nproc-per-node"
             )
-        return LaunchPlan(device=resolved, backend=backend, world_size=world,
-                          under_launcher=True, rank=rank, local_rank=local_rank)
+        return LaunchPlan(
+            device=resolved,
+            backend=backend,
+            world_size=world,
+            under_launcher=True,
+            rank=rank,
+            local_rank=local_rank,
+        )
     if resolved == "cuda":
         count = torch.cuda.device_count()
         if nproc is not None and nproc > count:
-            raise CLIError(f"--nproc {nproc} exceeds the {count} visible GPUs; use --nproc <= {count}")
+            raise CLIError(
+                f"--nproc {nproc} exceeds the {count} visible GPUs; use --nproc <= {count}"
+            )
         world = nproc or count
     else:
         world = nproc or DEFAULT_CPU_NPROC
@@ -93,7 +106,25 @@ def _rank_entry(rank: int, world_size: int, device: str, fn: Callable, *args: ob
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Local gloo ranks share the machine's cores; oversubscription makes steps erratic.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    return fn(rank, world_size, *args)
+    result = fn(rank, world_size, *args)
+    _finish_together(world_size)
+    return result
+
+
+def _finish_together(world_size: int) -> None:
+    """Leave the process group in a state that can be destroyed before interpreter exit.
+
+    [Note: gloo teardown] A gloo worker thread frees the last collectives' work objects,
+    which hold Python thread-local state; if that happens while the interpreter finalises,
+    the thread cannot take the GIL and the process aborts ("terminate called without an
+    active exception"). So: every rank finishes its collectives (barrier), and reference
+    cycles that keep the engine and its group alive are collected now, so that
+    ``destroy_process_group`` really destroys the group (joining its threads, GIL released)
+    while Python is still fully alive.
+    """
+    if world_size > 1 and dist.is_initialized():
+        dist.barrier()
+    gc.collect()
 
 
 def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
@@ -103,7 +134,12 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
     ``fn`` must be a module-level function (it is pickled by reference when spawning).
     """
     if not plan.under_launcher:
-        results = spawn(_rank_entry, plan.world_size, plan.device, fn, *args, backend=plan.backend)
+        try:
+            results = spawn(
+                _rank_entry, plan.world_size, plan.device, fn, *args, backend=plan.backend
+            )
+        except RuntimeError as err:
+            raise RankFailure(str(err)) from None
         return results[0]
     initialised_here = not dist.is_initialized()
     if initialised_here:
@@ -114,7 +150,9 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
             dist.init_process_group(plan.backend)
     try:
         result = fn(plan.rank, plan.world_size, *args)
+        _finish_together(plan.world_size)
     finally:
         if initialised_here and dist.is_initialized():
             dist.destroy_process_group()
+            gc.collect()  # see [Note: gloo teardown]
     return result if plan.rank == 0 else None

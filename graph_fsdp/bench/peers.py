@@ -1,0 +1,307 @@
+"""Benchmark runners for the engines graph_fsdp is measured against.
+
+Every runner builds the same model (:func:`graph_fsdp.models.build_model`, same config and
+seed), feeds the same synthetic batches as :func:`graph_fsdp.train.run` (step ``i``, this
+rank), trains ``warmup + steps`` optimizer steps with AdamW and times each step with
+``synchronize`` + ``perf_counter`` (as ``train.run`` does). It returns the timed steps'
+times (warmup dropped), the final loss (mean over ranks) and the peak CUDA memory.
+
+A runner that cannot run here raises :class:`Skip` with the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graph_fsdp.models import (
+    TransformerLayer,
+    build_model,
+    synthetic_batch,
+    transformer_layers,
+)
+from graph_fsdp.train import TrainConfig, run
+
+
+class Skip(Exception):  # noqa: N818 - a verdict, not an error
+    """This row cannot run on this machine/config; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSpec:
+    """What every row runs: the training config and how many steps to warm up and time."""
+
+    cfg: TrainConfig
+    warmup: int
+    steps: int
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+def device_of(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Activation checkpointing per layer, as ``train.run`` does for --recompute-activations."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in transformer_layers(model):
+        layer.forward = lambda *a, _f=layer.forward, **k: checkpoint(
+            _f, *a, use_reentrant=False, **k
+        )
+
+
+def _build(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    model = build_model(cfg.model, device=device)
+    if cfg.recompute:
+        checkpoint_layers(model)
+    return model
+
+
+def _batch(cfg: TrainConfig, step: int, micro: int, rank: int, device: torch.device):
+    return synthetic_batch(
+        cfg.model, cfg.micro_batch_size, step * cfg.grad_accum + micro, rank=rank, device=device
+    )
+
+
+def _mean_loss(loss: torch.Tensor, world_size: int) -> float:
+    loss = loss.detach().float().clone()
+    if world_size > 1:
+        dist.all_reduce(loss)
+        loss /= world_size
+    return float(loss)
+
+
+def _timed(
+    spec: BenchSpec,
+    device: torch.device,
+    step_fn: Callable[[int], torch.Tensor],
+    world_size: int,
+    *,
+    first_step: int = 0,
+) -> dict:
+    times, loss = [], None
+    for i in range(first_step, spec.warmup + spec.steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step_fn(i)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {
+        "times": times[max(0, spec.warmup - first_step) :],
+        "final_loss": _mean_loss(loss, world_size),
+    }
+
+
+def _accumulating_step(
+    cfg: TrainConfig,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    device: torch.device,
+    set_sync: Callable[[bool], None] | None,
+) -> Callable[[int], torch.Tensor]:
+    def step(i: int) -> torch.Tensor:
+        total = torch.zeros((), device=device)
+        for micro in range(cfg.grad_accum):
+            x, y = _batch(cfg, i, micro, rank, device)
+            if set_sync is not None:
+                set_sync(micro == cfg.grad_accum - 1)
+            loss = model(x, y) / cfg.grad_accum
+            loss.backward()
+            total += loss.detach().float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+# --------------------------------------------------------------------------------------------
+# graph_fsdp itself and the unsharded reference (both through graph_fsdp.train.run)
+# --------------------------------------------------------------------------------------------
+
+
+def run_graph_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """graph_fsdp through ``train.run`` (eager or graphed, as ``spec.cfg`` says)."""
+    cfg = replace(spec.cfg, steps=spec.warmup + spec.steps, return_params=False, log_path=None)
+    result = run(rank, world_size, cfg)
+    out = {"times": result["times"][spec.warmup :], "final_loss": result["losses"][-1]}
+    if cfg.cuda_graph_impl != "none" and "cuda_graphs" not in result:
+        out["note"] = "train.run reported no captured graphs: this row may have run eagerly"
+    return out
+
+
+def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
+    """Unsharded single-GPU mixed-precision reference on rank 0 with the per-GPU batch.
+
+    The other ranks wait at a barrier; the row's world size is 1.
+    """
+    result = None
+    if rank == 0:
+        cfg = replace(
+            spec.cfg,
+            mode="reference",
+            steps=spec.warmup + spec.steps,
+            return_params=False,
+            log_path=None,
+            cuda_graph_impl="none",
+            cuda_graph_scope=[],
+        )
+        out = run(0, 1, cfg)
+        result = {"times": out["times"][spec.warmup :], "final_loss": out["losses"][-1]}
+    if world_size > 1:
+        dist.barrier()
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# torch FSDP2
+# --------------------------------------------------------------------------------------------
+
+
+def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = _build(cfg, device)
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype, reduce_dtype=torch.float32)
+    # FSDP2 has one sharding scheme; keeping weights gathered after forward is its ZeRO-2.
+    reshard = cfg.strategy == "optim_grads_params"
+    for layer in transformer_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return model, opt
+
+
+def run_fsdp2(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """torch FSDP2 ``fully_shard`` per layer then root; bf16 params, fp32 reduction."""
+    cfg, device = spec.cfg, device_of(spec.cfg)
+    model, opt = _fsdp2(cfg, world_size, device)
+    step = _accumulating_step(cfg, model, opt, rank, device, model.set_requires_gradient_sync)
+    return _timed(spec, device, step, world_size)
+
+
+def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """FSDP2 with forward+backward captured whole in one CUDA graph; eager optimizer step.
+
+    Recipe: warm up on a side stream, ``zero_grad(set_to_none=False)`` so the gradients keep
+    their addresses, capture ``loss = model(x, y); loss.backward()`` on that stream, then per
+    step copy the batch into the static inputs, replay, and step the optimizer eagerly.
+    """
+    cfg = spec.cfg
+    if cfg.device != "cuda":
+        raise Skip("CUDA graphs need a CUDA device")
+    if cfg.grad_accum != 1:
+        raise Skip("the captured step holds one microbatch: needs gradient accumulation 1")
+    if spec.warmup < 1:
+        raise Skip("needs at least one warmup step before capture")
+    device = device_of(cfg)
+    model, opt = _fsdp2(cfg, world_size, device)
+    x, y = _batch(cfg, 0, 0, rank, device)
+
+    def load(i: int) -> None:
+        xi, yi = _batch(cfg, i, 0, rank, device)
+        x.copy_(xi)
+        y.copy_(yi)
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # eager warmup steps (untimed) on the capture stream
+        for i in range(spec.warmup):
+            load(i)
+            opt.zero_grad(set_to_none=False)
+            model(x, y).backward()
+            opt.step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph, stream=side):
+        static_loss = model(x, y)
+        static_loss.backward()
+
+    def replay(i: int) -> torch.Tensor:
+        load(i)
+        opt.zero_grad(set_to_none=False)
+        graph.replay()
+        opt.step()
+        return static_loss.detach().clone()
+
+    return _timed(spec, device, replay, world_size, first_step=spec.warmup)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-FSDP
+# --------------------------------------------------------------------------------------------
+
+
+def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
+    """``megatron_fsdp.fully_shard`` with TransformerLayer units and fp32 main params/grads."""
+    cfg = spec.cfg
+    if cfg.device != "cuda":
+        raise Skip("megatron_fsdp needs a CUDA device")
+    try:
+        import megatron_fsdp
+    except ImportError as err:
+        raise Skip(f"megatron_fsdp is not importable ({err.__class__.__name__}: {err})") from None
+    if not cfg.bf16:
+        raise Skip("megatron_fsdp runs a bf16 model: pass --bf16 for a like-for-like row")
+    if cfg.grad_accum != 1:
+        raise Skip(
+            "this runner does not drive megatron_fsdp's no-sync accumulation: needs "
+            "gradient accumulation 1"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = device_of(cfg)
+    mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
+    model = _build(cfg, device).to(torch.bfloat16)
+    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
+    # no decay), then restore the hyperparameters and the step counters.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    model, opt = megatron_fsdp.fully_shard(
+        model,
+        opt,
+        device_mesh=mesh,
+        dp_shard_dim="dp_shard",
+        tp_dim="tp",
+        fsdp_unit_modules=[TransformerLayer],
+        zero_dp_strategy=cfg.strategy,
+        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
+            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
+        ),
+    )
+    for group in opt.param_groups:
+        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    for state in opt.state.values():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = step.zero_() if torch.is_tensor(step) else 0
+
+    def step(i: int) -> torch.Tensor:
+        x, y = _batch(cfg, i, 0, rank, device)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach().float()
+
+    return _timed(spec, device, step, world_size)

@@ -1,0 +1,139 @@
+"""Benchmark report: a markdown table, the raw JSON and a PNG bar chart.
+
+Every row is also given as a ratio to the unsharded reference of the same launch: step time
+(row / reference: above 1 is slower) and tokens/s per GPU (row / reference: below 1 is
+slower per GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+REFERENCE_PREFIX = "unsharded reference"
+
+
+def reference_row(rows: list[dict]) -> dict | None:
+    return next(
+        (r for r in rows if r["name"].startswith(REFERENCE_PREFIX) and r["status"] == "ok"), None
+    )
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Rows with ``step_time_vs_ref`` and ``tokens_per_gpu_vs_ref`` added where computable."""
+    ref = reference_row(rows)
+    out = []
+    for r in rows:
+        r = dict(r)
+        if ref is not None and r["status"] == "ok":
+            r["step_time_vs_ref"] = r["median_step_ms"] / ref["median_step_ms"]
+            per_gpu = r["tokens_per_s"] / r["world_size"]
+            r["tokens_per_gpu_vs_ref"] = per_gpu / (ref["tokens_per_s"] / ref["world_size"])
+        out.append(r)
+    return out
+
+
+def gpu_tag(device_name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; CPUs -> 'cpu'."""
+    words = [w for w in re.split(r"[\s_-]+", device_name) if w.upper() != "NVIDIA"]
+    chip = next((w for w in words if re.search(r"\d", w)), words[0] if words else "gpu")
+    return re.sub(r"[^a-z0-9]+", "", chip.lower()) or "gpu"
+
+
+def _fmt(value: object, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(report: dict) -> str:
+    rows = with_ratios(report["rows"])
+    lines = [
+        f"# graph_fsdp benchmark: {report['world_size']} x {report['device_name']} "
+        f"({report.get('backend') or '?'}), {report['created']}",
+        "",
+        report["setup"],
+        "",
+        "| row | ranks | median step ms | min step ms | tokens/s | TFLOP/s per GPU | "
+        "peak mem GiB | final loss | step time vs ref | tokens/s per GPU vs ref |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    notes = []
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['status']} | | | | | | | | |")
+            notes.append(f"- {r['name']}: {r['status']}: {r['reason']}")
+            continue
+        if r.get("note"):
+            notes.append(f"- {r['name']}: note: {r['note']}")
+        peak = r.get("peak_memory_bytes")
+        lines.append(
+            f"| {r['name']} | {r['world_size']} | {r['median_step_ms']:.2f} | "
+            f"{r['min_step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | "
+            f"{_fmt(peak / 2**30 if peak else None, '.2f')} | {r['final_loss']:.5f} | "
+            f"{_fmt(r.get('step_time_vs_ref'), '.2f', 'x')} | "
+            f"{_fmt(r.get('tokens_per_gpu_vs_ref'), '.2f', 'x')} |"
+        )
+    if notes:
+        lines += ["", "Notes:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(report: dict, path: str) -> None:
+    """Median step time and tokens/s per GPU per row (ok rows), ratios annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in with_ratios(report["rows"]) if r["status"] == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 * max(len(rows), 1) + 1.8))
+    names = [r["name"] for r in rows]
+    panels = (
+        ("median step time (ms)", [r["median_step_ms"] for r in rows], "step_time_vs_ref"),
+        (
+            "tokens/s per GPU",
+            [r["tokens_per_s"] / r["world_size"] for r in rows],
+            "tokens_per_gpu_vs_ref",
+        ),
+    )
+    for ax, (title, values, ratio_key) in zip(axes, panels):
+        bars = ax.barh(names, values, color="#4c72b0")
+        for bar, r in zip(bars, rows):
+            ratio = r.get(ratio_key)
+            ax.annotate(
+                f"{ratio:.2f}x" if ratio is not None else "",
+                (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+        ax.set_title(title)
+        ax.invert_yaxis()
+        ax.margins(x=0.15)
+    if not rows:
+        axes[0].text(0.5, 0.5, "no row ran", ha="center", va="center", transform=axes[0].transAxes)
+    fig.suptitle(
+        f"graph_fsdp bench: {report['world_size']} x {report['device_name']} "
+        "(ratios vs unsharded reference)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(report: dict, output_dir: str) -> dict[str, str]:
+    """Write results.md, results.json and results.png; return their paths."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = {ext: os.path.join(output_dir, f"results.{ext}") for ext in ("md", "json", "png")}
+    with open(paths["md"], "w") as f:
+        f.write(markdown(report))
+    with open(paths["json"], "w") as f:
+        json.dump({**report, "rows": with_ratios(report["rows"])}, f, indent=2)
+    try:
+        bar_chart(report, paths["png"])
+    except ImportError as err:
+        paths.pop("png")
+        print(f"note: no bar chart ({err}); pip install matplotlib", flush=True)
+    return paths

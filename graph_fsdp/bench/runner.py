@@ -1,0 +1,184 @@
+"""One benchmark launch: every requested row, side by side, in the same processes.
+
+These machines are noisy, so the rows run back to back in one process group and the report
+gives each as a ratio to the unsharded reference measured in the same launch.
+"""
+
+from __future__ import annotations
+
+import gc
+import platform
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from statistics import median
+
+import torch
+import torch.distributed as dist
+
+from graph_fsdp.bench.peers import (
+    BenchSpec,
+    Skip,
+    device_of,
+    run_fsdp2,
+    run_fsdp2_cuda_graph,
+    run_graph_fsdp,
+    run_megatron_fsdp,
+    run_reference,
+)
+from graph_fsdp.models import model_flops_per_token
+
+ROWS = (
+    "graph_fsdp",
+    "graph_fsdp_graphed",
+    "fsdp2",
+    "fsdp2_cuda_graph",
+    "megatron_fsdp",
+    "reference",
+)
+"""Row kinds, in report order: graph_fsdp eager, graph_fsdp graphed (one row per scope set),
+torch FSDP2, FSDP2 with fwd+bwd in one CUDA graph, Megatron-FSDP, unsharded reference."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchJob:
+    spec: BenchSpec
+    rows: tuple[str, ...] = ROWS
+    graph_impl: str = "none"
+    scope_sets: list[list[str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    name: str
+    runner: Callable[[int, int, BenchSpec], dict | None]
+    spec: BenchSpec
+    world_size: int | None = None
+    """GPUs the row uses (None: all ranks)."""
+    skip: str | None = None
+    """Known up front not to run here, and why."""
+
+
+def plan_rows(job: BenchJob) -> list[Row]:
+    spec, cfg = job.spec, job.spec.cfg
+    eager = replace(spec, cfg=replace(cfg, cuda_graph_impl="none", cuda_graph_scope=[]))
+    rows: list[Row] = []
+    if "graph_fsdp" in job.rows:
+        rows.append(Row(name="graph_fsdp eager", runner=run_graph_fsdp, spec=eager))
+    if "graph_fsdp_graphed" in job.rows and job.graph_impl != "none":
+        for scopes in job.scope_sets or [[]]:
+            graphed = replace(
+                spec,
+                cfg=replace(cfg, cuda_graph_impl=job.graph_impl, cuda_graph_scope=list(scopes)),
+            )
+            label = " ".join(scopes) or "layer"
+            rows.append(
+                Row(
+                    name=f"graph_fsdp {job.graph_impl} [{label}]",
+                    runner=run_graph_fsdp,
+                    spec=graphed,
+                    skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
+                )
+            )
+    if "fsdp2" in job.rows:
+        rows.append(Row(name="torch FSDP2", runner=run_fsdp2, spec=eager))
+    if "fsdp2_cuda_graph" in job.rows:
+        rows.append(
+            Row(name="torch FSDP2 + CUDA graph (fwd+bwd)", runner=run_fsdp2_cuda_graph, spec=eager)
+        )
+    if "megatron_fsdp" in job.rows:
+        rows.append(Row(name="megatron_fsdp", runner=run_megatron_fsdp, spec=eager))
+    if "reference" in job.rows:
+        rows.append(
+            Row(name="unsharded reference (1 rank)", runner=run_reference, spec=eager, world_size=1)
+        )
+    return rows
+
+
+def device_name(cfg_device: str) -> str:
+    if cfg_device == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
+
+
+def row_result(row: Row, world_size: int, raw: dict, peak: int | None) -> dict:
+    """Times -> the numbers in the report (throughput is over the row's GPUs)."""
+    cfg = row.spec.cfg
+    gpus = row.world_size or world_size
+    times = raw["times"]
+    step_s = median(times)
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.model.seq_length * gpus
+    tokens_per_s = tokens_per_step / step_s
+    return {
+        "name": row.name,
+        "status": "ok",
+        "world_size": gpus,
+        "median_step_ms": step_s * 1e3,
+        "min_step_ms": min(times) * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_gpu": tokens_per_s * model_flops_per_token(cfg.model) / gpus / 1e12,
+        "peak_memory_bytes": peak,
+        "final_loss": raw["final_loss"],
+        "step_times_ms": [t * 1e3 for t in times],
+        **({"note": raw["note"]} if raw.get("note") else {}),
+    }
+
+
+def _agree(values: list[float], device: torch.device, world_size: int) -> list[float]:
+    """Element-wise max over ranks (peak memory, failure flags); keeps ranks in lockstep."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
+    """Run every planned row on this rank; rank 0 returns the rows' results."""
+    device = device_of(job.spec.cfg)
+    cuda = device.type == "cuda"
+    results = []
+    for row in plan_rows(job):
+        if row.skip is not None:
+            results.append({"name": row.name, "status": "skipped", "reason": row.skip})
+            continue
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        raw, status, reason = None, "ok", None
+        try:
+            raw = row.runner(rank, world_size, row.spec)
+        except Skip as err:
+            status, reason = "skipped", str(err)
+        except Exception as err:  # noqa: BLE001 - one failing row must not hide the others
+            status, reason = "failed", f"{type(err).__name__}: {err}".splitlines()[0]
+            print(
+                f"[rank {rank}] bench row {row.name!r} failed:\n{traceback.format_exc()}",
+                file=sys.stderr,
+            )
+        peak = torch.cuda.max_memory_allocated(device) if cuda else 0
+        peak, failed = _agree([peak, status == "failed"], device, world_size)
+        if rank != 0:
+            continue
+        if failed and status == "ok":
+            status, reason = "failed", "failed on another rank (see its traceback)"
+        if status != "ok":
+            results.append({"name": row.name, "status": status, "reason": reason})
+            print(f"bench: {row.name}: {status} ({reason})", file=sys.stderr)
+            continue
+        result = row_result(row, world_size, raw, int(peak) if cuda else None)
+        results.append(result)
+        print(
+            f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "
+            f"{result['tokens_per_s']:,.0f} tokens/s",
+            file=sys.stderr,
+        )
+    if rank != 0:
+        return None
+    return {
+        "rows": results,
+        "device_name": device_name(device.type),
+        "world_size": world_size,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+    }

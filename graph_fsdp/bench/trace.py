@@ -1,0 +1,245 @@
+"""Summaries of a torch profiler (Kineto) Chrome trace: step time, busy time, communication.
+
+Pure functions over the trace JSON, so they are tested with hand-written traces.
+
+* Steps are the ``graph_fsdp/step/<i>`` ranges when present, else the spans between
+  consecutive ``Optimizer.step#...`` ranges (what ``train.run`` leaves), else the whole trace.
+* On CUDA, busy time is the union of kernels and memcpy/memset; collectives are kernels whose
+  name contains ``nccl``; compute is every other kernel.
+* On CPU (gloo), busy time is the union of ``cpu_op`` events; collectives are ops and ranges
+  named ``c10d::*``, ``gloo:*``, ``*all_gather*``, ``*reduce_scatter*``, ...; compute is every
+  other op that neither runs inside a collective nor contains one on the same thread.
+* Exposed communication is collective time not overlapped by compute:
+  ``|union(collectives) - union(compute)|``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import defaultdict
+
+Interval = tuple[float, float]
+
+COLLECTIVE = re.compile(
+    r"nccl|c10d::|gloo:|all_?gather|reduce_?scatter|all_?reduce|all_?to_?all|broadcast|"
+    r"record_param_comms",
+    re.IGNORECASE,
+)
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+STEP_PREFIX = "graph_fsdp/step/"
+RANGE_PREFIX = "graph_fsdp/"
+OPTIMIZER_STEP = "Optimizer.step#"
+
+
+# --------------------------------------------------------------------------------------------
+# Interval math (all inputs/outputs in the trace's microseconds)
+# --------------------------------------------------------------------------------------------
+
+
+def merge(intervals: list[Interval]) -> list[Interval]:
+    """Union of intervals as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for lo, hi in sorted(intervals):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def total(merged: list[Interval]) -> float:
+    return sum(hi - lo for lo, hi in merged)
+
+
+def clip(merged: list[Interval], lo: float, hi: float) -> list[Interval]:
+    """The parts of ``merged`` inside [lo, hi]."""
+    return [(max(a, lo), min(b, hi)) for a, b in merged if b > lo and a < hi]
+
+
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """``a - b`` for merged (sorted, disjoint) interval lists."""
+    out, j = [], 0
+    for lo, hi in a:
+        while j < len(b) and b[j][1] <= lo:
+            j += 1
+        cur, k = lo, j
+        while k < len(b) and b[k][0] < hi:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
+def _overlaps(merged: list[Interval], lo: float, hi: float) -> bool:
+    i = bisect.bisect_left(merged, (hi,))  # first interval starting at or after hi
+    return i > 0 and merged[i - 1][1] > lo
+
+
+# --------------------------------------------------------------------------------------------
+# Trace summary
+# --------------------------------------------------------------------------------------------
+
+
+def _complete_events(trace: dict) -> list[dict]:
+    return [
+        e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e and "ts" in e
+    ]
+
+
+def _span(e: dict) -> Interval:
+    ts = float(e["ts"])
+    return ts, ts + float(e["dur"])
+
+
+def _step_windows(events: list[dict]) -> list[tuple[str, float, float]]:
+    ann = [e for e in events if e.get("cat") == "user_annotation"]
+    steps = sorted(
+        (_span(e)[0], _span(e)[1], e["name"]) for e in ann if e["name"].startswith(STEP_PREFIX)
+    )
+    if steps:
+        return [(name, lo, hi) for lo, hi, name in steps]
+    starts = [_span(e)[0] for e in events]
+    if not starts:
+        return []
+    opt_ends = sorted(_span(e)[1] for e in ann if e["name"].startswith(OPTIMIZER_STEP))
+    if opt_ends:
+        bounds = [min(starts), *opt_ends]
+        return [(f"step {i}", bounds[i], bounds[i + 1]) for i in range(len(opt_ends))]
+    return [("trace", min(starts), max(_span(e)[1] for e in events))]
+
+
+def _cpu_compute(events: list[dict], comm: list[dict]) -> list[Interval]:
+    comm_by_thread: dict[object, list[Interval]] = defaultdict(list)
+    for e in comm:
+        comm_by_thread[(e.get("pid"), e.get("tid"))].append(_span(e))
+    merged = {k: merge(v) for k, v in comm_by_thread.items()}
+    out = []
+    for e in events:
+        if e.get("cat") != "cpu_op" or COLLECTIVE.search(e["name"]):
+            continue
+        lo, hi = _span(e)
+        # On one thread ops nest: overlapping a collective means inside it or around it.
+        if not _overlaps(merged.get((e.get("pid"), e.get("tid")), []), lo, hi):
+            out.append((lo, hi))
+    return out
+
+
+def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
+    """Per-step wall/busy/communication numbers, host ranges and collectives of a trace."""
+    events = _complete_events(trace)
+    gpu_events = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    on_gpu = any(e.get("cat") == "kernel" for e in gpu_events)
+    if on_gpu:
+        kernels = [e for e in gpu_events if e.get("cat") == "kernel"]
+        comm = [e for e in kernels if "nccl" in e["name"].lower()]
+        compute = [_span(e) for e in kernels if "nccl" not in e["name"].lower()]
+        busy = merge([_span(e) for e in gpu_events])
+    else:
+        comm = [
+            e
+            for e in events
+            if e.get("cat") in ("cpu_op", "user_annotation") and COLLECTIVE.search(e["name"])
+        ]
+        compute = _cpu_compute(events, comm)
+        busy = merge([_span(e) for e in events if e.get("cat") == "cpu_op"])
+    comm_u, compute_u = merge([_span(e) for e in comm]), merge(compute)
+    exposed_u = subtract(comm_u, compute_u)
+    windows = _step_windows(events)
+    steps = []
+    for name, lo, hi in windows:
+        wall = hi - lo
+        steps.append(
+            {
+                "name": name,
+                "wall_ms": wall / 1e3,
+                "busy_pct": 100.0 * total(clip(busy, lo, hi)) / wall if wall > 0 else 0.0,
+                "comm_ms": total(clip(comm_u, lo, hi)) / 1e3,
+                "exposed_comm_ms": total(clip(exposed_u, lo, hi)) / 1e3,
+            }
+        )
+    measured = steps[skip_steps:] or steps
+    n = max(len(measured), 1)
+    # Ranges and collectives are counted from the first measured step on.
+    start = (windows[skip_steps:] or windows)[0][1] if windows else float("-inf")
+    ranges: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        name = e["name"]
+        if (
+            e.get("cat") == "user_annotation"
+            and name.startswith(RANGE_PREFIX)
+            and not name.startswith(STEP_PREFIX)
+            and _span(e)[0] >= start
+        ):
+            ranges[name].append(float(e["dur"]))
+    collectives: dict[str, list[float]] = defaultdict(list)
+    for e in comm:
+        if _span(e)[0] >= start:
+            collectives[e["name"]].append(float(e["dur"]))
+    comm_ms = sum(s["comm_ms"] for s in measured)
+    exposed_ms = sum(s["exposed_comm_ms"] for s in measured)
+    return {
+        "device": "cuda" if on_gpu else "cpu",
+        "steps": steps,
+        "skipped_steps": len(steps) - len(measured),
+        "mean_step_ms": sum(s["wall_ms"] for s in measured) / n,
+        "mean_busy_pct": sum(s["busy_pct"] for s in measured) / n,
+        "comm_ms_per_step": comm_ms / n,
+        "exposed_comm_ms_per_step": exposed_ms / n,
+        "exposed_comm_pct": 100.0 * exposed_ms / comm_ms if comm_ms > 0 else 0.0,
+        "ranges": sorted(
+            (
+                {
+                    "name": k,
+                    "calls": len(v),
+                    "total_ms": sum(v) / 1e3,
+                    "ms_per_step": sum(v) / 1e3 / n,
+                }
+                for k, v in ranges.items()
+            ),
+            key=lambda r: -r["total_ms"],
+        ),
+        "collectives": sorted(
+            (
+                {"name": k, "calls": len(v), "total_ms": sum(v) / 1e3}
+                for k, v in collectives.items()
+            ),
+            key=lambda r: -r["total_ms"],
+        ),
+    }
+
+
+def format_summary(summary: dict, *, title: str, max_rows: int = 15) -> str:
+    busy = "GPU busy %" if summary["device"] == "cuda" else "CPU op busy %"
+    lines = [title, f"  {'step':<24}{'wall ms':>10}{busy:>15}{'comm ms':>10}{'exposed ms':>12}"]
+    for i, s in enumerate(summary["steps"]):
+        mark = " (warmup, excluded)" if i < summary["skipped_steps"] else ""
+        lines.append(
+            f"  {s['name']:<24}{s['wall_ms']:>10.2f}{s['busy_pct']:>15.1f}"
+            f"{s['comm_ms']:>10.2f}{s['exposed_comm_ms']:>12.2f}{mark}"
+        )
+    lines.append(
+        f"  mean step {summary['mean_step_ms']:.2f} ms, {busy} {summary['mean_busy_pct']:.1f}; "
+        f"communication {summary['comm_ms_per_step']:.2f} ms/step of which "
+        f"{summary['exposed_comm_ms_per_step']:.2f} ms ({summary['exposed_comm_pct']:.0f}%) "
+        "exposed (not overlapped by compute)"
+    )
+    if summary["ranges"]:
+        lines.append(
+            f"  {'host ranges graph_fsdp/<phase>/<fqn>':<48}{'calls':>7}{'total ms':>10}"
+            f"{'ms/step':>9}"
+        )
+        for r in summary["ranges"][:max_rows]:
+            lines.append(
+                f"  {r['name']:<48}{r['calls']:>7}{r['total_ms']:>10.2f}{r['ms_per_step']:>9.2f}"
+            )
+    if summary["collectives"]:
+        lines.append(f"  {'collectives':<48}{'calls':>7}{'total ms':>10}")
+        for r in summary["collectives"][:max_rows]:
+            lines.append(f"  {r['name']:<48}{r['calls']:>7}{r['total_ms']:>10.2f}")
+    return "\n".join(lines)

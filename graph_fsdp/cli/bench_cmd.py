@@ -1,0 +1,133 @@
+"""``graph-fsdp bench``: graph_fsdp eager and graphed vs torch FSDP2 vs Megatron-FSDP.
+
+    graph-fsdp bench --bf16 --num-layers 8 --hidden-size 2048 --num-attention-heads 16 \\
+        --seq-length 2048 --micro-batch-size 2 --fsdp-double-buffer \\
+        --fsdp-db-use-persist-buf-on-alloc-fail --cuda-graph-impl te \\
+        --scopes "" --scopes "full_iteration"
+    graph-fsdp bench --num-layers 2 --hidden-size 32 --num-attention-heads 4   # CPU, gloo
+
+One launch runs every row back to back on the same model, seeds and shapes: graph_fsdp eager,
+graph_fsdp graphed (one row per --scopes), torch FSDP2, torch FSDP2 with forward+backward in
+one CUDA graph, megatron_fsdp (when importable) and the unsharded single-GPU reference (rank
+0, per-GPU batch). Rows that cannot run here are reported as skipped with the reason.
+Writes results.md, results.json and results.png to --output-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+from graph_fsdp.bench.peers import BenchSpec
+from graph_fsdp.bench.report import gpu_tag, markdown, write_report
+from graph_fsdp.bench.runner import ROWS, BenchJob, bench_worker
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.launch import launch
+from graph_fsdp.cli.options import (
+    add_common_args,
+    add_scope_sets_arg,
+    resolve,
+    scope_label,
+    scope_sets_from,
+)
+
+
+def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench",
+        help="Benchmark graph_fsdp against torch FSDP2, Megatron-FSDP and unsharded.",
+        formatter_class=formatter,
+        description=__doc__,
+    )
+    add_common_args(p, iters_default=10, iters_help="Timed steps per row (after the warmup).")
+    g = p.add_argument_group("benchmark")
+    add_scope_sets_arg(g)
+    g.add_argument(
+        "--warmup-iters",
+        type=int,
+        default=3,
+        help="Untimed steps per row before the timed ones (graph capture included: "
+        "must exceed --cuda-graph-warmup-steps when graphs are on).",
+    )
+    g.add_argument(
+        "--rows",
+        nargs="+",
+        choices=ROWS,
+        default=list(ROWS),
+        metavar="ROW",
+        help=f"Rows to run, any of: {', '.join(ROWS)}.",
+    )
+    g.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
+    )
+    p.set_defaults(handler=main, subparser=p)
+    return p
+
+
+def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
+    cfg = job.spec.cfg
+    m = cfg.model
+    moe = (
+        f"{m.num_experts} experts top-{m.moe_router_topk} every {m.moe_layer_freq} layer(s)"
+        if m.num_experts
+        else "dense"
+    )
+    graphs = (
+        f"{job.graph_impl} graphs, scopes {', '.join(f'[{scope_label(s)}]' for s in job.scope_sets)}"
+        if job.graph_impl != "none"
+        else "no CUDA graphs requested"
+    )
+    return (
+        f"Model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
+        f"ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size}, {moe}. "
+        f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
+        f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights; strategy "
+        f"{cfg.strategy}, allocator {cfg.allocator}; {graphs}. {job.spec.warmup} warmup + "
+        f"{job.spec.steps} timed steps per row, seed {m.seed}."
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.warmup_iters < 0:
+        raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
+    scope_sets, flag = scope_sets_from(args)
+    if args.cuda_graph_impl != "none" and args.warmup_iters <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, so that the capture step is not timed"
+        )
+    res = resolve(
+        args,
+        graph_scope_sets=scope_sets,
+        scope_flag=flag,
+        graphs_optional=True,
+        graph_steps=args.warmup_iters + args.train_iters,
+    )
+    job = BenchJob(
+        spec=BenchSpec(cfg=res.cfg, warmup=args.warmup_iters, steps=args.train_iters),
+        rows=tuple(args.rows),
+        graph_impl=args.cuda_graph_impl,
+        scope_sets=scope_sets,
+    )
+    out = launch(res.plan, bench_worker, job)
+    if out is None:
+        return 0
+    now = datetime.datetime.now()
+    report = {
+        **out,
+        "created": now.isoformat(timespec="seconds"),
+        "setup": _setup_line(args, job),
+        "argv": getattr(args, "argv", None),
+    }
+    tag = "cpu" if res.plan.device == "cpu" else gpu_tag(out["device_name"])
+    output_dir = args.output_dir or os.path.join("bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}")
+    paths = write_report(report, output_dir)
+    print(markdown(report))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    failed = [r["name"] for r in out["rows"] if r["status"] == "failed"]
+    return 1 if failed else 0

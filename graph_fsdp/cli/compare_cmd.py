@@ -1,0 +1,228 @@
+"""``graph-fsdp compare``: are graphed runs bit-identical to the eager run?
+
+    graph-fsdp compare --bf16 --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
+        --cuda-graph-impl te --scopes "" --scopes "attn" --scopes "full_iteration"
+    graph-fsdp compare --reference-strategy no_shard    # CPU: ZeRO-3 vs DDP, both eager
+
+Every run uses the same seeds, data and shapes. Per compared run it prints whether every
+step's loss and the final full parameters are bit-identical (``torch.equal``) to the
+reference, else the first differing step and the largest difference. Exit status 1 when any
+run differs. Without CUDA no graph can be captured, so on CPU the reference is an eager run
+of ``--reference-strategy`` and the compared run an eager run of
+``--data-parallel-sharding-strategy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+import torch
+
+from graph_fsdp.api import STRATEGIES
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.launch import launch
+from graph_fsdp.cli.options import (
+    add_common_args,
+    add_scope_sets_arg,
+    resolve,
+    scope_label,
+    scope_sets_from,
+)
+from graph_fsdp.train import TrainConfig, run
+
+
+def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "compare",
+        help="Check eager vs graphed (or strategy vs strategy) runs for bit-exactness.",
+        formatter_class=formatter,
+        description=__doc__,
+    )
+    add_common_args(p, iters_default=10, iters_help="Steps of every run.")
+    g = p.add_argument_group("comparison")
+    add_scope_sets_arg(g)
+    g.add_argument(
+        "--reference-strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="Reference = an eager run of this strategy (instead of the eager run of "
+        "--data-parallel-sharding-strategy). With --cuda-graph-impl none this "
+        "compares two eager strategies, which works on CPU.",
+    )
+    g.add_argument(
+        "--log-json", default=None, metavar="PATH", help="Write the verdicts as JSON to PATH."
+    )
+    # Testing aid: scale the compared runs' lr by (1 + REL) so a difference must be detected.
+    g.add_argument(
+        "--inject-difference",
+        type=float,
+        nargs="?",
+        const=1e-4,
+        default=0.0,
+        metavar="REL",
+        help=argparse.SUPPRESS,
+    )
+    p.set_defaults(handler=main, subparser=p)
+    return p
+
+
+GRAPH_REPORT_KEY = "cuda_graphs"
+"""Key of ``train.run``'s result that describes what was captured (absent: nothing said)."""
+NO_GRAPH_REPORT = (
+    "train.run reported no captured graphs (its result has no 'cuda_graphs' entry): this "
+    "engine version may have run this configuration eagerly"
+)
+
+
+def run_label(cfg: TrainConfig) -> str:
+    if cfg.cuda_graph_impl == "none":
+        return f"{cfg.strategy} eager"
+    return f"{cfg.strategy} {cfg.cuda_graph_impl} [{scope_label(cfg.cuda_graph_scope)}]"
+
+
+def diff_runs(ref: dict, other: dict, start_step: int = 0) -> dict:
+    """Bitwise comparison of two ``train.run`` results (losses, eval losses, full params)."""
+    out: dict = {"identical": True}
+    a = torch.tensor(ref["losses"], dtype=torch.float64)
+    b = torch.tensor(other["losses"], dtype=torch.float64)
+    out["steps"] = len(a)
+    if a.shape != b.shape:
+        out.update(identical=False, loss_note=f"{len(a)} vs {len(b)} steps")
+    else:
+        unequal = (a != b) | a.isnan() | b.isnan()
+        out["equal_steps"] = int((~unequal).sum())
+        if unequal.any():
+            i = int(unequal.nonzero()[0, 0])
+            out.update(
+                identical=False,
+                first_diff_step=start_step + i,
+                first_diff=(float(a[i]), float(b[i])),
+                max_loss_diff=float((a - b).abs().nan_to_num(float("inf")).max()),
+            )
+    ea, eb = ref.get("eval_losses", []), other.get("eval_losses", [])
+    if ea != eb:
+        out.update(identical=False, eval_differs=True)
+    pa, pb = ref.get("params", {}), other.get("params", {})
+    if set(pa) != set(pb):
+        out.update(
+            identical=False, param_note=f"parameter names differ: {sorted(set(pa) ^ set(pb))}"
+        )
+        return out
+    differing = [n for n in pa if not torch.equal(pa[n], pb[n])]
+    out["params"] = len(pa)
+    out["differing_params"] = len(differing)
+    if differing:
+        diffs = {n: float((pa[n].double() - pb[n].double()).abs().max()) for n in differing}
+        worst = max(diffs, key=diffs.get)
+        out.update(identical=False, max_param_diff=diffs[worst], worst_param=worst)
+    return out
+
+
+def format_verdict(label: str, v: dict) -> str:
+    warning = f"\n  {'':<44} warning: {v['warning']}" if v.get("warning") else ""
+    if v["identical"]:
+        return (
+            f"  {label:<44} IDENTICAL  losses {v['equal_steps']}/{v['steps']} steps and final "
+            f"params {v['params']}/{v['params']} tensors bit-identical{warning}"
+        )
+    parts = []
+    if "first_diff_step" in v:
+        x, y = v["first_diff"]
+        parts.append(
+            f"first differing step {v['first_diff_step']}: loss {x:.9g} vs {y:.9g}; "
+            f"max loss |diff| {v['max_loss_diff']:.3g}"
+        )
+    elif "loss_note" in v:
+        parts.append(f"losses: {v['loss_note']}")
+    else:
+        parts.append(f"losses {v['equal_steps']}/{v['steps']} steps bit-identical")
+    if v.get("eval_differs"):
+        parts.append("eval losses differ")
+    if "param_note" in v:
+        parts.append(v["param_note"])
+    elif v.get("differing_params"):
+        parts.append(
+            f"params {v['differing_params']}/{v['params']} tensors differ, max |diff| "
+            f"{v['max_param_diff']:.3g} ({v['worst_param']})"
+        )
+    return f"  {label:<44} DIFFERENT  " + "; ".join(parts) + warning
+
+
+def compare_worker(
+    rank: int, world_size: int, reference: TrainConfig, runs: list[TrainConfig]
+) -> list[dict] | None:
+    """Run the reference, then each compared run; rank 0 returns one verdict per run."""
+    ref = run(rank, world_size, reference)
+    verdicts = []
+    for cfg in runs:
+        other = run(rank, world_size, cfg)
+        if rank == 0:
+            verdict = diff_runs(ref, other, cfg.start_step)
+            if cfg.cuda_graph_impl != "none" and GRAPH_REPORT_KEY not in other:
+                verdict["warning"] = NO_GRAPH_REPORT
+            verdicts.append(verdict)
+        del other
+        if cfg.device == "cuda":
+            torch.cuda.empty_cache()
+    return verdicts if rank == 0 else None
+
+
+def main(args: argparse.Namespace) -> int:
+    scope_sets, flag = scope_sets_from(args)
+    if args.cuda_graph_impl == "none" and args.reference_strategy is None:
+        raise CLIError(
+            "nothing to compare: add --cuda-graph-impl te (or torch) to compare eager vs graphed "
+            "runs (CUDA), or --reference-strategy STRATEGY to compare two eager strategies "
+            "(works on CPU)"
+        )
+    res = resolve(
+        args,
+        graph_scope_sets=scope_sets,
+        scope_flag=flag,
+        cpu_hint="on CPU, compare two eager strategies instead: --cuda-graph-impl none "
+        "--reference-strategy no_shard",
+    )
+    base = replace(res.cfg, return_params=True)
+    reference = replace(
+        base,
+        strategy=args.reference_strategy or base.strategy,
+        cuda_graph_impl="none",
+        cuda_graph_scope=[],
+    )
+    lr = base.lr * (1.0 + args.inject_difference)
+    if args.cuda_graph_impl == "none":
+        runs = [replace(base, lr=lr)]
+    else:
+        runs = [replace(base, lr=lr, cuda_graph_scope=s) for s in scope_sets]
+    verdicts = launch(res.plan, compare_worker, reference, runs)
+    if verdicts is None:
+        return 0
+    print(
+        f"graph-fsdp compare: reference {run_label(reference)}; {base.steps} steps on "
+        f"{res.plan.describe()}"
+        + (
+            f"; compared runs' lr scaled by 1+{args.inject_difference:g}"
+            if args.inject_difference
+            else ""
+        )
+    )
+    for cfg, v in zip(runs, verdicts):
+        print(format_verdict(run_label(cfg), v))
+    ok = all(v["identical"] for v in verdicts)
+    print("all runs bit-identical" if ok else "runs DIFFER from the reference")
+    if args.log_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+        with open(args.log_json, "w") as f:
+            json.dump(
+                {
+                    "reference": run_label(reference),
+                    "steps": base.steps,
+                    "results": [{"run": run_label(c), **v} for c, v in zip(runs, verdicts)],
+                },
+                f,
+                indent=2,
+            )
+    return 0 if ok else 1

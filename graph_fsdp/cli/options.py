@@ -1,0 +1,483 @@
+"""Shared flags (Megatron-LM spellings), their validation and the TrainConfig they build.
+
+Every check here runs before a process group or a CUDA context exists and raises
+:class:`CLIError` with a message that names the flag to change. Configuration mistakes are
+reported before environment ones (no CUDA, missing TransformerEngine), so a CPU-only CI can
+exercise every rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+from dataclasses import dataclass, fields
+
+from graph_fsdp.api import STRATEGIES
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.launch import LaunchPlan, resolve_plan
+from graph_fsdp.models import GPTConfig
+from graph_fsdp.train import TrainConfig
+
+SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration")
+"""Megatron's --cuda-graph-scope vocabulary; no scope at all means the whole layer."""
+GRAPH_IMPLS = ("none", "te", "torch")
+MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
+
+
+# --------------------------------------------------------------------------------------------
+# Flags
+# --------------------------------------------------------------------------------------------
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4, help="Transformer layers.")
+    g.add_argument("--hidden-size", type=int, default=256, help="Model width (residual size).")
+    g.add_argument(
+        "--num-attention-heads",
+        type=int,
+        default=4,
+        help="Attention heads; must divide --hidden-size.",
+    )
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="MLP/expert inner size (default: 4 x --hidden-size).",
+    )
+    g.add_argument("--seq-length", type=int, default=128, help="Tokens per sequence.")
+    g.add_argument("--vocab-size", type=int, default=1024, help="Vocabulary size.")
+    g.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="Experts per MoE layer (>= 2); unset builds a dense model.",
+    )
+    g.add_argument(
+        "--moe-router-topk", type=int, default=2, help="Experts each token is routed to."
+    )
+    g.add_argument(
+        "--moe-layer-freq",
+        type=int,
+        default=1,
+        help="Layer i is MoE when i %% freq == 0 (1: every layer; 2: alternate).",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="Seed of the weights and the synthetic data (same seed, same run).",
+    )
+
+
+def add_training_args(
+    parser: argparse.ArgumentParser, *, iters_default: int, iters_help: str
+) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument(
+        "--micro-batch-size", type=int, default=2, help="Sequences per rank per microbatch."
+    )
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Sequences per optimizer step over all ranks; gradient accumulation = "
+        "global / (micro x data-parallel size). Default: micro x data-parallel size.",
+    )
+    g.add_argument("--train-iters", type=int, default=iters_default, help=iters_help)
+    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 compute weights with fp32 main weights and gradients.",
+    )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Activation checkpointing of every transformer layer.",
+    )
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=0,
+        help="Run a forward-only eval pass every N steps (0: never).",
+    )
+
+
+def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("FSDP")
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=STRATEGIES,
+        default="optim_grads_params",
+        help="no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3).",
+    )
+    g.add_argument(
+        "--fsdp-double-buffer",
+        action="store_true",
+        help="Unsharded weights/grads live in a persistent double buffer (static "
+        "addresses, needed by layerwise CUDA graphs).",
+    )
+    g.add_argument(
+        "--fsdp-trace-pool",
+        action="store_true",
+        help="Like --fsdp-double-buffer, but a pool planned from one traced step.",
+    )
+    g.add_argument(
+        "--fsdp-db-use-persist-buf-on-alloc-fail",
+        action="store_true",
+        help="A buffer request no planned slot can serve gets a persistent dedicated "
+        "buffer instead of an error (never the dynamic allocator).",
+    )
+    g.add_argument(
+        "--grad-comm-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="Dtype gradients are reduce-scattered/all-reduced in.",
+    )
+
+
+def add_graph_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("CUDA graphs")
+    g.add_argument(
+        "--cuda-graph-impl",
+        choices=GRAPH_IMPLS,
+        default="none",
+        help="none: eager; te: TransformerEngine make_graphed_callables; "
+        "torch: pure-PyTorch capture. CUDA only.",
+    )
+    g.add_argument(
+        "--cuda-graph-scope",
+        nargs="*",
+        default=None,
+        metavar="SCOPE",
+        help=f"What to capture: any of {', '.join(SCOPES)}. No scope (or the flag "
+        "with no value): the whole layer. moe_preprocess requires moe_router; "
+        "full_iteration stands alone.",
+    )
+    g.add_argument(
+        "--cuda-graph-warmup-steps",
+        type=int,
+        default=2,
+        help="Eager training steps before capture.",
+    )
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("launch")
+    g.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda when available, else cpu (gloo).",
+    )
+    g.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="Local ranks to spawn when not under torchrun (default: every GPU, or "
+        "2 gloo processes on CPU). Ignored under torchrun.",
+    )
+
+
+def add_common_args(
+    parser: argparse.ArgumentParser, *, iters_default: int, iters_help: str
+) -> None:
+    add_model_args(parser)
+    add_training_args(parser, iters_default=iters_default, iters_help=iters_help)
+    add_fsdp_args(parser)
+    add_graph_args(parser)
+    add_launch_args(parser)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPTConfig of the flags; its errors are re-worded to name the flags."""
+    if args.num_attention_heads and args.hidden_size % args.num_attention_heads != 0:
+        divisors = [d for d in range(1, args.hidden_size + 1) if args.hidden_size % d == 0]
+        nearest = min(divisors, key=lambda d: abs(d - args.num_attention_heads)) if divisors else 1
+        raise CLIError(
+            f"--num-attention-heads {args.num_attention_heads} does not divide --hidden-size "
+            f"{args.hidden_size}; use a head count that divides it (e.g. {nearest})"
+        )
+    try:
+        return GPTConfig(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length,
+            vocab_size=args.vocab_size,
+            num_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_layer_freq=args.moe_layer_freq,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        raise CLIError(re.sub(r"GPTConfig\.(\w+)", lambda m: _flag(m.group(1)), str(err))) from err
+
+
+def grad_accumulation(args: argparse.Namespace, world_size: int) -> int:
+    """Microbatches per step from --global-batch-size (1 when it is not given)."""
+    mbs = args.micro_batch_size
+    if mbs < 1:
+        raise CLIError(f"--micro-batch-size {mbs} must be >= 1")
+    if args.global_batch_size is None:
+        return 1
+    per_step = mbs * world_size
+    gbs = args.global_batch_size
+    if gbs < 1 or gbs % per_step != 0:
+        lower = max(per_step, gbs // per_step * per_step)
+        raise CLIError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {world_size} = {per_step}; use a multiple of {per_step} "
+            f"(e.g. {lower} or {lower + per_step})"
+        )
+    return gbs // per_step
+
+
+def parse_scope_set(text: str) -> list[str]:
+    """``"attn moe_router"`` or ``"attn,moe_router"`` -> list; ``""`` -> [] (whole layer)."""
+    return [s for s in re.split(r"[,\s]+", text.strip()) if s]
+
+
+def add_scope_sets_arg(group) -> None:
+    group.add_argument(
+        "--scopes",
+        action="append",
+        default=None,
+        metavar="SCOPES",
+        help="One graphed run per occurrence: scopes separated by spaces or "
+        'commas, "" for the whole layer; repeat for several runs, e.g. '
+        '--scopes "" --scopes "attn moe_router". Default: '
+        "--cuda-graph-scope, else the whole layer.",
+    )
+
+
+def scope_sets_from(args: argparse.Namespace) -> tuple[list[list[str]], str]:
+    """The graphed runs' scope sets (``--scopes``, repeatable) and the flag they came from."""
+    if args.scopes is not None and args.cuda_graph_scope is not None:
+        raise CLIError("give the scope sets with --scopes only (drop --cuda-graph-scope)")
+    if args.scopes is not None:
+        return [parse_scope_set(s) for s in args.scopes], "--scopes"
+    if args.cuda_graph_scope is not None:
+        return [list(args.cuda_graph_scope)], "--cuda-graph-scope"
+    return ([[]] if args.cuda_graph_impl != "none" else []), "--scopes"
+
+
+def scope_label(scopes: list[str]) -> str:
+    return " ".join(scopes) if scopes else "layer"
+
+
+def check_scopes(scopes: list[str], model: GPTConfig, *, flag: str) -> list[str]:
+    """Reject unknown, repeated or conflicting scopes and scopes the model does not have."""
+    for s in scopes:
+        if s not in SCOPES:
+            raise CLIError(
+                f"{flag}: unknown scope {s!r}; accepted scopes are {', '.join(SCOPES)} "
+                "(no scope at all captures the whole layer)"
+            )
+        if scopes.count(s) > 1:
+            raise CLIError(f"{flag}: scope {s!r} is given more than once; list it once")
+    if "full_iteration" in scopes and len(scopes) > 1:
+        others = " ".join(s for s in scopes if s != "full_iteration")
+        raise CLIError(
+            f"{flag}: full_iteration captures the whole forward+backward and cannot be combined "
+            f"with {others}; pass full_iteration alone, or only layer scopes"
+        )
+    if "moe_preprocess" in scopes and "moe_router" not in scopes:
+        raise CLIError(
+            f"{flag}: moe_preprocess requires moe_router (the preprocess consumes the router's "
+            f"captured outputs); add moe_router, e.g. {flag} moe_router moe_preprocess"
+        )
+    if "moe" in scopes and ("moe_router" in scopes or "moe_preprocess" in scopes):
+        raise CLIError(
+            f"{flag}: moe already captures the whole MoE layer including its router; use either "
+            "moe, or moe_router [moe_preprocess]"
+        )
+    moe_wanted = [s for s in scopes if s in MOE_SCOPES]
+    if moe_wanted and model.num_experts is None:
+        raise CLIError(
+            f"{flag} {' '.join(moe_wanted)} needs an MoE model, but this model is dense: add "
+            f"--num-experts N (N >= 2) or drop {' '.join(moe_wanted)}"
+        )
+    if "mlp" in scopes and all(model.is_moe_layer(i) for i in range(model.num_layers)):
+        raise CLIError(
+            f"{flag} mlp: every layer is MoE (--num-experts {model.num_experts} with "
+            f"--moe-layer-freq {model.moe_layer_freq}), so there is no dense MLP to capture; use "
+            "moe or moe_router, or raise --moe-layer-freq so that some layers are dense"
+        )
+    return list(scopes)
+
+
+def allocator_of(args: argparse.Namespace) -> str:
+    if args.fsdp_double_buffer and args.fsdp_trace_pool:
+        raise CLIError(
+            "--fsdp-double-buffer and --fsdp-trace-pool are two allocators for the same buffers; "
+            "pass only one of them"
+        )
+    allocator = (
+        "double_buffer"
+        if args.fsdp_double_buffer
+        else "trace_pool"
+        if args.fsdp_trace_pool
+        else "dynamic"
+    )
+    if args.fsdp_db_use_persist_buf_on_alloc_fail and allocator == "dynamic":
+        raise CLIError(
+            "--fsdp-db-use-persist-buf-on-alloc-fail has no effect with the dynamic allocator: "
+            "add --fsdp-double-buffer (or --fsdp-trace-pool)"
+        )
+    return allocator
+
+
+def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
+    """Layerwise graphs replay fixed addresses: FSDP's buffers must never move."""
+    if "full_iteration" in scopes:
+        return  # the whole step is captured, allocations included (graph-private pool)
+    missing = []
+    if allocator_of(args) == "dynamic":
+        missing.append("--fsdp-double-buffer (or --fsdp-trace-pool)")
+    if not args.fsdp_db_use_persist_buf_on_alloc_fail:
+        missing.append("--fsdp-db-use-persist-buf-on-alloc-fail")
+    if missing:
+        raise CLIError(
+            f"layerwise CUDA graphs ({flag} {scope_label(scopes)}) with FSDP replay fixed buffer "
+            f"addresses, so FSDP's unsharded buffers must be static: add {' and '.join(missing)}"
+        )
+
+
+def check_graph_environment(
+    impl: str, plan: LaunchPlan, cpu_hint: str = "use --cuda-graph-impl none on CPU"
+) -> None:
+    """Environment checks last: everything else about the flags is already valid."""
+    if impl == "none":
+        return
+    if plan.device != "cuda":
+        raise CLIError(
+            f"--cuda-graph-impl {impl} needs a CUDA device, but this run is on {plan.device} "
+            f"(no CUDA available, or --device cpu); {cpu_hint}"
+        )
+    if impl == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise CLIError(
+            "--cuda-graph-impl te needs TransformerEngine >= 2.19, which is not importable: "
+            "install graph-fsdp[te] or use --cuda-graph-impl torch"
+        )
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise CLIError(f"{_flag(name)} {value} must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# Resolution
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved:
+    """Validated flags: the launch plan and the base TrainConfig every run starts from."""
+
+    plan: LaunchPlan
+    cfg: TrainConfig
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all ranks."""
+        c = self.cfg
+        return c.micro_batch_size * c.grad_accum * c.model.seq_length * self.plan.world_size
+
+
+def resolve(
+    args: argparse.Namespace,
+    *,
+    graph_scope_sets: list[list[str]] | None = None,
+    scope_flag: str = "--cuda-graph-scope",
+    graphs_optional: bool = False,
+    graph_steps: int | None = None,
+    cpu_hint: str = "use --cuda-graph-impl none on CPU",
+) -> Resolved:
+    """Validate the common flags and build the base TrainConfig (graph fields included).
+
+    ``graph_scope_sets``: the scope sets the command will run (default: --cuda-graph-scope).
+    ``graphs_optional``: True for bench, which skips graphed rows on CPU instead of failing.
+    ``graph_steps``: steps a graphed run trains (default --train-iters).
+    """
+    plan = resolve_plan(args.device, args.nproc)
+    check_positive(args, "train_iters", "micro_batch_size")
+    if args.eval_interval < 0:
+        raise CLIError(f"--eval-interval {args.eval_interval} must be >= 0 (0: never)")
+    if args.cuda_graph_warmup_steps < 0:
+        raise CLIError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps} must be >= 0")
+    model = model_config(args)
+    grad_accum = grad_accumulation(args, plan.world_size)
+    allocator = allocator_of(args)
+    impl = args.cuda_graph_impl
+    if graph_scope_sets is None:
+        given = getattr(args, "cuda_graph_scope", None)
+        # Megatron: graphs without a scope capture the whole layer.
+        graph_scope_sets = [given] if given is not None else [[]] if impl != "none" else []
+    if graph_scope_sets and impl == "none":
+        raise CLIError(
+            f"{scope_flag} is given but --cuda-graph-impl is none, so nothing would be captured: "
+            f"add --cuda-graph-impl te (or torch), or drop {scope_flag}"
+        )
+    for scopes in graph_scope_sets:
+        check_scopes(scopes, model, flag=scope_flag)
+        if impl != "none":
+            check_graph_buffers(args, scopes, flag=scope_flag)
+    if impl != "none" and (graph_steps or args.train_iters) <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
+        )
+    if not (graphs_optional and plan.device != "cuda"):
+        check_graph_environment(impl, plan, cpu_hint)
+    cfg = TrainConfig(
+        model=model,
+        strategy=args.data_parallel_sharding_strategy,
+        micro_batch_size=args.micro_batch_size,
+        grad_accum=grad_accum,
+        steps=args.train_iters,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        bf16=args.bf16,
+        grad_comm_dtype="bf16" if args.grad_comm_dtype == "bf16" else None,
+        allocator=allocator,
+        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+        recompute=args.recompute_activations,
+        eval_interval=args.eval_interval,
+        device=plan.device,
+        return_params=False,
+        cuda_graph_impl=impl,
+        cuda_graph_scope=list(graph_scope_sets[0]) if len(graph_scope_sets) == 1 else [],
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+    )
+    return Resolved(plan=plan, cfg=cfg)
+
+
+def with_extra(cfg: TrainConfig, extra: dict[str, object]) -> tuple[TrainConfig, dict[str, object]]:
+    """Move the entries of ``extra`` that TrainConfig has a field for into ``cfg``.
+
+    Returns the new config and what it could not take (so a newer engine picks new flags up
+    without a CLI change, and an older one can warn about them).
+    """
+    from dataclasses import replace
+
+    names = {f.name for f in fields(TrainConfig)}
+    known = {k: v for k, v in extra.items() if k in names}
+    unknown = {k: v for k, v in extra.items() if k not in names}
+    return replace(cfg, **known), unknown

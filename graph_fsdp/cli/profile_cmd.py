@@ -1,0 +1,177 @@
+"""``graph-fsdp profile``: profile a few training steps and summarise where time goes.
+
+    graph-fsdp profile --num-layers 2 --hidden-size 32 --num-attention-heads 4 --train-iters 3
+    graph-fsdp profile --bf16 --profiler nsys ...       # nsys report with NVTX ranges (CUDA)
+
+With ``--profiler auto`` on CUDA, if ``nsys`` is on PATH (and this is not already running
+under it) the command re-executes itself under
+``nsys profile -t cuda,nvtx,osrt --capture-range=none`` and prints ``nsys stats``.
+Otherwise the torch profiler writes one Chrome trace per rank (open in Perfetto or
+chrome://tracing) and the command prints, per step, wall time, GPU busy % (CPU op busy % on
+CPU), time in collectives and exposed communication (collective time not overlapped by
+compute), then host time per ``graph_fsdp/<phase>/<fqn>`` range and per collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+from statistics import mean
+
+from graph_fsdp.bench.profiling import ProfileJob, profile_worker
+from graph_fsdp.bench.trace import format_summary
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.launch import LaunchPlan, launch
+from graph_fsdp.cli.options import add_common_args, resolve
+
+UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"
+"""Set in the environment of the re-executed command, so it does not re-exec again."""
+
+
+def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profile",
+        help="Profile a few steps (nsys or torch profiler) and summarise them.",
+        formatter_class=formatter,
+        description=__doc__,
+    )
+    add_common_args(p, iters_default=3, iters_help="Profiled steps (after --warmup-iters).")
+    g = p.add_argument_group("profiling")
+    g.add_argument(
+        "--warmup-iters",
+        type=int,
+        default=1,
+        help="Unprofiled steps first (graphed runs: include capture, so must exceed "
+        "--cuda-graph-warmup-steps).",
+    )
+    g.add_argument(
+        "--profiler",
+        choices=("auto", "torch", "nsys"),
+        default="auto",
+        help="auto: nsys when on PATH and on CUDA, else the torch profiler.",
+    )
+    g.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help="Where traces go (default: bench/profiles/<date>_<cpu-or-cuda>).",
+    )
+    p.set_defaults(handler=main, subparser=p)
+    return p
+
+
+def _under_nsys() -> bool:
+    return os.environ.get(UNDER_NSYS) == "1"
+
+
+def _choose_profiler(args: argparse.Namespace, plan: LaunchPlan) -> str:
+    if _under_nsys():
+        return "nvtx-only"
+    nsys = shutil.which("nsys")
+    if args.profiler == "nsys":
+        if plan.device != "cuda":
+            raise CLIError(
+                "--profiler nsys traces CUDA work; on CPU use --profiler torch (or auto)"
+            )
+        if nsys is None:
+            raise CLIError(
+                "--profiler nsys: nsys is not on PATH; install Nsight Systems or use "
+                "--profiler torch"
+            )
+        return "nsys"
+    if args.profiler == "auto" and nsys is not None and plan.device == "cuda":
+        return "nsys"
+    return "torch"
+
+
+def _reexec_under_nsys(args: argparse.Namespace, plan: LaunchPlan, output_dir: str) -> int:
+    rank = os.environ.get("RANK")
+    base = os.path.join(output_dir, f"nsys_rank{rank}" if rank is not None else "nsys")
+    cmd = [
+        shutil.which("nsys") or "nsys",
+        "profile",
+        "-t",
+        "cuda,nvtx,osrt",
+        "--capture-range=none",
+        "--force-overwrite",
+        "true",
+        "-o",
+        base,
+        sys.executable,
+        "-m",
+        "graph_fsdp.cli.main",
+        *args.argv,
+        "--output-dir",
+        output_dir,
+    ]
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    rc = subprocess.call(cmd, env={**os.environ, UNDER_NSYS: "1"})
+    report = base + ".nsys-rep"
+    if rc == 0 and os.path.exists(report) and (rank is None or rank == "0"):
+        subprocess.call(
+            [
+                shutil.which("nsys") or "nsys",
+                "stats",
+                "--report",
+                "nvtx_sum",
+                "--report",
+                "cuda_gpu_kern_sum",
+                report,
+            ]
+        )
+        print(f"nsys report: {report}")
+    return rc
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.warmup_iters < 0:
+        raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
+    if args.cuda_graph_impl != "none" and args.warmup_iters <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, so that capture is not among the profiled steps"
+        )
+    res = resolve(args, graph_steps=args.warmup_iters + args.train_iters)
+    profiler = _choose_profiler(args, res.plan)
+    output_dir = args.output_dir or os.path.join(
+        "bench", "profiles", f"{datetime.datetime.now():%Y-%m-%d_%H%M%S}_{res.plan.device}"
+    )
+    os.makedirs(output_dir, exist_ok=True)
+    if profiler == "nsys":
+        return _reexec_under_nsys(args, res.plan, output_dir)
+    job = ProfileJob(
+        cfg=res.cfg,
+        warmup=args.warmup_iters,
+        output_dir=output_dir,
+        torch_profiler=profiler == "torch",
+    )
+    out = launch(res.plan, profile_worker, job)
+    if out is None:
+        return 0
+    ranks = out["ranks"]
+    print(
+        f"graph-fsdp profile: {args.train_iters} steps after {args.warmup_iters} warmup on "
+        f"{res.plan.describe()}; {res.cfg.strategy}, "
+        f"{'eager' if res.cfg.cuda_graph_impl == 'none' else res.cfg.cuda_graph_impl + ' graphs'}"
+    )
+    for r in ranks:
+        if r["summary"] is None:
+            print(
+                f"  rank {r['rank']}: mean step {mean(r['times']) * 1e3:.2f} ms (NVTX ranges "
+                "only: see the nsys report)"
+            )
+    first = ranks[0]
+    if first["summary"] is not None:
+        print(format_summary(first["summary"], title=f"rank 0 (trace: {first['trace']})"))
+        for r in ranks[1:]:
+            s = r["summary"]
+            print(
+                f"  rank {r['rank']}: mean step {s['mean_step_ms']:.2f} ms, communication "
+                f"{s['comm_ms_per_step']:.2f} ms/step, exposed {s['exposed_comm_ms_per_step']:.2f} "
+                f"ms/step (trace: {r['trace']})"
+            )
+    return 0

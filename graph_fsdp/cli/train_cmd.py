@@ -1,0 +1,308 @@
+"""``graph-fsdp train``: train the reference GPT/MoE model under graph_fsdp.
+
+    graph-fsdp train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 \\
+        --vocab-size 128 --train-iters 5 --log-json steps.jsonl            # 2 gloo ranks on CPU
+    torchrun --nproc-per-node 8 -m graph_fsdp.cli.main train --bf16 --fsdp-double-buffer \\
+        --fsdp-db-use-persist-buf-on-alloc-fail --cuda-graph-impl te --cuda-graph-scope attn
+
+Rank 0 shows a progress bar (loss, step time, tokens/s) and writes one JSON record per step
+to ``--log-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, replace
+from statistics import median
+
+from graph_fsdp.cli.data import check_token_file
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.launch import launch
+from graph_fsdp.cli.options import add_common_args, check_positive, resolve, with_extra
+from graph_fsdp.models import model_flops_per_token
+from graph_fsdp.train import TrainConfig, run
+
+CHECKPOINT_META = "graph_fsdp_cli.json"
+"""Written next to a --save checkpoint: the iteration it holds, so --load resumes there."""
+
+
+def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train",
+        help="Train the reference model under graph_fsdp.",
+        formatter_class=formatter,
+        description=__doc__,
+    )
+    add_common_args(
+        p,
+        iters_default=10,
+        iters_help="Optimizer steps to train (in total, "
+        "counting the iterations a --load checkpoint already holds).",
+    )
+    g = p.add_argument_group("checkpointing, data and logging")
+    g.add_argument(
+        "--save", default=None, metavar="DIR", help="Write a sharded (DCP) checkpoint to DIR."
+    )
+    g.add_argument(
+        "--save-interval",
+        type=int,
+        default=None,
+        help="Checkpoint at the last multiple of this interval <= --train-iters "
+        "(the engine saves once per run). Default: at the end.",
+    )
+    g.add_argument(
+        "--load",
+        default=None,
+        metavar="DIR",
+        help="Resume from a checkpoint written by --save (at its iteration).",
+    )
+    g.add_argument(
+        "--data-path",
+        default=None,
+        metavar="FILE",
+        help="Flat uint16 token file (np.memmap). Default: synthetic tokens.",
+    )
+    g.add_argument(
+        "--log-json",
+        default=None,
+        metavar="PATH",
+        help="Rank 0 writes one JSON record per step (JSON lines) to PATH (overwritten).",
+    )
+    p.set_defaults(handler=main, subparser=p)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Rank 0's per-step log and progress bar
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """What turns a step time into throughput numbers."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    world_size: int
+
+    def enrich(self, record: dict) -> dict:
+        t = record.get("step_time_s")
+        if isinstance(t, int | float) and t > 0:
+            tokens_per_s = self.tokens_per_step / t
+            record["tokens_per_s"] = tokens_per_s
+            record["tflops_per_gpu"] = tokens_per_s * self.flops_per_token / self.world_size / 1e12
+        return record
+
+
+class StepLogFollower:
+    """Follows the JSON lines ``train.run`` writes each step: progress bar plus ``--log-json``.
+
+    ``train.run`` has no per-step callback, but it flushes one record per step to
+    ``cfg.log_path``; a thread tails that file, so the bar moves while the run is going.
+    """
+
+    def __init__(self, raw_path: str, out_path: str | None, total: int, stats: StepStats) -> None:
+        from tqdm import tqdm
+
+        self.raw_path, self.stats = raw_path, stats
+        self.out = open(out_path, "w") if out_path else None  # noqa: SIM115 - closed in stop()
+        self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.records: list[dict] = []
+        self._pending = ""
+        self._offset = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()  # whatever arrived after the thread's last look
+        self.bar.close()
+        if self.out is not None:
+            self.out.close()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(0.05):
+            self._poll()
+
+    def _poll(self) -> None:
+        with open(self.raw_path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        self._pending += chunk
+        *lines, self._pending = self._pending.split("\n")  # keep a partial last line
+        for line in lines:
+            if line.strip():
+                self._emit(self.stats.enrich(json.loads(line)))
+
+    def _emit(self, record: dict) -> None:
+        self.records.append(record)
+        if self.out is not None:
+            self.out.write(json.dumps(record) + "\n")
+            self.out.flush()
+        postfix = {"loss": f"{record.get('loss', float('nan')):.4f}"}
+        if "step_time_s" in record:
+            postfix["step"] = f"{record['step_time_s'] * 1e3:.1f}ms"
+        if "tokens_per_s" in record:
+            postfix["tok/s"] = f"{record['tokens_per_s']:,.0f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainJob:
+    cfg: TrainConfig
+    stats: StepStats
+    log_json: str | None
+    save_iteration: int | None
+
+
+def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
+    """One rank of ``graph-fsdp train``; rank 0 returns the summary."""
+    cfg, follower, raw = job.cfg, None, None
+    if rank == 0:
+        fd, raw = tempfile.mkstemp(prefix="graph_fsdp_steps_", suffix=".jsonl")
+        os.close(fd)
+        cfg = replace(cfg, log_path=raw)
+        follower = StepLogFollower(raw, job.log_json, cfg.steps, job.stats)
+        follower.start()
+    try:
+        result = run(rank, world_size, cfg)
+    finally:
+        if follower is not None:
+            follower.stop()
+            os.unlink(raw)
+    if rank != 0:
+        return None
+    if cfg.save_path and job.save_iteration is not None:
+        os.makedirs(cfg.save_path, exist_ok=True)
+        with open(os.path.join(cfg.save_path, CHECKPOINT_META), "w") as f:
+            json.dump({"iteration": job.save_iteration}, f)
+    return {
+        "losses": result["losses"],
+        "times": result["times"],
+        "eval_losses": result.get("eval_losses", []),
+        "peak_memory_bytes": result.get("peak_memory_bytes"),
+        "records": follower.records if follower else [],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def _checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(start_step, save_at relative to start, absolute save iteration or None)."""
+    check_positive(args, "save_interval")
+    if args.save_interval is not None and not args.save:
+        raise CLIError("--save-interval is given without --save; add --save DIR")
+    start = 0
+    if args.load:
+        if not os.path.isdir(args.load):
+            raise CLIError(f"--load {args.load}: no such checkpoint directory")
+        meta_path = os.path.join(args.load, CHECKPOINT_META)
+        if os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                start = int(json.load(f).get("iteration", 0))
+        if start >= args.train_iters:
+            raise CLIError(
+                f"--load {args.load} holds iteration {start}, which already reaches --train-iters "
+                f"{args.train_iters}; raise --train-iters to train further"
+            )
+    if not args.save:
+        return start, 0, None
+    interval = args.save_interval or args.train_iters
+    last = args.train_iters // interval * interval
+    if last <= start:
+        raise CLIError(
+            f"--save-interval {interval} never saves between iteration {start} and --train-iters "
+            f"{args.train_iters}; lower --save-interval"
+        )
+    if last - interval > start:
+        print(
+            f"note: the engine saves once per run; --save {args.save} gets iteration {last}",
+            file=sys.stderr,
+        )
+    return start, last - start, last
+
+
+def main(args: argparse.Namespace) -> int:
+    res = resolve(args)
+    start, save_at, save_iteration = _checkpoint_plan(args)
+    cfg = replace(
+        res.cfg,
+        steps=args.train_iters - start,
+        start_step=start,
+        save_path=args.save,
+        save_at=save_at,
+        load_path=args.load,
+    )
+    extra: dict[str, object] = {}
+    if args.data_path:
+        try:
+            check_token_file(args.data_path, cfg.model.seq_length, cfg.model.vocab_size)
+        except ValueError as err:
+            raise CLIError(str(err)) from err
+        extra["data_path"] = os.path.abspath(args.data_path)
+    cfg, unsupported = with_extra(cfg, extra)
+    if "data_path" in unsupported:
+        print(
+            f"note: --data-path {args.data_path} is valid, but this engine's TrainConfig has no "
+            "data_path field yet: training uses synthetic tokens",
+            file=sys.stderr,
+        )
+    if args.log_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
+    stats = StepStats(
+        tokens_per_step=res.tokens_per_step,
+        flops_per_token=model_flops_per_token(cfg.model),
+        world_size=res.plan.world_size,
+    )
+    job = TrainJob(cfg=cfg, stats=stats, log_json=args.log_json, save_iteration=save_iteration)
+    out = launch(res.plan, train_worker, job)
+    if out is None:
+        return 0
+    print(format_summary(cfg, res.plan.describe(), stats, out, args))
+    return 0
+
+
+def format_summary(
+    cfg: TrainConfig, where: str, stats: StepStats, out: dict, args: argparse.Namespace
+) -> str:
+    m = cfg.model
+    model = f"{m.num_layers} layers, hidden {m.hidden_size}" + (
+        f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ""
+    )
+    graphs = (
+        "eager"
+        if cfg.cuda_graph_impl == "none"
+        else f"{cfg.cuda_graph_impl} graphs [{' '.join(cfg.cuda_graph_scope) or 'layer'}]"
+    )
+    times = out["times"]
+    step_s = median(times) if times else float("nan")
+    peak = out.get("peak_memory_bytes")
+    lines = [
+        f"graph-fsdp train: {len(out['losses'])} steps on {where}; {cfg.strategy}, {graphs}; "
+        f"{model}; grad accumulation {cfg.grad_accum}",
+        f"  final loss {out['losses'][-1]:.6f} | median step {step_s * 1e3:.2f} ms | "
+        f"{stats.tokens_per_step / step_s:,.0f} tokens/s | "
+        f"{stats.enrich({'step_time_s': step_s}).get('tflops_per_gpu', 0.0):.3f} TFLOP/s per GPU | "
+        f"peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
+    ]
+    if out.get("eval_losses"):
+        lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))
+    if args.log_json:
+        lines.append(f"  step log: {args.log_json} ({len(out['records'])} records)")
+    if args.save:
+        lines.append(f"  checkpoint: {args.save} (iteration {cfg.start_step + cfg.save_at})")
+    return "\n".join(lines)

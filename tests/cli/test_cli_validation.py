@@ -1,0 +1,256 @@
+"""Every validation rule of the CLI: bad flags exit 2 before any process starts, naming the flag.
+
+These call ``main(argv)`` in-process; a rejected command never reaches the launcher.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _cli_helpers import TINY
+
+from graph_fsdp.cli.main import main
+
+MOE = ["--num-experts", "4"]
+STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]
+
+
+def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    return err.split("error:", 1)[1].replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # graphs on CPU
+        (
+            ["--cuda-graph-impl", "torch", "--cuda-graph-scope", "full_iteration"],
+            ["--cuda-graph-impl torch needs a CUDA device", "--cuda-graph-impl none"],
+        ),
+        (
+            [
+                "--cuda-graph-impl",
+                "te",
+                "--cuda-graph-scope",
+                "attn",
+                "--fsdp-trace-pool",
+                "--fsdp-db-use-persist-buf-on-alloc-fail",
+            ],
+            ["needs a CUDA device"],
+        ),
+        # scope given but no implementation
+        (
+            ["--cuda-graph-scope", "attn"],
+            ["--cuda-graph-scope is given but --cuda-graph-impl is none", "--cuda-graph-impl te"],
+        ),
+        (["--cuda-graph-scope"], ["--cuda-graph-impl is none"]),
+        # unknown / conflicting scopes
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attention", *STATIC],
+            [
+                "unknown scope 'attention'",
+                "attn, mlp, moe, moe_router, moe_preprocess, full_iteration",
+            ],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "attn", *STATIC],
+            ["'attn' is given more than once"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "moe_preprocess", *MOE, *STATIC],
+            ["moe_preprocess requires moe_router", "moe_router moe_preprocess"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "full_iteration", "attn", *STATIC],
+            ["full_iteration", "cannot be combined with attn"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "moe", "moe_router", *MOE, *STATIC],
+            ["moe already captures the whole MoE layer"],
+        ),
+        # scopes vs the model
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "moe_router", *STATIC],
+            ["moe_router needs an MoE model", "add --num-experts"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "moe", *STATIC],
+            ["moe needs an MoE model", "--num-experts"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "mlp", *MOE, *STATIC],
+            ["every layer is MoE", "--moe-layer-freq"],
+        ),
+        # layerwise graphs need static FSDP buffers
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn"],
+            [
+                "add --fsdp-double-buffer (or --fsdp-trace-pool) and "
+                "--fsdp-db-use-persist-buf-on-alloc-fail"
+            ],
+        ),
+        (
+            ["--cuda-graph-impl", "torch"],  # no scope: the whole layer, also layerwise
+            ["layerwise CUDA graphs", "--fsdp-double-buffer"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"],
+            ["add --fsdp-db-use-persist-buf-on-alloc-fail"],
+        ),
+        (
+            ["--fsdp-db-use-persist-buf-on-alloc-fail"],
+            ["no effect with the dynamic allocator", "add --fsdp-double-buffer"],
+        ),
+        (["--fsdp-double-buffer", "--fsdp-trace-pool"], ["pass only one of them"]),
+        (
+            [
+                "--cuda-graph-impl",
+                "te",
+                "--cuda-graph-scope",
+                "attn",
+                *STATIC,
+                "--train-iters",
+                "2",
+            ],
+            ["--train-iters 2 must exceed --cuda-graph-warmup-steps 2"],
+        ),
+        # model and batch shapes
+        (
+            ["--num-attention-heads", "5"],
+            ["--num-attention-heads 5 does not divide --hidden-size 32", "e.g. 4"],
+        ),
+        (["--num-experts", "2", "--moe-router-topk", "3"], ["--moe-router-topk=3 exceeds"]),
+        (["--num-experts", "1"], ["--num-experts=1 is invalid"]),
+        (
+            ["--global-batch-size", "6"],
+            [
+                "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size "
+                "2 = 4",
+                "e.g. 4 or 8",
+            ],
+        ),
+        (["--micro-batch-size", "0"], ["--micro-batch-size 0 must be >= 1"]),
+        (["--train-iters", "0"], ["--train-iters 0 must be >= 1"]),
+        (["--nproc", "0"], ["--nproc 0 must be >= 1"]),
+        # checkpointing and data
+        (["--save-interval", "2"], ["--save-interval is given without --save"]),
+        (["--load", "/nonexistent/ckpt"], ["--load /nonexistent/ckpt: no such checkpoint"]),
+        (
+            ["--data-path", "/nonexistent/tokens.bin"],
+            ["--data-path /nonexistent/tokens.bin: no such file"],
+        ),
+    ],
+)
+def test_train_rejects(capsys: pytest.CaptureFixture, argv: list[str], expected: list[str]) -> None:
+    err = error_of(capsys, "train", *TINY, *argv)
+    for text in expected:
+        assert text in err, f"{text!r} not in {err!r}"
+
+
+def test_data_path_must_hold_uint16_tokens(capsys: pytest.CaptureFixture, tmp_path) -> None:
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x02\x03")
+    assert "not a multiple of 2" in error_of(capsys, "train", *TINY, "--data-path", str(odd))
+    short = tmp_path / "short.bin"
+    short.write_bytes(b"\x00\x00" * 10)
+    assert "shorter than one sample of --seq-length 16" in error_of(
+        capsys, "train", *TINY, "--data-path", str(short)
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda(capsys: pytest.CaptureFixture) -> None:
+    tiny = [a for a in TINY if a != "cpu"]
+    tiny[tiny.index("--device") + 1 :] = ["cuda", *tiny[tiny.index("--device") + 1 :]]
+    assert "--device cuda was requested" in error_of(capsys, "train", *tiny)
+
+
+def test_compare_needs_something_to_compare(capsys: pytest.CaptureFixture) -> None:
+    err = error_of(capsys, "compare", *TINY)
+    assert "nothing to compare" in err and "--reference-strategy" in err
+
+
+def test_compare_graphs_on_cpu_point_to_strategy_mode(capsys: pytest.CaptureFixture) -> None:
+    err = error_of(
+        capsys, "compare", *TINY, "--cuda-graph-impl", "te", "--scopes", "full_iteration"
+    )
+    assert "needs a CUDA device" in err and "--reference-strategy no_shard" in err
+
+
+def test_compare_scope_sets_are_validated(capsys: pytest.CaptureFixture) -> None:
+    err = error_of(
+        capsys,
+        "compare",
+        *TINY,
+        "--cuda-graph-impl",
+        "te",
+        *STATIC,
+        "--scopes",
+        "",
+        "--scopes",
+        "moe_preprocess",
+    )
+    assert "--scopes: unknown" not in err and "moe_preprocess requires moe_router" in err
+    err = error_of(capsys, "compare", *TINY, "--reference-strategy", "no_shard", "--scopes", "attn")
+    assert "--scopes is given but --cuda-graph-impl is none" in err
+    err = error_of(
+        capsys,
+        "compare",
+        *TINY,
+        "--cuda-graph-impl",
+        "te",
+        "--scopes",
+        "attn",
+        "--cuda-graph-scope",
+        "attn",
+    )
+    assert "--scopes only" in err
+
+
+def test_bench_and_profile_check_capture_warmup(capsys: pytest.CaptureFixture) -> None:
+    for command in ("bench", "profile"):
+        err = error_of(
+            capsys, command, *TINY, "--cuda-graph-impl", "torch", *STATIC, "--warmup-iters", "1"
+        )
+        assert "--warmup-iters 1 must exceed --cuda-graph-warmup-steps 2" in err
+
+
+def test_bench_layerwise_rule_applies_even_where_rows_are_skipped(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    err = error_of(
+        capsys,
+        "bench",
+        *TINY,
+        "--cuda-graph-impl",
+        "torch",
+        "--scopes",
+        "attn",
+        "--cuda-graph-warmup-steps",
+        "0",
+    )
+    assert "--fsdp-double-buffer" in err
+
+
+def test_every_flag_has_help(capsys: pytest.CaptureFixture) -> None:
+    from graph_fsdp.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.option_strings and action.dest not in ("help", "inject_difference"):
+                assert action.help, f"graph-fsdp {name} {action.option_strings[0]} has no help"
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert "--num-layers" in capsys.readouterr().out
+
+
+def test_profile_nsys_needs_cuda(capsys: pytest.CaptureFixture) -> None:
+    err = error_of(capsys, "profile", *TINY, "--profiler", "nsys")
+    assert "--profiler nsys traces CUDA work" in err and "--profiler torch" in err
