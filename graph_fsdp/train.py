@@ -119,7 +119,16 @@ class MixedPrecisionReference:
             p.grad = None
 
 
-def _checkpoint_layers(model: nn.Module) -> None:
+def device_of(cfg: TrainConfig) -> torch.device:
+    """The device this process trains on: the current CUDA device (launchers set it from
+    LOCAL_RANK, so this is right on every node) or the CPU."""
+    if cfg.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Activation checkpointing (non-reentrant) around every transformer layer."""
     from torch.utils.checkpoint import checkpoint
 
     for layer in transformer_layers(model):
@@ -132,16 +141,12 @@ def _checkpoint_layers(model: nn.Module) -> None:
 
 
 def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    device = (
-        torch.device(cfg.device, rank if cfg.device == "cuda" and world_size > 1 else 0)
-        if cfg.device == "cuda"
-        else torch.device("cpu")
-    )
+    device = device_of(cfg)
     torch.manual_seed(cfg.model.seed)
     reference = cfg.mode == "reference"
     model = build_model(cfg.model, device=device)
     if cfg.recompute:
-        _checkpoint_layers(model)
+        checkpoint_layers(model)
     if reference:
         trainer = MixedPrecisionReference(model, cfg)
         optimizer = None

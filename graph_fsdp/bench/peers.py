@@ -25,7 +25,7 @@ from graph_fsdp.models import (
     synthetic_batch,
     transformer_layers,
 )
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.train import TrainConfig, checkpoint_layers, device_of, run
 
 
 class Skip(Exception):  # noqa: N818 - a verdict, not an error
@@ -46,25 +46,9 @@ class BenchSpec:
 # --------------------------------------------------------------------------------------------
 
 
-def device_of(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def checkpoint_layers(model: nn.Module) -> None:
-    """Activation checkpointing per layer, as ``train.run`` does for --recompute-activations."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in transformer_layers(model):
-        layer.forward = lambda *a, _f=layer.forward, **k: checkpoint(
-            _f, *a, use_reentrant=False, **k
-        )
 
 
 def _build(cfg: TrainConfig, device: torch.device) -> nn.Module:

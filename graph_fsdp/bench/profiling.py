@@ -21,10 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.bench.peers import checkpoint_layers, device_of
 from graph_fsdp.bench.trace import summarize_trace
 from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
-from graph_fsdp.train import TrainConfig, run, shard_model
+from graph_fsdp.train import TrainConfig, checkpoint_layers, device_of, run, shard_model
 
 
 @dataclass(frozen=True, kw_only=True)
