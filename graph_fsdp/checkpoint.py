@@ -123,13 +123,22 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a checkpoint written by :func:`save`, on any world size or strategy."""
+    """Load a checkpoint written by :func:`save`, on any world size or strategy.
+
+    Like ``Optimizer.load_state_dict``, the optimizer's hyperparameters (``lr``,
+    ``weight_decay``, ...) are restored from the checkpoint, replacing the values the
+    optimizer was constructed with; set them after loading to change them.
+    """
     refs = _refs(model)
     reader = dcp.FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     sd: dict = {}
     for ref in refs:
-        sd[f"model.{ref.fqn}"] = FlatPiece(ref.sharded.data, ref.global_offset, ref.shape.numel())
+        # detach(), not .data: the view shares main_flat's version counter, so the in-place
+        # load is visible to FlatParamGroup.stale() (the groups are also marked dirty below).
+        sd[f"model.{ref.fqn}"] = FlatPiece(
+            ref.sharded.detach(), ref.global_offset, ref.shape.numel()
+        )
     optim_values: dict = {}
     if optimizer is not None:
         by_fqn = {ref.fqn: ref for ref in refs}
@@ -155,6 +164,11 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ]
     dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner())
+    # The main weights changed in place: compute weights gathered (ZeRO-3) or kept
+    # (ZeRO-0/1/2) before the load must be refreshed by the next unshard.
+    for state in collect_states(model):
+        for g in state.groups:
+            g.dirty = True
     if optimizer is not None:
         by_fqn = {ref.fqn: ref for ref in refs}
         index = {

@@ -231,6 +231,19 @@ class FlatParamGroup:
             ref.unsharded = nn.Parameter(view, requires_grad=ref.sharded.requires_grad)
         self._grads_attached_to = None
 
+    def renew_unsharded(self) -> None:
+        """New unsharded parameter objects over the same buffer: fresh autograd leaves.
+
+        Before CUDA graph capture: a leaf's AccumulateGrad node is bound to the stream it was
+        created on, and one kept alive from an eager step (a live ``loss``) would make the
+        capture stream wait on the default stream.
+        """
+        if self.full is None:
+            return
+        for ref in self.params:
+            ref.unsharded = None
+        self._rebuild_unsharded(self.full)
+
     def use_unsharded(self) -> None:
         for ref in self.params:
             for module, name in ref.owners:

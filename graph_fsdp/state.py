@@ -1,9 +1,9 @@
 """Per-unit FSDP state: the hooks, as named lifecycle methods, and the shared root context.
 
-Hook registration (see ``register_hooks``) keeps capture in mind: the hooks that only
-*register* autograd backward handlers are separate wrappers that carry a sentinel attribute
-naming the handler (``_cuda_graph_backward_handler`` / ``_cuda_graph_backward_pre_handler``),
-so the capture layer can withhold the wrapper and route the handler to the backward keys.
+Hook registration (see ``register_hooks``) keeps capture in mind: the hooks are methods, and
+those that only *register* autograd backward handlers carry a sentinel naming the handler
+(``_cuda_graph_backward_handler`` / ``_cuda_graph_backward_pre_handler``), so the capture
+layer can withhold them and route the handler to the backward keys (hooks/module_hooks.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator, nvtx
 from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
 from graph_fsdp.buffers.trace_pool import TracePoolAllocator
 from graph_fsdp.comm import CommContext
+from graph_fsdp.hooks import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
 from graph_fsdp.param_group import FlatParamGroup
 
 
@@ -58,6 +59,10 @@ class RootContext:
     capturing: bool = False
     """Set by the capture layer: reductions are skipped while warming up/capturing layers."""
     backward_done: set[int] = field(default_factory=set)
+    grad_streams: list = field(default_factory=list)
+    """Extra streams that may still be adding into the unsharded ``.grad`` when a unit's
+    post-backward runs: AccumulateGrad runs on the stream its node was created on, and
+    TE's graphed callables keep nodes created on the capture stream alive (capture/)."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -107,11 +112,46 @@ class FSDPState:
     def register_hooks(self) -> None:
         m = self.module
         self._handles = [
-            m.register_forward_pre_hook(_pre_forward_hook(self), with_kwargs=True),
-            m.register_forward_pre_hook(_register_post_backward_hook(self), with_kwargs=True),
-            m.register_forward_hook(_post_forward_hook(self)),
-            m.register_forward_hook(_register_pre_backward_hook(self)),
+            m.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True),
+            m.register_forward_pre_hook(self._register_post_backward_hook, with_kwargs=True),
+            m.register_forward_hook(self._post_forward_hook),
+            m.register_forward_hook(self._register_pre_backward_hook),
         ]
+
+    # The hooks themselves. Sentinels (hooks/module_hooks.py, [Note: sentinel hooks]) name
+    # the methods the capture layer runs instead of them around warmup and capture.
+    @mark(CAPTURE_TIME_FN, "pre_forward")
+    def _pre_forward_hook(self, module, args, kwargs) -> None:
+        self.pre_forward()
+
+    @mark(CAPTURE_TIME_FN, "post_forward")
+    def _post_forward_hook(self, module, args, output) -> None:
+        self.post_forward()
+
+    @mark(BACKWARD_HANDLER, "capture_post_backward")
+    def _register_post_backward_hook(self, module, args, kwargs):
+        if not torch.is_grad_enabled() or in_backward():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return None
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    @mark(BACKWARD_PRE_HANDLER, "capture_pre_backward")
+    def _register_pre_backward_hook(self, module, args, output) -> None:
+        if not torch.is_grad_enabled() or in_backward():
+            return
+        flat, _ = tree_flatten(output)
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward_grad_hook)
+
+    def _pre_backward_grad_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
 
     @property
     def allocator(self) -> BufferAllocator:
@@ -229,6 +269,8 @@ class FSDPState:
                 if root.capturing:
                     self.allocator.free(group.grad_key, used_on=group._main_streams())
                     continue
+                for stream in root.grad_streams:
+                    self.comm.wait(self.comm.rs_stream, stream)
                 overwrite = not group.grads_defined()
                 group.reduce_grads(
                     self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
@@ -236,6 +278,18 @@ class FSDPState:
             if not self.is_root:
                 self.reshard()
             self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ capture time
+    # Around warmup and capture each captured callable runs its unit's handlers once per
+    # iteration, and several callables may share one unit (attn and mlp scopes): the
+    # once-per-backward guards must not hold there.
+    def capture_pre_backward(self) -> None:
+        self._pre_backward_done = False
+        self.pre_backward()
+
+    def capture_post_backward(self) -> None:
+        self._post_backward_done = False
+        self.post_backward()
 
     # ------------------------------------------------------------------ primitives
     def unshard(self) -> None:
@@ -282,62 +336,3 @@ def root_final_callback(root: RootContext):
             root.callback_queued = False
 
     return finish
-
-
-def _pre_forward_hook(state: FSDPState):
-    def hook(module, args, kwargs):
-        state.pre_forward()
-
-    hook._capture_time_fn = lambda module: state.pre_forward()
-    hook._graph_fsdp_state = state
-    return hook
-
-
-def _post_forward_hook(state: FSDPState):
-    def hook(module, args, output):
-        state.post_forward()
-
-    hook._capture_time_fn = lambda module: state.post_forward()
-    hook._graph_fsdp_state = state
-    return hook
-
-
-def _register_post_backward_hook(state: FSDPState):
-    def hook(module, args, kwargs):
-        if not torch.is_grad_enabled() or in_backward():
-            return None
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return None
-        outs = _PostBackward.apply(state, *[flat[i] for i in idx])
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
-
-    hook._cuda_graph_backward_handler = state.post_backward
-    hook._graph_fsdp_state = state
-    return hook
-
-
-def _register_pre_backward_hook(state: FSDPState):
-    def hook(module, args, output):
-        if not torch.is_grad_enabled() or in_backward():
-            return None
-        flat, _ = tree_flatten(output)
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(_pre_backward_tensor_hook(state))
-        return None
-
-    hook._cuda_graph_backward_pre_handler = state.pre_backward
-    hook._graph_fsdp_state = state
-    return hook
-
-
-def _pre_backward_tensor_hook(state: FSDPState):
-    def fn(grad):
-        state.pre_backward()
-        return None
-
-    return fn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import socket
@@ -46,6 +47,9 @@ def _entry(
         raise
     finally:
         if dist.is_initialized():
+            # Collect cycles that keep the engine (and its group) alive first, so that the group
+            # really is destroyed here, not by a gloo thread during interpreter shutdown.
+            gc.collect()
             dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ global batch) and returns per-step losses, step times and final full parameters.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -16,8 +17,10 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.data import batch_for
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import GPTConfig, build_model, transformer_layers
 
 
 @dataclass(kw_only=True)
@@ -60,10 +63,16 @@ class TrainConfig:
     """DCP checkpoint to resume from before training (steps continue at ``start_step``)."""
     start_step: int = 0
     """Data stream position of the first step (for resume)."""
+    data_path: str | None = None
+    """Training data: a flat numpy uint16 token file, read through np.memmap
+    (``np.array(ids, dtype=np.uint16).tofile(path)``); None = synthetic tokens."""
     fused_optimizer: bool = False
     """AdamW(fused=True)."""
     device: str = "cpu"
     """cpu or cuda."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) for the whole process (plus cuBLAS and
+    TransformerEngine settings): bit-reproducible eager runs, e.g. flash-attention backward."""
     log_path: str | None = None
     """JSON lines: one record per step (rank 0)."""
     return_params: bool = True
@@ -140,7 +149,44 @@ def checkpoint_layers(model: nn.Module) -> None:
         layer.forward = wrapped
 
 
+def make_graphs(model: nn.Module, cfg: TrainConfig):
+    """The CUDA graph runner ``cfg`` asks for (None for eager runs)."""
+    if cfg.cuda_graph_impl == "none":
+        return None
+    from graph_fsdp.capture import (
+        FullIterationGraphs,
+        GraphConfigError,
+        LayerwiseGraphs,
+        check_scopes,
+    )
+
+    if "full_iteration" in cfg.cuda_graph_scope:
+        if cfg.cuda_graph_impl != "torch":
+            raise GraphConfigError(
+                f"cuda_graph_scope full_iteration is captured with torch.cuda graphs, not "
+                f"cuda_graph_impl={cfg.cuda_graph_impl!r}: use --cuda-graph-impl torch"
+            )
+        check_scopes(cfg.cuda_graph_scope)
+        return FullIterationGraphs(model, warmup_steps=cfg.cuda_graph_warmup_steps)
+    if cfg.recompute:
+        raise GraphConfigError(
+            "recompute=True (--recompute-activations) re-runs layer forwards inside backward, "
+            "which layerwise CUDA graphs do not capture; turn recompute off, use "
+            "--cuda-graph-scope full_iteration, or cuda_graph_impl='none'"
+        )
+    return LayerwiseGraphs(
+        model,
+        impl=cfg.cuda_graph_impl,
+        scopes=cfg.cuda_graph_scope,
+        warmup_steps=cfg.cuda_graph_warmup_steps,
+    )
+
+
 def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        torch.use_deterministic_algorithms(True)
     device = device_of(cfg)
     torch.manual_seed(cfg.model.seed)
     reference = cfg.mode == "reference"
@@ -162,11 +208,14 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             from graph_fsdp import checkpoint as ckpt
 
             ckpt.load(cfg.load_path, model, optimizer)
+    graphs = None if reference else make_graphs(model, cfg)
     # The reference sees every rank's microbatches as one global batch.
     ranks = range(world_size) if reference else [rank]
     losses, times, eval_losses = [], [], []
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
+        if graphs is not None:
+            graphs.before_step()  # capture (after the warmup steps) is not timed
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -178,16 +227,15 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             # The reference runs every rank's microbatch in turn (MoE capacity is per
             # microbatch, so concatenating them would route tokens differently).
             for r in ranks:
-                x, y = synthetic_batch(
-                    cfg.model,
-                    cfg.micro_batch_size,
-                    step * cfg.grad_accum + micro,
-                    rank=r,
-                    device=device,
+                x, y = batch_for(
+                    cfg, step * cfg.grad_accum + micro, r, device, world_size=world_size
                 )
-                loss = model(x, y) / (cfg.grad_accum * len(ranks))
-                loss.backward()
-                step_loss += loss.detach()
+                denom = cfg.grad_accum * len(ranks)
+                if graphs is not None and hasattr(graphs, "forward_backward"):
+                    step_loss += graphs.forward_backward(micro, x, y, denom)
+                else:
+                    # No live autograd graph is kept (it would pin AccumulateGrad streams).
+                    step_loss += eager_forward_backward(model, x, y, denom)
         if reference:
             trainer.step()
         else:
@@ -202,9 +250,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         losses.append(step_loss.item())
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
-                xe, ye = synthetic_batch(
-                    cfg.model, cfg.micro_batch_size, 10**6 + step, rank=rank, device=device
-                )
+                xe, ye = batch_for(cfg, step, rank, device, eval=True, world_size=world_size)
                 eval_losses.append(model(xe, ye).item())
         if log is not None:
             log.write(
@@ -226,6 +272,8 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             from graph_fsdp.checkpoint import full_state_dict
 
             result["params"] = {k: v.cpu() for k, v in full_state_dict(model).items()}
+    if graphs is not None:
+        result["cuda_graphs"] = graphs.report()
     if cfg.device == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     if log is not None:

@@ -68,14 +68,15 @@ def plan_rows(job: BenchJob) -> list[Row]:
         rows.append(Row(name="graph_fsdp eager", runner=run_graph_fsdp, spec=eager))
     if "graph_fsdp_graphed" in job.rows and job.graph_impl != "none":
         for scopes in job.scope_sets or [[]]:
+            # full_iteration is always captured with torch.cuda graphs (collectives inside).
+            impl = "torch" if "full_iteration" in scopes else job.graph_impl
             graphed = replace(
-                spec,
-                cfg=replace(cfg, cuda_graph_impl=job.graph_impl, cuda_graph_scope=list(scopes)),
+                spec, cfg=replace(cfg, cuda_graph_impl=impl, cuda_graph_scope=list(scopes))
             )
             label = " ".join(scopes) or "layer"
             rows.append(
                 Row(
-                    name=f"graph_fsdp {job.graph_impl} [{label}]",
+                    name=f"graph_fsdp {impl} [{label}]",
                     runner=run_graph_fsdp,
                     spec=graphed,
                     skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",

@@ -3,7 +3,7 @@
     graph-fsdp bench --bf16 --num-layers 8 --hidden-size 2048 --num-attention-heads 16 \\
         --seq-length 2048 --micro-batch-size 2 --fsdp-double-buffer \\
         --fsdp-db-use-persist-buf-on-alloc-fail --cuda-graph-impl te \\
-        --scopes "" --scopes "full_iteration"
+        --scopes "" --scopes "attn"
     graph-fsdp bench --num-layers 2 --hidden-size 32 --num-attention-heads 4   # CPU, gloo
 
 One launch runs every row back to back on the same model, seeds and shapes: graph_fsdp eager,
@@ -23,15 +23,10 @@ import sys
 from graph_fsdp.bench.peers import BenchSpec
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import ROWS, BenchJob, bench_worker
+from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import (
-    add_common_args,
-    add_scope_sets_arg,
-    resolve,
-    scope_label,
-    scope_sets_from,
-)
+from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:

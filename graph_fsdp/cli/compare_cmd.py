@@ -1,14 +1,16 @@
 """``graph-fsdp compare``: are graphed runs bit-identical to the eager run?
 
     graph-fsdp compare --bf16 --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
-        --cuda-graph-impl te --scopes "" --scopes "attn" --scopes "full_iteration"
+        --cuda-graph-impl te --scopes "" --scopes "attn" --scopes "attn mlp"
     graph-fsdp compare --reference-strategy no_shard    # CPU: ZeRO-3 vs DDP, both eager
 
-Every run uses the same seeds, data and shapes. Per compared run it prints whether every
-step's loss and the final full parameters are bit-identical (``torch.equal``) to the
-reference, else the first differing step and the largest difference. Exit status 1 when any
-run differs. Without CUDA no graph can be captured, so on CPU the reference is an eager run
-of ``--reference-strategy`` and the compared run an eager run of
+Every run uses the same seeds, data and shapes, and deterministic algorithms
+(``--deterministic`` is on by default here, ``--no-deterministic`` turns it off: flash-attention
+backward is otherwise nondeterministic, so not even two eager runs would match). Per compared
+run it prints whether every step's loss and the final full parameters are bit-identical
+(``torch.equal``) to the reference, else the first differing step and the largest difference.
+Exit status 1 when any run differs. Without CUDA no graph can be captured, so on CPU the
+reference is an eager run of ``--reference-strategy`` and the compared run an eager run of
 ``--data-parallel-sharding-strategy``.
 """
 
@@ -22,15 +24,10 @@ from dataclasses import replace
 import torch
 
 from graph_fsdp.api import STRATEGIES
+from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import (
-    add_common_args,
-    add_scope_sets_arg,
-    resolve,
-    scope_label,
-    scope_sets_from,
-)
+from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
 from graph_fsdp.train import TrainConfig, run
 
 
@@ -41,7 +38,9 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         formatter_class=formatter,
         description=__doc__,
     )
-    add_common_args(p, iters_default=10, iters_help="Steps of every run.")
+    add_common_args(
+        p, iters_default=10, iters_help="Steps of every run.", deterministic_default=True
+    )
     g = p.add_argument_group("comparison")
     add_scope_sets_arg(g)
     g.add_argument(
@@ -202,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(
         f"graph-fsdp compare: reference {run_label(reference)}; {base.steps} steps on "
-        f"{res.plan.describe()}"
+        f"{res.plan.describe()}; deterministic algorithms {'on' if base.deterministic else 'off'}"
         + (
             f"; compared runs' lr scaled by 1+{args.inject_difference:g}"
             if args.inject_difference

@@ -4,7 +4,7 @@
     graph-fsdp compare --cuda-graph-impl te --scopes "" --scopes "attn" --fsdp-double-buffer \\
                        --fsdp-db-use-persist-buf-on-alloc-fail --bf16
     graph-fsdp compare --reference-strategy no_shard          # CPU: strategy vs strategy
-    graph-fsdp bench   --bf16 --cuda-graph-impl te --scopes "" --scopes full_iteration ...
+    graph-fsdp bench   --bf16 --cuda-graph-impl te --scopes "" --scopes attn ...
     graph-fsdp profile --train-iters 3
 
 Without a launcher every command spawns its local ranks (all GPUs, or ``--nproc`` gloo

@@ -11,18 +11,25 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from graph_fsdp.api import STRATEGIES
+from graph_fsdp.api import STRATEGIES, BufferPolicy
+from graph_fsdp.capture.scopes import (
+    GRAPH_IMPLS,
+    MOE_SCOPES,
+    SCOPES,
+    GraphConfigError,
+    check_static_buffers,
+    scope_label,
+)
+from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import LaunchPlan, resolve_plan
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.train import TrainConfig
 
-SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration")
-"""Megatron's --cuda-graph-scope vocabulary; no scope at all means the whole layer."""
-GRAPH_IMPLS = ("none", "te", "torch")
-MOE_SCOPES = ("moe", "moe_router", "moe_preprocess")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+"""Megatron's --transformer-impl: the reference torch layers or TransformerEngine layers."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,6 +71,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Layer i is MoE when i %% freq == 0 (1: every layer; 2: alternate).",
     )
     g.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="local",
+        help="local: the reference torch layers; transformer_engine: TransformerEngine "
+        "TransformerLayer layers (dense models only; CUDA and TransformerEngine needed).",
+    )
+    g.add_argument(
         "--seed",
         type=int,
         default=1234,
@@ -72,7 +86,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_training_args(
-    parser: argparse.ArgumentParser, *, iters_default: int, iters_help: str
+    parser: argparse.ArgumentParser,
+    *,
+    iters_default: int,
+    iters_help: str,
+    deterministic_default: bool = False,
 ) -> None:
     g = parser.add_argument_group("training")
     g.add_argument(
@@ -98,6 +116,29 @@ def add_training_args(
         action="store_true",
         help="Activation checkpointing of every transformer layer.",
     )
+    if deterministic_default:
+        g.add_argument(
+            "--deterministic",
+            action="store_true",
+            default=True,
+            help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8 and "
+            "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 in every run. On by default here: without it "
+            "flash-attention backward is nondeterministic, so not even eager is reproducible.",
+        )
+        g.add_argument(
+            "--no-deterministic",
+            dest="deterministic",
+            action="store_false",
+            help="Turn the default --deterministic off: nondeterministic algorithms allowed "
+            "(faster; even two eager runs may then differ by rounding).",
+        )
+    else:
+        g.add_argument(
+            "--deterministic",
+            action="store_true",
+            help="torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8 and "
+            "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0: bit-reproducible runs (slower).",
+        )
     g.add_argument(
         "--eval-interval",
         type=int,
@@ -155,7 +196,8 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         metavar="SCOPE",
         help=f"What to capture: any of {', '.join(SCOPES)}. No scope (or the flag "
         "with no value): the whole layer. moe_preprocess requires moe_router; "
-        "full_iteration stands alone.",
+        "full_iteration stands alone (forward+backward of the whole model in one graph per "
+        "microbatch, FSDP collectives inside; torch impl, static buffers).",
     )
     g.add_argument(
         "--cuda-graph-warmup-steps",
@@ -183,10 +225,19 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_common_args(
-    parser: argparse.ArgumentParser, *, iters_default: int, iters_help: str
+    parser: argparse.ArgumentParser,
+    *,
+    iters_default: int,
+    iters_help: str,
+    deterministic_default: bool = False,
 ) -> None:
     add_model_args(parser)
-    add_training_args(parser, iters_default=iters_default, iters_help=iters_help)
+    add_training_args(
+        parser,
+        iters_default=iters_default,
+        iters_help=iters_help,
+        deterministic_default=deterministic_default,
+    )
     add_fsdp_args(parser)
     add_graph_args(parser)
     add_launch_args(parser)
@@ -210,6 +261,12 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
             f"--num-attention-heads {args.num_attention_heads} does not divide --hidden-size "
             f"{args.hidden_size}; use a head count that divides it (e.g. {nearest})"
         )
+    if args.transformer_impl == "transformer_engine" and args.num_experts is not None:
+        raise CLIError(
+            "--transformer-impl transformer_engine builds dense TransformerEngine layers, but "
+            f"--num-experts {args.num_experts} asks for an MoE model: drop --num-experts, or use "
+            "--transformer-impl local for MoE models"
+        )
     try:
         return GPTConfig(
             num_layers=args.num_layers,
@@ -222,6 +279,7 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
             moe_router_topk=args.moe_router_topk,
             moe_layer_freq=args.moe_layer_freq,
             seed=args.seed,
+            transformer_impl=args.transformer_impl,
         )
     except ValueError as err:
         raise CLIError(re.sub(r"GPTConfig\.(\w+)", lambda m: _flag(m.group(1)), str(err))) from err
@@ -275,36 +333,17 @@ def scope_sets_from(args: argparse.Namespace) -> tuple[list[list[str]], str]:
     return ([[]] if args.cuda_graph_impl != "none" else []), "--scopes"
 
 
-def scope_label(scopes: list[str]) -> str:
-    return " ".join(scopes) if scopes else "layer"
-
-
 def check_scopes(scopes: list[str], model: GPTConfig, *, flag: str) -> list[str]:
-    """Reject unknown, repeated or conflicting scopes and scopes the model does not have."""
-    for s in scopes:
-        if s not in SCOPES:
-            raise CLIError(
-                f"{flag}: unknown scope {s!r}; accepted scopes are {', '.join(SCOPES)} "
-                "(no scope at all captures the whole layer)"
-            )
-        if scopes.count(s) > 1:
-            raise CLIError(f"{flag}: scope {s!r} is given more than once; list it once")
-    if "full_iteration" in scopes and len(scopes) > 1:
-        others = " ".join(s for s in scopes if s != "full_iteration")
-        raise CLIError(
-            f"{flag}: full_iteration captures the whole forward+backward and cannot be combined "
-            f"with {others}; pass full_iteration alone, or only layer scopes"
-        )
-    if "moe_preprocess" in scopes and "moe_router" not in scopes:
-        raise CLIError(
-            f"{flag}: moe_preprocess requires moe_router (the preprocess consumes the router's "
-            f"captured outputs); add moe_router, e.g. {flag} moe_router moe_preprocess"
-        )
-    if "moe" in scopes and ("moe_router" in scopes or "moe_preprocess" in scopes):
-        raise CLIError(
-            f"{flag}: moe already captures the whole MoE layer including its router; use either "
-            "moe, or moe_router [moe_preprocess]"
-        )
+    """Reject unknown, repeated or conflicting scopes and scopes the model does not have.
+
+    The model-independent rules are the engine's (:func:`graph_fsdp.capture.scopes.check_scopes`,
+    same messages); the checks against the model's shape are the CLI's, made before any model
+    exists.
+    """
+    try:
+        check_scope_rules(scopes, flag=flag)
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
     moe_wanted = [s for s in scopes if s in MOE_SCOPES]
     if moe_wanted and model.num_experts is None:
         raise CLIError(
@@ -342,19 +381,19 @@ def allocator_of(args: argparse.Namespace) -> str:
 
 
 def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
-    """Layerwise graphs replay fixed addresses: FSDP's buffers must never move."""
-    if "full_iteration" in scopes:
-        return  # the whole step is captured, allocations included (graph-private pool)
-    missing = []
-    if allocator_of(args) == "dynamic":
-        missing.append("--fsdp-double-buffer (or --fsdp-trace-pool)")
-    if not args.fsdp_db_use_persist_buf_on_alloc_fail:
-        missing.append("--fsdp-db-use-persist-buf-on-alloc-fail")
-    if missing:
-        raise CLIError(
-            f"layerwise CUDA graphs ({flag} {scope_label(scopes)}) with FSDP replay fixed buffer "
-            f"addresses, so FSDP's unsharded buffers must be static: add {' and '.join(missing)}"
-        )
+    """Layerwise graphs replay fixed addresses: FSDP's buffers must never move.
+
+    The rule (and its message) is the engine's :func:`graph_fsdp.capture.scopes.
+    check_static_buffers`, applied to the BufferPolicy the flags build.
+    """
+    policy = BufferPolicy(
+        allocator=allocator_of(args),
+        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+    )
+    try:
+        check_static_buffers(policy, scopes, flag=flag)
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
 
 
 def check_graph_environment(
@@ -372,6 +411,22 @@ def check_graph_environment(
         raise CLIError(
             "--cuda-graph-impl te needs TransformerEngine >= 2.19, which is not importable: "
             "install graph-fsdp[te] or use --cuda-graph-impl torch"
+        )
+
+
+def check_transformer_environment(impl: str, plan: LaunchPlan) -> None:
+    """--transformer-impl transformer_engine needs CUDA and an importable TransformerEngine."""
+    if impl != "transformer_engine":
+        return
+    if plan.device != "cuda":
+        raise CLIError(
+            f"--transformer-impl transformer_engine needs a CUDA device, but this run is on "
+            f"{plan.device} (no CUDA available, or --device cpu); use --transformer-impl local"
+        )
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise CLIError(
+            "--transformer-impl transformer_engine needs TransformerEngine, which is not "
+            "importable: install graph-fsdp[te] or use --transformer-impl local"
         )
 
 
@@ -439,6 +494,12 @@ def resolve(
         check_scopes(scopes, model, flag=scope_flag)
         if impl != "none":
             check_graph_buffers(args, scopes, flag=scope_flag)
+        if impl != "none" and args.recompute_activations and "full_iteration" not in scopes:
+            raise CLIError(
+                f"--recompute-activations re-runs layer forwards inside backward, which layerwise "
+                f"CUDA graphs ({scope_flag} {scope_label(scopes)}) do not capture: drop "
+                "--recompute-activations, or use --cuda-graph-impl none"
+            )
     if impl != "none" and (graph_steps or args.train_iters) <= args.cuda_graph_warmup_steps:
         raise CLIError(
             f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
@@ -446,6 +507,7 @@ def resolve(
         )
     if not (graphs_optional and plan.device != "cuda"):
         check_graph_environment(impl, plan, cpu_hint)
+    check_transformer_environment(args.transformer_impl, plan)
     cfg = TrainConfig(
         model=model,
         strategy=args.data_parallel_sharding_strategy,
@@ -459,6 +521,7 @@ def resolve(
         allocator=allocator,
         persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
         recompute=args.recompute_activations,
+        deterministic=args.deterministic,
         eval_interval=args.eval_interval,
         device=plan.device,
         return_params=False,
@@ -467,17 +530,3 @@ def resolve(
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
     )
     return Resolved(plan=plan, cfg=cfg)
-
-
-def with_extra(cfg: TrainConfig, extra: dict[str, object]) -> tuple[TrainConfig, dict[str, object]]:
-    """Move the entries of ``extra`` that TrainConfig has a field for into ``cfg``.
-
-    Returns the new config and what it could not take (so a newer engine picks new flags up
-    without a CLI change, and an older one can warn about them).
-    """
-    from dataclasses import replace
-
-    names = {f.name for f in fields(TrainConfig)}
-    known = {k: v for k, v in extra.items() if k in names}
-    unknown = {k: v for k, v in extra.items() if k not in names}
-    return replace(cfg, **known), unknown

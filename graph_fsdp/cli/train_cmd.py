@@ -20,10 +20,10 @@ import threading
 from dataclasses import dataclass, replace
 from statistics import median
 
-from graph_fsdp.cli.data import check_token_file
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import add_common_args, check_positive, resolve, with_extra
+from graph_fsdp.cli.options import add_common_args, check_positive, resolve
+from graph_fsdp.data import check_token_file
 from graph_fsdp.models import model_flops_per_token
 from graph_fsdp.train import TrainConfig, run
 
@@ -65,7 +65,8 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         "--data-path",
         default=None,
         metavar="FILE",
-        help="Flat uint16 token file (np.memmap). Default: synthetic tokens.",
+        help="Flat uint16 token file (np.memmap; np.array(ids, dtype=np.uint16).tofile(FILE)), "
+        "ids < --vocab-size. Default: synthetic tokens.",
     )
     g.add_argument(
         "--log-json",
@@ -247,20 +248,12 @@ def main(args: argparse.Namespace) -> int:
         save_at=save_at,
         load_path=args.load,
     )
-    extra: dict[str, object] = {}
     if args.data_path:
         try:
             check_token_file(args.data_path, cfg.model.seq_length, cfg.model.vocab_size)
         except ValueError as err:
             raise CLIError(str(err)) from err
-        extra["data_path"] = os.path.abspath(args.data_path)
-    cfg, unsupported = with_extra(cfg, extra)
-    if "data_path" in unsupported:
-        print(
-            f"note: --data-path {args.data_path} is valid, but this engine's TrainConfig has no "
-            "data_path field yet: training uses synthetic tokens",
-            file=sys.stderr,
-        )
+        cfg = replace(cfg, data_path=os.path.abspath(args.data_path))
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
     stats = StepStats(
@@ -299,6 +292,8 @@ def format_summary(
         f"{stats.enrich({'step_time_s': step_s}).get('tflops_per_gpu', 0.0):.3f} TFLOP/s per GPU | "
         f"peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
     ]
+    if cfg.data_path:
+        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
     if out.get("eval_losses"):
         lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))
     if args.log_json:

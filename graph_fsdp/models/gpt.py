@@ -100,6 +100,11 @@ class GPTConfig:
     seed: int = 1234
     """Root of every random stream (weights and synthetic batches)."""
 
+    transformer_impl: str = "local"
+    """Megatron's --transformer-impl: ``local`` builds the torch layers of this file,
+    ``transformer_engine`` builds ``te.pytorch.TransformerLayer`` layers (dense only, CUDA;
+    initialised from the global RNG, which ``train.run`` seeds)."""
+
     def __post_init__(self) -> None:
         _require_positive_int("vocab_size", self.vocab_size, "use the tokenizer's vocab size")
         _require_positive_int("num_layers", self.num_layers, "use at least one layer")
@@ -149,6 +154,17 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.moe_capacity_factor={factor!r} is invalid: expected a float > 0 "
                 "(1.0 gives each expert its fair share of tokens)"
+            )
+
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(
+                f"GPTConfig.transformer_impl={self.transformer_impl!r} is invalid: expected "
+                "'local' or 'transformer_engine'"
+            )
+        if self.transformer_impl == "transformer_engine" and self.num_experts is not None:
+            raise ValueError(
+                "GPTConfig.transformer_impl='transformer_engine' builds dense TE layers, but "
+                f"num_experts={self.num_experts}: use transformer_impl='local' for MoE models"
             )
 
     @property
@@ -528,6 +544,33 @@ class TransformerLayer(nn.Module):
         return x + ffn(x)
 
 
+def _te_layer(config: GPTConfig, layer_number: int) -> nn.Module:
+    """A TransformerEngine layer of the same shape: pre-RMSNorm, causal attention, GELU MLP."""
+    try:
+        import transformer_engine.pytorch as te  # noqa: PLC0415
+    except ImportError as err:
+        raise ImportError(
+            "GPTConfig.transformer_impl='transformer_engine' needs TransformerEngine: pip "
+            "install graph-fsdp[te], or use transformer_impl='local'"
+        ) from err
+    return te.TransformerLayer(
+        config.hidden_size,
+        config.ffn_hidden_size,
+        config.num_attention_heads,
+        layernorm_epsilon=_NORM_EPS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layer_number=layer_number + 1,
+        self_attn_mask_type="causal",
+        normalization="RMSNorm",
+        bias=False,
+        attn_input_format="bshd",
+        seq_length=config.seq_length,
+        params_dtype=torch.float32,
+        device=torch.get_default_device(),
+    )
+
+
 class GPTModel(nn.Module):
     """Decoder-only GPT with learned absolute positions and an untied output projection."""
 
@@ -538,9 +581,8 @@ class GPTModel(nn.Module):
             h = config.hidden_size
             self.embedding = _SeededEmbedding(config.vocab_size, h, config)
             self.position_embedding = _SeededEmbedding(config.seq_length, h, config)
-            self.layers = nn.ModuleList(
-                TransformerLayer(config, i) for i in range(config.num_layers)
-            )
+            layer = TransformerLayer if config.transformer_impl == "local" else _te_layer
+            self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
             self.final_norm = _rms_norm(config)
             self.output = _SeededLinear(h, config.vocab_size, config)
 

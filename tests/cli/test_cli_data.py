@@ -1,4 +1,5 @@
-"""TokenFileDataset: deterministic (step, rank) batches from a flat uint16 token file."""
+"""Token files (graph_fsdp.data): deterministic (step, rank) batches; batch_for, train.run's
+data source (token file or synthetic)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from graph_fsdp.cli.data import TokenFileDataset, check_token_file
+from graph_fsdp.data import EVAL_STEP_OFFSET, TokenFileDataset, batch_for, check_token_file
+from graph_fsdp.models import GPTConfig, synthetic_batch
+from graph_fsdp.train import TrainConfig
 
 
 @pytest.fixture
@@ -60,3 +63,53 @@ def test_bad_files_and_arguments(tmp_path, token_file) -> None:
     ds = TokenFileDataset(token_file, seq_length=10, world_size=2)
     with pytest.raises(ValueError, match="rank=2"):
         ds.batch(1, 0, rank=2)
+
+
+def test_cli_data_reexports_the_engine_module() -> None:
+    from graph_fsdp.cli import data as cli_data
+
+    assert cli_data.TokenFileDataset is TokenFileDataset
+    assert cli_data.check_token_file is check_token_file
+
+
+def test_stream_offset_shifts_whole_batches(token_file) -> None:
+    ds = TokenFileDataset(token_file, seq_length=10, world_size=2)
+    x, _ = ds.batch(2, step=0, rank=1, sample_offset=5)  # samples 5 + 2, 5 + 3
+    assert torch.equal(x[:, 0], torch.tensor([70, 80]))
+
+
+MODEL = GPTConfig(
+    vocab_size=128, num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16
+)
+
+
+def test_batch_for_without_data_path_is_synthetic_batch() -> None:
+    cfg = TrainConfig(model=MODEL, micro_batch_size=3)
+    for got, want in [
+        (batch_for(cfg, 5, 1, "cpu"), synthetic_batch(MODEL, 3, 5, rank=1)),
+        (batch_for(cfg, 5, 1, "cpu", eval=True), synthetic_batch(MODEL, 3, 10**6 + 5, rank=1)),
+    ]:
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert EVAL_STEP_OFFSET == 10**6
+
+
+def test_batch_for_reads_the_token_file_like_synthetic_batch_is_shaped(tmp_path) -> None:
+    path = tmp_path / "tokens.bin"
+    tokens = np.random.default_rng(0).integers(0, 128, 40 * 16 + 1).astype(np.uint16)
+    tokens.tofile(path)
+    cfg = TrainConfig(model=MODEL, micro_batch_size=2, data_path=str(path))
+    x, y = batch_for(cfg, 3, 1, "cpu", world_size=2)
+    sx, sy = synthetic_batch(MODEL, 2, 3, rank=1)
+    assert (x.shape, y.shape, x.dtype, y.dtype) == (sx.shape, sy.shape, sx.dtype, sy.dtype)
+    first = (3 * 2 + 1) * 2  # (step_index * world_size + rank) * micro_batch_size
+    want = torch.from_numpy(tokens.astype(np.int64))
+    assert torch.equal(x[0], want[first * 16 : first * 16 + 16])
+    assert torch.equal(y[1], want[(first + 1) * 16 + 1 : (first + 1) * 16 + 17])
+    # Same (step_index, rank): same batch (what a resumed run relies on).
+    assert torch.equal(batch_for(cfg, 3, 1, "cpu", world_size=2)[0], x)
+    # Eval reads another region: half the file (20 samples) further on.
+    xe, _ = batch_for(cfg, 3, 1, "cpu", eval=True, world_size=2)
+    assert torch.equal(xe[0], want[(first + 20) * 16 : (first + 20) * 16 + 16])
+    assert not torch.equal(xe, x)
+    with pytest.raises(ValueError, match="rank=1"):
+        batch_for(cfg, 0, 1, "cpu")  # a file's ranks need the data-parallel size

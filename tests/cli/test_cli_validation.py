@@ -89,9 +89,12 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
         # layerwise graphs need static FSDP buffers
         (
             ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn"],
+            # the engine's check_static_buffers message: BufferPolicy fields and their flags
             [
-                "add --fsdp-double-buffer (or --fsdp-trace-pool) and "
-                "--fsdp-db-use-persist-buf-on-alloc-fail"
+                "unsharded buffers must be static",
+                "(--fsdp-double-buffer) or",
+                "(--fsdp-trace-pool) and",
+                "(--fsdp-db-use-persist-buf-on-alloc-fail)",
             ],
         ),
         (
@@ -100,7 +103,14 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
         ),
         (
             ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"],
-            ["add --fsdp-db-use-persist-buf-on-alloc-fail"],
+            [
+                "must be static: set BufferPolicy(persist_on_alloc_fail=True) "
+                "(--fsdp-db-use-persist-buf-on-alloc-fail)"
+            ],
+        ),
+        (
+            ["--cuda-graph-impl", "torch", *STATIC, "--recompute-activations"],
+            ["--recompute-activations re-runs layer forwards", "(--cuda-graph-scope layer)"],
         ),
         (
             ["--fsdp-db-use-persist-buf-on-alloc-fail"],
@@ -254,3 +264,61 @@ def test_every_flag_has_help(capsys: pytest.CaptureFixture) -> None:
 def test_profile_nsys_needs_cuda(capsys: pytest.CaptureFixture) -> None:
     err = error_of(capsys, "profile", *TINY, "--profiler", "nsys")
     assert "--profiler nsys traces CUDA work" in err and "--profiler torch" in err
+
+
+def _args(command: str, *argv: str):
+    from graph_fsdp.cli.main import build_parser
+
+    return build_parser().parse_args([command, *TINY, *argv])
+
+
+def test_transformer_impl_maps_to_gpt_config_and_is_checked(capsys: pytest.CaptureFixture) -> None:
+    from graph_fsdp.cli.options import model_config
+
+    assert model_config(_args("train")).transformer_impl == "local"
+    te = model_config(_args("train", "--transformer-impl", "transformer_engine"))
+    assert te.transformer_impl == "transformer_engine"
+    err = error_of(capsys, "train", *TINY, "--transformer-impl", "transformer_engine", *MOE)
+    assert "--transformer-impl transformer_engine" in err and "drop --num-experts" in err
+    if not torch.cuda.is_available():
+        err = error_of(capsys, "train", *TINY, "--transformer-impl", "transformer_engine")
+        assert "--transformer-impl transformer_engine needs a CUDA device" in err
+        assert "--transformer-impl local" in err
+    with pytest.raises(SystemExit):
+        main(["train", *TINY, "--transformer-impl", "te"])  # Megatron's spelling only
+    assert "invalid choice: 'te'" in capsys.readouterr().err
+
+
+def test_deterministic_is_opt_in_for_train_and_default_for_compare() -> None:
+    from graph_fsdp.cli.options import resolve
+
+    assert resolve(_args("train")).cfg.deterministic is False
+    assert resolve(_args("train", "--deterministic")).cfg.deterministic is True
+    assert resolve(_args("profile", "--deterministic")).cfg.deterministic is True
+    assert resolve(_args("compare")).cfg.deterministic is True
+    assert resolve(_args("compare", "--no-deterministic")).cfg.deterministic is False
+
+
+@pytest.mark.parametrize(
+    "scopes",
+    [
+        ["attention"],
+        ["attn", "attn"],
+        ["full_iteration", "attn"],
+        ["moe_preprocess"],
+        ["moe", "moe_router"],
+    ],
+)
+def test_scope_rules_are_the_engines(scopes: list[str]) -> None:
+    """The CLI delegates model-independent scope rules to graph_fsdp.capture.scopes."""
+    from graph_fsdp.capture import scopes as engine
+    from graph_fsdp.cli import options
+    from graph_fsdp.cli.errors import CLIError
+    from graph_fsdp.models import GPTConfig
+
+    assert options.SCOPES is engine.SCOPES and options.GRAPH_IMPLS is engine.GRAPH_IMPLS
+    with pytest.raises(engine.GraphConfigError) as engine_err:
+        engine.check_scopes(scopes, flag="--scopes")
+    with pytest.raises(CLIError) as cli_err:
+        options.check_scopes(scopes, GPTConfig(num_experts=4), flag="--scopes")
+    assert str(cli_err.value) == str(engine_err.value)

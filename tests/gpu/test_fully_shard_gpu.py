@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -16,12 +15,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
 ]
-for var, value in (
-    ("NCCL_NVLS_ENABLE", "0"),
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-    ("NVSHMEM_DISABLE_NVLS", "1"),
-):
-    os.environ.setdefault(var, value)
 
 SMALL = GPTConfig(
     vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256
@@ -48,14 +41,16 @@ def _profile_overlap(rank: int, world: int) -> dict:
 
     cfg = TrainConfig(
         model=dataclasses.replace(
-            SMALL, hidden_size=1024, num_attention_heads=8, num_layers=6, seq_length=1024
+            SMALL, hidden_size=2048, num_attention_heads=16, num_layers=4, seq_length=2048
         ),
         bf16=True,
     )
     model = build_model(cfg.model, device=torch.device("cuda", rank))
     shard_model(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = synthetic_batch(cfg.model, 4, 0, rank=rank, device=torch.device("cuda", rank))
+    # GPU-bound (~5 ms of compute per layer): at hidden 1024 the eager step is host-bound,
+    # every kernel runs as soon as it is issued and nothing is left to overlap.
+    x, y = synthetic_batch(cfg.model, 2, 0, rank=rank, device=torch.device("cuda", rank))
     for _ in range(2):
         model(x, y).backward()
         opt.step()

@@ -1,0 +1,273 @@
+"""One captured callable: its call signature, its graphs, and how it replays.
+
+[Note: gradients of graphed modules] The pure-PyTorch backend captures the backward with
+``torch.autograd.grad(outputs, static_inputs + params)`` and adds the parameter gradients
+*inside the graph* into the parameters' preset ``.grad`` - FSDP's zeroed ``grad_full`` views
+at static addresses (param_group.py) - exactly as autograd's AccumulateGrad does in eager
+mode (``grad += g``), so eager and graphed gradients are bit-identical and no per-parameter
+host work is left for replay. (No AccumulateGrad node runs during capture: one created on
+the default stream in an eager step would pull that stream into the capture.) The parameters
+are still inputs of the replay Function (so its outputs require grad whenever they do) and
+get ``None`` back. TE's backend returns parameter gradients instead; AccumulateGrad adds
+them eagerly (the same ``grad += g`` on zeroed grads, so also bit-identical).
+
+[Note: capture and replay order] All forward graphs are captured first, in execution order,
+then all backward graphs in reverse, in one shared memory pool - the order training replays
+them. Memory a graph frees during capture (a backward releasing the activations its forward
+saved) is only reused by graphs captured - hence replayed - after it, so replay never
+overwrites a tensor a later replay still reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.capture.scopes import Target
+
+CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
+
+
+class CallSignature:
+    """The flattened ``(args, kwargs)`` of a call: tensor metadata plus non-tensor constants.
+
+    A call matches when its structure and constants are equal and every tensor has the same
+    shape, dtype, device and requires_grad; only matching calls replay (a graph reads and
+    writes fixed-size buffers, so any other call runs eagerly).
+    """
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        flat, self.spec = tree_flatten((args, kwargs))
+        self.tensor_index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
+        self.metas = [_meta(flat[i]) for i in self.tensor_index]
+        self.samples = [flat[i].detach().clone() for i in self.tensor_index]
+
+    def tensors_of(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The call's tensors in signature order, or None if the call does not match."""
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self.spec:
+            return None
+        tensors = []
+        for x, const in zip(flat, self.consts):
+            if isinstance(x, torch.Tensor):
+                tensors.append(x)
+            elif not _same(x, const):
+                return None
+        if any(_meta(t) != m for t, m in zip(tensors, self.metas)):
+            return None
+        return tensors
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
+        flat = list(self.consts)
+        for i, t in zip(self.tensor_index, tensors):
+            flat[i] = t
+        return tree_unflatten(flat, self.spec)
+
+    def describe(self) -> str:
+        return ", ".join(f"{tuple(s)}:{str(d).replace('torch.', '')}" for s, d, _, _ in self.metas)
+
+
+def describe_call(args: tuple, kwargs: dict) -> str:
+    """The tensors of a call, as :meth:`CallSignature.describe` prints them (no copies)."""
+    flat, _ = tree_flatten((args, kwargs))
+    return ", ".join(
+        f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}"
+        for t in flat
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.requires_grad)
+
+
+def _same(a, b) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # noqa: BLE001 - uncomparable constants do not match
+        return False
+
+
+class CapturedCallable:
+    """A target module, the signature it was captured with and its graphs (one record)."""
+
+    def __init__(self, target: Target, orig_forward: Callable) -> None:
+        self.target = target
+        self.name = target.name
+        self.module = target.module
+        self.orig_forward = orig_forward
+        self.signature: CallSignature | None = None
+        self.params: tuple[nn.Parameter, ...] = ()
+        self.static_inputs: list[torch.Tensor] = []
+        # torch backend
+        self.fwd_graph: torch.cuda.CUDAGraph | None = None
+        self.bwd_graph: torch.cuda.CUDAGraph | None = None
+        self.static_outputs: list[torch.Tensor] = []
+        self.out_spec = None
+        self.out_requires_grad: list[bool] = []
+        self.static_grad_outputs: list[torch.Tensor | None] = []
+        self.static_grad_inputs: list[torch.Tensor | None] = []
+        # te backend: the module TE returned (its forward replays)
+        self.te_callable: nn.Module | None = None
+        self.replays = 0
+        self.fallbacks = 0
+
+    @property
+    def captured(self) -> bool:
+        return self.fwd_graph is not None or self.te_callable is not None
+
+    def prepare(self) -> None:
+        """Fresh static inputs from the recorded sample and the module's current params."""
+        sig = self.signature
+        self.static_inputs = [
+            s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)
+        ]
+        self.params = tuple(self.module.parameters())
+
+    def drop(self) -> None:
+        self.fwd_graph = self.bwd_graph = self.te_callable = None
+        self.static_inputs, self.static_outputs = [], []
+        self.static_grad_outputs, self.static_grad_inputs = [], []
+        self.params = ()
+
+    # ------------------------------------------------------------------ eager pieces
+    def forward_eager(self) -> list[torch.Tensor]:
+        """The original forward on the static inputs (warmup and capture)."""
+        args, kwargs = self.signature.rebuild(self.static_inputs)
+        flat, self.out_spec = tree_flatten(self.orig_forward(*args, **kwargs))
+        if not all(isinstance(o, torch.Tensor) for o in flat):
+            kinds = [type(o).__name__ for o in flat]
+            raise TypeError(
+                f"{self.name} returns {kinds}: a graphed module must return tensors only "
+                "(a tensor or a nested tuple/list/dict of tensors)"
+            )
+        return flat
+
+    def backward_eager(self, outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Backward of ``outputs``: returns the inputs' grads, adds the params' into ``.grad``.
+
+        ``torch.autograd.grad`` rather than ``backward``: no AccumulateGrad node runs, so the
+        whole backward stays on the capture stream (see [Note: gradients of graphed modules]).
+        """
+        if not self.static_grad_outputs:
+            self.static_grad_outputs = [
+                torch.zeros_like(o) if o.requires_grad else None for o in outputs
+            ]
+        pairs = [(o, g) for o, g in zip(outputs, self.static_grad_outputs) if g is not None]
+        inputs = [x for x in self.static_inputs if x.requires_grad]
+        params = [p for p in self.params if p.requires_grad]
+        if not pairs or not (inputs or params):
+            return [None] * len(self.static_inputs)
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], inputs + params, [g for _, g in pairs], allow_unused=True
+        )
+        for p, g in zip(params, grads[len(inputs) :]):
+            if g is None:
+                continue
+            if p.grad is None:
+                raise RuntimeError(
+                    f"{self.name}: a parameter of shape {tuple(p.shape)} has no preset .grad at "
+                    "capture; graphed modules must belong to a fully_shard-ed unit, whose "
+                    "pre-backward presets the gradients the graph accumulates into"
+                )
+            p.grad.add_(g)  # what AccumulateGrad does with a defined grad: bit-identical
+        it = iter(grads[: len(inputs)])
+        return [next(it) if x.requires_grad else None for x in self.static_inputs]
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, tensors: list[torch.Tensor]):
+        self.replays += 1
+        with nvtx_range(f"graph_fsdp/replay/{self.name}"):
+            if self.te_callable is not None:
+                return self.te_callable(*tensors)
+            outs = _Replay.apply(self, *tensors, *self.params)
+            return tree_unflatten(list(outs), self.out_spec)
+
+
+class _Replay(torch.autograd.Function):
+    """Replays the forward graph; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, cap: CapturedCallable, *inputs: torch.Tensor):
+        for static, x in zip(cap.static_inputs, inputs):
+            if static.data_ptr() != x.data_ptr():
+                static.copy_(x)
+        cap.fwd_graph.replay()
+        ctx.cap = cap
+        outs = tuple(o.detach() for o in cap.static_outputs)
+        ctx.mark_non_differentiable(*(o for o, rg in zip(outs, cap.out_requires_grad) if not rg))
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads: torch.Tensor | None):
+        cap: CapturedCallable = ctx.cap
+        with nvtx_range(f"graph_fsdp/replay_backward/{cap.name}"):
+            for static, g in zip(cap.static_grad_outputs, grads):
+                if static is None:
+                    continue
+                if g is None:
+                    static.zero_()
+                elif g.data_ptr() != static.data_ptr():
+                    static.copy_(g)
+            cap.bwd_graph.replay()
+        grads_in = [None if g is None else g.detach() for g in cap.static_grad_inputs]
+        return (None, *grads_in, *([None] * len(cap.params)))
+
+
+def _run(hooks: CaptureHooks, key: str, module: nn.Module) -> None:
+    for fn in hooks[key].values():
+        fn(module)
+
+
+def capture_torch(
+    caps: list[CapturedCallable],
+    hooks: list[CaptureHooks],
+    *,
+    warmup_iters: int,
+    pool,
+) -> None:
+    """Warm up and capture ``caps`` with torch.cuda graphs (see the module notes).
+
+    Each callable's capture-time hooks run around every warmup and capture step, outside
+    the capture, on the capture stream - TE's contract, so both backends share FSDP's side.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_iters):
+            outs = []
+            for cap, h in zip(caps, hooks):
+                _run(h, "forward_pre_hooks", cap.module)
+                outs.append(cap.forward_eager())
+                _run(h, "forward_hooks", cap.module)
+            for cap, h, out in reversed(list(zip(caps, hooks, outs))):
+                _run(h, "backward_pre_hooks", cap.module)
+                cap.backward_eager(out)
+                _run(h, "backward_hooks", cap.module)
+            del outs
+        for cap, h in zip(caps, hooks):
+            _run(h, "forward_pre_hooks", cap.module)
+            cap.fwd_graph = torch.cuda.CUDAGraph()
+            with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
+                with torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream):
+                    cap.static_outputs = cap.forward_eager()
+            cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
+            _run(h, "forward_hooks", cap.module)
+        for cap, h in reversed(list(zip(caps, hooks))):
+            _run(h, "backward_pre_hooks", cap.module)
+            cap.bwd_graph = torch.cuda.CUDAGraph()
+            with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):
+                with torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream):
+                    cap.static_grad_inputs = cap.backward_eager(cap.static_outputs)
+            # Drop the capture forward's autograd graph: only its buffers, owned by the
+            # pool, remain (the backward graph reads them).
+            cap.static_outputs = [o.detach() for o in cap.static_outputs]
+            _run(h, "backward_hooks", cap.module)
+    torch.cuda.current_stream().wait_stream(stream)

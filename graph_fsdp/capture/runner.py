@@ -1,0 +1,247 @@
+"""Layerwise CUDA graphs over a ``fully_shard``-ed model: record, capture, replay, recapture.
+
+Usage (train.py does this)::
+
+    graphs = LayerwiseGraphs(model, impl="te", scopes=["attn"], warmup_steps=2)
+    for step in ...:
+        graphs.before_step()  # captures once the warmup steps ran; recaptures after release()
+        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+
+Each target module's ``forward`` is replaced by a dispatcher. During the last warmup step
+it records the call signature (shapes, dtypes, constants); after capture it replays the
+graphs for calls that match it in training mode with grad enabled, and runs the original
+forward for everything else (eval, ``torch.no_grad``, a changed shape) - FSDP's hooks fire
+around either, since they live on ``__call__``. Capture (``_capture``):
+
+1. put every unit's unsharded parameters in place (the graphs' parameter inputs);
+2. extract the hooks of the targets and their FSDP units; build each callable's
+   ``capture_time_hooks`` from them (hooks/module_hooks.py);
+3. with ``RootContext.capturing`` set (reductions skipped, grad buffers freed), warm up and
+   capture with the chosen backend in a shared memory pool;
+4. restore the hooks (``finally``), reshard, and restore the RNG state.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.capture.graphed import (
+    CallSignature,
+    CapturedCallable,
+    capture_torch,
+    describe_call,
+)
+from graph_fsdp.capture.scopes import (
+    GRAPH_IMPLS,
+    GraphConfigError,
+    check_scopes,
+    check_static_buffers,
+    scope_label,
+    select_targets,
+)
+from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
+from graph_fsdp.state import FSDPState, in_backward
+
+
+class LayerwiseGraphs:
+    """Captures the modules ``scopes`` name after ``warmup_steps`` eager steps."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        impl: str,
+        scopes: list[str] | tuple[str, ...] = (),
+        warmup_steps: int = 2,
+        warmup_iters: int = 3,
+    ) -> None:
+        from graph_fsdp.fully_shard import FSDPModule, collect_states  # noqa: PLC0415
+
+        if impl not in GRAPH_IMPLS or impl == "none":
+            raise GraphConfigError(
+                f"cuda_graph_impl={impl!r}: layerwise graphs need 'te' or 'torch' "
+                f"(--cuda-graph-impl te|torch); accepted values are {', '.join(GRAPH_IMPLS)}"
+            )
+        check_scopes(scopes)
+        if warmup_steps < 1:
+            raise GraphConfigError(
+                f"cuda_graph_warmup_steps={warmup_steps} must be >= 1 (--cuda-graph-warmup-steps):"
+                " an eager step records the call shapes and plans FSDP's static buffers"
+            )
+        if not isinstance(model, FSDPModule):
+            raise GraphConfigError(
+                f"{type(model).__name__} is not fully_shard-ed: apply fully_shard to every "
+                "layer and then to the root before creating LayerwiseGraphs"
+            )
+        root: FSDPState = model._fsdp_state
+        check_static_buffers(root.buffer_policy, scopes)
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise GraphConfigError(
+                f"CUDA graphs need a CUDA device, but the model is on {device}; use "
+                "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU"
+            )
+        if impl == "te":
+            from graph_fsdp.capture.te_backend import require_te  # noqa: PLC0415
+
+            require_te()
+        self.model, self.impl, self.scopes = model, impl, list(scopes)
+        self.warmup_steps, self.warmup_iters = warmup_steps, warmup_iters
+        names = {id(m): n for n, m in model.named_modules()}
+        self.states = collect_states(model)
+        units = [(names[id(s.module)], s.module) for s in self.states if s.module is not model]
+        self.caps: list[CapturedCallable] = []
+        for target in select_targets(units, scopes):
+            cap = CapturedCallable(target, target.module.forward)
+            target.module.forward = _dispatcher(self, cap)
+            self.caps.append(cap)
+        self.steps_seen = 0
+        self.captured_generation: int | None = None
+        self.captured_at_step: int | None = None
+        self.capture_seconds = 0.0
+        self.captures = 0
+        self.recording = False
+        self._pool = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def captured(self) -> bool:
+        return self.captured_generation is not None
+
+    def before_step(self) -> None:
+        """Call at the start of every training step (before its first forward)."""
+        allocator = self.states[0].root.allocator if self.states[0].root else None
+        if self.captured and allocator is not None:
+            if allocator.generation != self.captured_generation:
+                # release() freed the buffers the graphs read and write: drop, then recapture.
+                self.drop()
+                self._capture()
+        elif self.steps_seen == self.warmup_steps:
+            self._capture()
+        self.recording = not self.captured and self.steps_seen == self.warmup_steps - 1
+        self.steps_seen += 1
+
+    def drop(self) -> None:
+        """Forget the graphs (the modules run eagerly until the next capture)."""
+        for cap in self.caps:
+            cap.drop()
+        self.captured_generation = None
+        self._pool = None
+
+    def remove(self) -> None:
+        """Drop the graphs and give every target its original forward back."""
+        self.drop()
+        for cap in self.caps:
+            if "forward" in cap.module.__dict__:
+                del cap.module.forward
+
+    def report(self) -> dict:
+        return {
+            "impl": self.impl,
+            "scopes": self.scopes,
+            "scope_label": scope_label(self.scopes),
+            "callables": [c.name for c in self.caps],
+            "captured_at_step": self.captured_at_step,
+            "captures": self.captures,
+            "capture_seconds": self.capture_seconds,
+            "replays": sum(c.replays for c in self.caps),
+            "eager_fallbacks": sum(c.fallbacks for c in self.caps),
+        }
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self) -> None:
+        missing = [c.name for c in self.caps if c.signature is None]
+        if missing:
+            raise RuntimeError(
+                f"no training-mode call of {missing[:3]} was recorded in the warmup step before "
+                "capture: graphed modules must run in every training step with grad enabled"
+            )
+        root = self.states[0].root
+        t0 = time.perf_counter()
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state())
+        unit_states = {id(s.module): s for s in self.states}
+        units = {id(c.target.unit): unit_states[id(c.target.unit)] for c in self.caps}
+        # The graphs' parameter inputs are the unsharded params over the units' current
+        # buffers (new ones after a release()), as fresh autograd leaves (renew_unsharded).
+        for state in units.values():
+            state.unshard()
+            for group in state.groups:
+                group.renew_unsharded()
+            state.wait_for_unshard()  # installs the new unsharded params on the modules
+            state.reshard()
+        for state in units.values():
+            for group in state.groups:
+                group.use_unsharded()
+        for cap in self.caps:
+            cap.prepare()
+        extracted = {}
+        try:
+            for module in {id(m): m for c in self.caps for m in (c.module, c.target.unit)}.values():
+                extracted[id(module)] = extract_module_hooks(module)
+            hooks = [
+                capture_time_hooks(
+                    *{id(m): extracted[id(m)] for m in (c.target.unit, c.module)}.values()
+                )
+                for c in self.caps
+            ]
+            root.capturing = True
+            self._pool = torch.cuda.graph_pool_handle()
+            with nvtx_range(f"graph_fsdp/capture/{self.impl}/{scope_label(self.scopes)}"):
+                if self.impl == "te":
+                    from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
+
+                    capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
+                    # TE keeps the capture forward's autograd graph alive, so the params'
+                    # AccumulateGrad nodes stay bound to torch's default capture stream: the
+                    # reductions must wait for it (measured: without this, a reduce-scatter
+                    # raced the last grad adds of layer 0).
+                    capture_stream = getattr(torch.cuda.graph, "default_capture_stream", None)
+                    if capture_stream is not None:
+                        root.grad_streams = [capture_stream]
+                else:
+                    capture_torch(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
+            torch.cuda.synchronize()
+        finally:
+            root.capturing = False
+            for saved in extracted.values():
+                restore_module_hooks(saved)
+            for state in self.states:
+                state.reshard()
+                for group in state.groups:
+                    root.allocator.free(group.grad_key)
+                state._pre_backward_done = state._post_backward_done = False
+            torch.set_rng_state(rng[0])
+            torch.cuda.set_rng_state(rng[1])
+        self.captured_generation = root.allocator.generation
+        self.captured_at_step = self.steps_seen
+        self.captures += 1
+        self.capture_seconds += time.perf_counter() - t0
+
+
+def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
+    """The target's new ``forward``: replay when the call matches the capture, else eager."""
+
+    def forward(*args, **kwargs):
+        training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
+        if cap.captured and training_call:
+            tensors = cap.signature.tensors_of(args, kwargs)
+            if tensors is not None:
+                return cap.replay(tensors)
+            cap.fallbacks += 1
+            if cap.fallbacks == 1:
+                warnings.warn(
+                    f"{cap.name}: call ({describe_call(args, kwargs)}) does not match "
+                    f"the captured signature ({cap.signature.describe()}); running it eagerly",
+                    stacklevel=2,
+                )
+        elif graphs.recording and training_call and cap.signature is None:
+            cap.signature = CallSignature(args, kwargs)
+        return cap.orig_forward(*args, **kwargs)
+
+    forward._graph_fsdp_dispatcher = cap
+    return forward

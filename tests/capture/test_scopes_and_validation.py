@@ -1,0 +1,146 @@
+"""Scope vocabulary, target selection and every documented configuration error (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graph_fsdp.api import BufferPolicy
+from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
+from graph_fsdp.capture.graphed import CallSignature
+from graph_fsdp.models import GPTConfig, build_model, transformer_layers
+from graph_fsdp.testing import spawn
+from graph_fsdp.train import TrainConfig, run
+
+TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+MOE = dataclasses.replace(TINY, num_experts=4, moe_layer_freq=2, ffn_hidden_size=None)
+
+
+@pytest.mark.parametrize(
+    "scopes, match",
+    [
+        (["attention"], "unknown scope 'attention'; accepted scopes are attn, mlp"),
+        (["attn", "attn"], "scope 'attn' is given more than once"),
+        (["full_iteration", "attn"], "cannot be combined with attn"),
+        (["moe_preprocess"], "moe_preprocess requires moe_router"),
+        (["moe", "moe_router"], "use either moe, or moe_router"),
+    ],
+)
+def test_invalid_scopes(scopes, match):
+    with pytest.raises(GraphConfigError, match=match):
+        check_scopes(scopes)
+
+
+@pytest.mark.parametrize(
+    "scopes", [[], ["attn"], ["attn", "mlp"], ["moe_router", "moe_preprocess"]]
+)
+def test_valid_scopes(scopes):
+    check_scopes(scopes)
+
+
+def test_layerwise_graphs_need_static_buffers():
+    with pytest.raises(GraphConfigError) as err:
+        check_static_buffers(BufferPolicy(), ["attn"])
+    msg = str(err.value)
+    assert "--fsdp-double-buffer" in msg and "--fsdp-db-use-persist-buf-on-alloc-fail" in msg
+    with pytest.raises(GraphConfigError, match="persist_on_alloc_fail=True"):
+        check_static_buffers(BufferPolicy(allocator="double_buffer"), [])
+    check_static_buffers(BufferPolicy(allocator="trace_pool", persist_on_alloc_fail=True), [])
+
+
+def _units(cfg: GPTConfig):
+    model = build_model(cfg)
+    return [(f"layers.{i}", layer) for i, layer in enumerate(transformer_layers(model))]
+
+
+def test_targets_per_scope():
+    dense, moe = _units(TINY), _units(MOE)
+    assert [t.name for t in select_targets(dense, [])] == ["layers.0", "layers.1"]
+    assert [t.name for t in select_targets(dense, ["attn", "mlp"])] == [
+        "layers.0.self_attention",
+        "layers.0.mlp",
+        "layers.1.self_attention",
+        "layers.1.mlp",
+    ]
+    # Layer 0 is MoE, layer 1 dense (moe_layer_freq=2).
+    assert [t.name for t in select_targets(moe, ["attn", "moe_router", "moe_preprocess"])] == [
+        "layers.0.self_attention",
+        "layers.0.moe.router",
+        "layers.0.moe.preprocess",
+        "layers.1.self_attention",
+    ]
+    targets = select_targets(moe, ["moe"])
+    assert [t.name for t in targets] == ["layers.0.moe"] and targets[0].unit is moe[0][1]
+
+
+def test_scope_that_matches_nothing_is_an_error():
+    with pytest.raises(GraphConfigError, match="moe_router: no module of the model matches"):
+        select_targets(_units(TINY), ["moe_router"])
+    all_moe = dataclasses.replace(MOE, moe_layer_freq=1)
+    with pytest.raises(GraphConfigError, match="mlp: no module"):
+        select_targets(_units(all_moe), ["mlp"])
+    with pytest.raises(GraphConfigError, match="full_iteration is not a layerwise scope"):
+        select_targets(_units(TINY), ["full_iteration"])
+
+
+def test_call_signature_matches_only_identical_calls():
+    x = torch.randn(2, 3, requires_grad=True)
+    sig = CallSignature((x, torch.float32), {"k": torch.ones(3, dtype=torch.long)})
+    same = sig.tensors_of(
+        (torch.zeros(2, 3, requires_grad=True), torch.float32),
+        {"k": torch.zeros(3, dtype=torch.long)},
+    )
+    assert same is not None and len(same) == 2
+    assert (
+        sig.tensors_of(
+            (torch.zeros(2, 4, requires_grad=True), torch.float32),
+            {"k": torch.zeros(3, dtype=torch.long)},
+        )
+        is None
+    )
+    assert (
+        sig.tensors_of((torch.zeros(2, 3), torch.float32), {"k": torch.zeros(3, dtype=torch.long)})
+        is None
+    )  # requires_grad
+    assert sig.tensors_of((x, torch.bfloat16), {"k": torch.zeros(3, dtype=torch.long)}) is None
+    assert sig.tensors_of((x, torch.float32), {}) is None
+    args, kwargs = sig.rebuild(same)
+    assert args[1] is torch.float32 and kwargs["k"] is same[1]
+
+
+def _run_expecting_error(rank: int, world: int, cfg: TrainConfig) -> str:
+    try:
+        run(rank, world, cfg)
+    except (GraphConfigError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(cuda_graph_impl="torch"), "needs static|must be static"),
+        (
+            dict(cuda_graph_impl="torch", allocator="double_buffer", persist_on_alloc_fail=True),
+            "CUDA graphs need a CUDA device, but the model is on cpu",
+        ),
+        (dict(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"]), "full_iteration"),
+        (dict(cuda_graph_impl="torch", recompute=True), "recompute=True"),
+        (dict(cuda_graph_impl="graph"), "cuda_graph_impl='graph'"),
+        (
+            dict(
+                cuda_graph_impl="torch",
+                allocator="double_buffer",
+                persist_on_alloc_fail=True,
+                cuda_graph_warmup_steps=0,
+            ),
+            "cuda_graph_warmup_steps=0 must be >= 1",
+        ),
+    ],
+)
+def test_train_run_rejects_invalid_graph_configs(overrides, match):
+    cfg = dataclasses.replace(TrainConfig(model=TINY, steps=1), **overrides)
+    (msg, _) = spawn(_run_expecting_error, 2, cfg)
+    assert pytest.importorskip("re").search(match, msg), msg
