@@ -111,9 +111,7 @@ class MixedPrecisionReference:
         self.model = model
         self.params = [p for p in model.parameters()]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(
-            self.master, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None
-        )
+        self.opt = make_optimizer(self.master, cfg)
         if cfg.bf16:
             model.to(torch.bfloat16)
 
@@ -147,6 +145,21 @@ def checkpoint_layers(model: nn.Module) -> None:
             return checkpoint(_f, *args, use_reentrant=False, **kwargs)
 
         layer.forward = wrapped
+
+
+def build_for(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """The (unsharded) model ``cfg`` describes: seeded, with recompute when asked."""
+    torch.manual_seed(cfg.model.seed)
+    model = build_model(cfg.model, device=device)
+    if cfg.recompute:
+        checkpoint_layers(model)
+    return model
+
+
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None
+    )
 
 
 def make_graphs(model: nn.Module, cfg: TrainConfig):
@@ -188,22 +201,14 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         torch.use_deterministic_algorithms(True)
     device = device_of(cfg)
-    torch.manual_seed(cfg.model.seed)
     reference = cfg.mode == "reference"
-    model = build_model(cfg.model, device=device)
-    if cfg.recompute:
-        checkpoint_layers(model)
+    model = build_for(cfg, device)
     if reference:
         trainer = MixedPrecisionReference(model, cfg)
         optimizer = None
     else:
         shard_model(model, cfg)
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            fused=cfg.fused_optimizer or None,
-        )
+        optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
             from graph_fsdp import checkpoint as ckpt
 
@@ -231,7 +236,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                     cfg, step * cfg.grad_accum + micro, r, device, world_size=world_size
                 )
                 denom = cfg.grad_accum * len(ranks)
-                if graphs is not None and hasattr(graphs, "forward_backward"):
+                if graphs is not None:
                     step_loss += graphs.forward_backward(micro, x, y, denom)
                 else:
                     # No live autograd graph is kept (it would pin AccumulateGrad streams).

@@ -21,11 +21,10 @@ from torch import nn
 
 from graph_fsdp.models import (
     TransformerLayer,
-    build_model,
     synthetic_batch,
     transformer_layers,
 )
-from graph_fsdp.train import TrainConfig, checkpoint_layers, device_of, run
+from graph_fsdp.train import TrainConfig, build_for, device_of, run
 
 
 class Skip(Exception):  # noqa: N818 - a verdict, not an error
@@ -49,13 +48,6 @@ class BenchSpec:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _build(cfg: TrainConfig, device: torch.device) -> nn.Module:
-    model = build_model(cfg.model, device=device)
-    if cfg.recompute:
-        checkpoint_layers(model)
-    return model
 
 
 def _batch(cfg: TrainConfig, step: int, micro: int, rank: int, device: torch.device):
@@ -164,7 +156,7 @@ def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = _build(cfg, device)
+    model = build_for(cfg, device)
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype, reduce_dtype=torch.float32)
     # FSDP2 has one sharding scheme; keeping weights gathered after forward is its ZeRO-2.
@@ -257,7 +249,7 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
     device = device_of(cfg)
     mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
-    model = _build(cfg, device).to(torch.bfloat16)
+    model = build_for(cfg, device).to(torch.bfloat16)
     # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
     # no decay), then restore the hyperparameters and the step counters.
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)

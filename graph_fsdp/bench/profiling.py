@@ -22,8 +22,15 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.bench.trace import summarize_trace
-from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
-from graph_fsdp.train import TrainConfig, checkpoint_layers, device_of, run, shard_model
+from graph_fsdp.models import synthetic_batch, transformer_layers
+from graph_fsdp.train import (
+    TrainConfig,
+    build_for,
+    device_of,
+    make_optimizer,
+    run,
+    shard_model,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,17 +89,8 @@ class LayerRanges:
 
 def _eager_steps(rank: int, cfg: TrainConfig, device: torch.device):
     cuda = device.type == "cuda"
-    torch.manual_seed(cfg.model.seed)
-    model = build_model(cfg.model, device=device)
-    if cfg.recompute:
-        checkpoint_layers(model)
-    shard_model(model, cfg)
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        fused=cfg.fused_optimizer or None,
-    )
+    model = shard_model(build_for(cfg, device), cfg)
+    opt = make_optimizer(model.parameters(), cfg)
     LayerRanges(model, cuda)
 
     def step(i: int) -> float:

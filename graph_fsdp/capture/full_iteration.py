@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
-from graph_fsdp.capture.scopes import GraphConfigError
 
 
 def eager_forward_backward(
@@ -56,31 +55,11 @@ def eager_forward_backward(
 
 class FullIterationGraphs:
     def __init__(self, model: nn.Module, *, warmup_steps: int = 2) -> None:
-        from graph_fsdp.fully_shard import FSDPModule, collect_states  # noqa: PLC0415
+        from graph_fsdp.capture.runner import check_capturable  # noqa: PLC0415 (cycle)
+        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
 
-        if not isinstance(model, FSDPModule):
-            raise GraphConfigError(
-                f"{type(model).__name__} is not fully_shard-ed: full_iteration captures a "
-                "fully_shard-ed root (apply fully_shard to every layer, then to the root)"
-            )
-        if warmup_steps < 1:
-            raise GraphConfigError(
-                f"cuda_graph_warmup_steps={warmup_steps} must be >= 1 (--cuda-graph-warmup-steps)"
-                " for full_iteration: the last warmup step runs on the capture stream"
-            )
-        policy = model._fsdp_state.buffer_policy
-        if policy.allocator == "dynamic":
-            raise GraphConfigError(
-                "full_iteration replays FSDP's buffer hand-offs at fixed addresses: set "
-                "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
-                "allocator='trace_pool' (--fsdp-trace-pool)"
-            )
+        check_capturable(model, ["full_iteration"], warmup_steps)
         device = next(model.parameters()).device
-        if device.type != "cuda":
-            raise GraphConfigError(
-                f"CUDA graphs need a CUDA device, but the model is on {device}; use "
-                "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU"
-            )
         self.model = model
         self.states = collect_states(model)
         self.warmup_steps = warmup_steps

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.capture.full_iteration import eager_forward_backward
 from graph_fsdp.capture.graphed import (
     CallSignature,
     CapturedCallable,
@@ -48,6 +49,41 @@ from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_m
 from graph_fsdp.state import FSDPState, in_backward
 
 
+def check_capturable(
+    model: nn.Module, scopes: list[str] | tuple[str, ...], warmup_steps: int
+) -> FSDPState:
+    """What every capture needs (layerwise or full_iteration); returns the root's state."""
+    from graph_fsdp.fully_shard import FSDPModule  # noqa: PLC0415
+
+    check_scopes(scopes)
+    if warmup_steps < 1:
+        raise GraphConfigError(
+            f"cuda_graph_warmup_steps={warmup_steps} must be >= 1 (--cuda-graph-warmup-steps):"
+            " an eager step records the call shapes, plans FSDP's static buffers and (for "
+            "full_iteration) warms up the capture stream"
+        )
+    if not isinstance(model, FSDPModule):
+        raise GraphConfigError(
+            f"{type(model).__name__} is not fully_shard-ed: apply fully_shard to every "
+            "layer and then to the root before capturing CUDA graphs"
+        )
+    root: FSDPState = model._fsdp_state
+    check_static_buffers(root.buffer_policy, scopes)
+    if "full_iteration" in scopes and root.buffer_policy.allocator == "dynamic":
+        raise GraphConfigError(
+            "full_iteration replays FSDP's buffer hand-offs at fixed addresses: set "
+            "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
+            "allocator='trace_pool' (--fsdp-trace-pool)"
+        )
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise GraphConfigError(
+            f"CUDA graphs need a CUDA device, but the model is on {device}; use "
+            "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU"
+        )
+    return root
+
+
 class LayerwiseGraphs:
     """Captures the modules ``scopes`` name after ``warmup_steps`` eager steps."""
 
@@ -60,32 +96,14 @@ class LayerwiseGraphs:
         warmup_steps: int = 2,
         warmup_iters: int = 3,
     ) -> None:
-        from graph_fsdp.fully_shard import FSDPModule, collect_states  # noqa: PLC0415
+        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
 
         if impl not in GRAPH_IMPLS or impl == "none":
             raise GraphConfigError(
                 f"cuda_graph_impl={impl!r}: layerwise graphs need 'te' or 'torch' "
                 f"(--cuda-graph-impl te|torch); accepted values are {', '.join(GRAPH_IMPLS)}"
             )
-        check_scopes(scopes)
-        if warmup_steps < 1:
-            raise GraphConfigError(
-                f"cuda_graph_warmup_steps={warmup_steps} must be >= 1 (--cuda-graph-warmup-steps):"
-                " an eager step records the call shapes and plans FSDP's static buffers"
-            )
-        if not isinstance(model, FSDPModule):
-            raise GraphConfigError(
-                f"{type(model).__name__} is not fully_shard-ed: apply fully_shard to every "
-                "layer and then to the root before creating LayerwiseGraphs"
-            )
-        root: FSDPState = model._fsdp_state
-        check_static_buffers(root.buffer_policy, scopes)
-        device = next(model.parameters()).device
-        if device.type != "cuda":
-            raise GraphConfigError(
-                f"CUDA graphs need a CUDA device, but the model is on {device}; use "
-                "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU"
-            )
+        check_capturable(model, scopes, warmup_steps)
         if impl == "te":
             from graph_fsdp.capture.te_backend import require_te  # noqa: PLC0415
 
@@ -125,6 +143,13 @@ class LayerwiseGraphs:
             self._capture()
         self.recording = not self.captured and self.steps_seen == self.warmup_steps - 1
         self.steps_seen += 1
+
+    def forward_backward(
+        self, micro: int, x: torch.Tensor, y: torch.Tensor, denom: float
+    ) -> torch.Tensor:
+        """One microbatch (the same call as FullIterationGraphs'): the graphs replay inside
+        the model's forward and backward."""
+        return eager_forward_backward(self.model, x, y, denom)
 
     def drop(self) -> None:
         """Forget the graphs (the modules run eagerly until the next capture)."""
