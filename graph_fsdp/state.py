@@ -62,7 +62,8 @@ class RootContext:
     grad_streams: list = field(default_factory=list)
     """Extra streams that may still be adding into the unsharded ``.grad`` when a unit's
     post-backward runs: AccumulateGrad runs on the stream its node was created on, and
-    TE's graphed callables keep nodes created on the capture stream alive (capture/)."""
+    TE's graphed callables keep nodes created on a capture stream alive (found by
+    capture/runner.py ``_GradStreamProbe``)."""
 
 
 class _PostBackward(torch.autograd.Function):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.fully_shard import fully_shard
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
@@ -217,6 +217,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     # The reference sees every rank's microbatches as one global batch.
     ranks = range(world_size) if reference else [rank]
     losses, times, eval_losses = [], [], []
+    host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None:
@@ -224,6 +225,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        clock = HostClock()
         step_loss = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             last = micro == cfg.grad_accum - 1
@@ -237,10 +239,10 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 )
                 denom = cfg.grad_accum * len(ranks)
                 if graphs is not None:
-                    step_loss += graphs.forward_backward(micro, x, y, denom)
+                    step_loss += graphs.forward_backward(micro, x, y, denom, clock)
                 else:
                     # No live autograd graph is kept (it would pin AccumulateGrad streams).
-                    step_loss += eager_forward_backward(model, x, y, denom)
+                    step_loss += eager_forward_backward(model, x, y, denom, clock)
         if reference:
             trainer.step()
         else:
@@ -249,6 +251,9 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         if not reference and world_size > 1:
             dist.all_reduce(step_loss)
             step_loss /= world_size
+        host["step"].append(time.perf_counter() - t0)  # all of the step issued
+        host["forward"].append(clock.forward)
+        host["backward"].append(clock.backward)
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -266,7 +271,13 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             from graph_fsdp import checkpoint as ckpt
 
             ckpt.save(cfg.save_path, model, optimizer)
-    result = {"losses": losses, "times": times, "eval_losses": eval_losses, "config": asdict(cfg)}
+    result = {
+        "losses": losses,
+        "times": times,
+        "host_times": host,
+        "eval_losses": eval_losses,
+        "config": asdict(cfg),
+    }
     if cfg.return_params:
         if reference:
             result["params"] = {

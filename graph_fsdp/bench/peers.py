@@ -4,7 +4,9 @@ Every runner builds the same model (:func:`graph_fsdp.models.build_model`, same 
 seed), feeds the same synthetic batches as :func:`graph_fsdp.train.run` (step ``i``, this
 rank), trains ``warmup + steps`` optimizer steps with AdamW and times each step with
 ``synchronize`` + ``perf_counter`` (as ``train.run`` does). It returns the timed steps'
-times (warmup dropped), the final loss (mean over ranks) and the peak CUDA memory.
+times (warmup dropped), the host time until each step's work was issued (before the
+closing synchronize; host-bound when it is close to the step time), the final loss (mean
+over ranks) and the peak CUDA memory.
 
 A runner that cannot run here raises :class:`Skip` with the reason.
 """
@@ -72,16 +74,31 @@ def _timed(
     *,
     first_step: int = 0,
 ) -> dict:
-    times, loss = [], None
+    times, host, loss = [], [], None
     for i in range(first_step, spec.warmup + spec.steps):
         _sync(device)
         t0 = time.perf_counter()
         loss = step_fn(i)
+        host.append(time.perf_counter() - t0)
         _sync(device)
         times.append(time.perf_counter() - t0)
+    skip = max(0, spec.warmup - first_step)
     return {
-        "times": times[max(0, spec.warmup - first_step) :],
+        "times": times[skip:],
+        "host_step_times": host[skip:],
         "final_loss": _mean_loss(loss, world_size),
+    }
+
+
+def _from_run(result: dict, warmup: int) -> dict:
+    """A ``train.run`` result as a row's raw numbers (warmup steps dropped)."""
+    host = result["host_times"]
+    return {
+        "times": result["times"][warmup:],
+        "host_step_times": host["step"][warmup:],
+        "host_forward_times": host["forward"][warmup:],
+        "host_backward_times": host["backward"][warmup:],
+        "final_loss": result["losses"][-1],
     }
 
 
@@ -118,7 +135,7 @@ def run_graph_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """graph_fsdp through ``train.run`` (eager or graphed, as ``spec.cfg`` says)."""
     cfg = replace(spec.cfg, steps=spec.warmup + spec.steps, return_params=False, log_path=None)
     result = run(rank, world_size, cfg)
-    out = {"times": result["times"][spec.warmup :], "final_loss": result["losses"][-1]}
+    out = _from_run(result, spec.warmup)
     if cfg.cuda_graph_impl != "none" and "cuda_graphs" not in result:
         out["note"] = "train.run reported no captured graphs: this row may have run eagerly"
     return out
@@ -140,8 +157,7 @@ def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
             cuda_graph_impl="none",
             cuda_graph_scope=[],
         )
-        out = run(0, 1, cfg)
-        result = {"times": out["times"][spec.warmup :], "final_loss": out["losses"][-1]}
+        result = _from_run(run(0, 1, cfg), spec.warmup)
     if world_size > 1:
         dist.barrier()
     return result

@@ -3,6 +3,12 @@
 Every row is also given as a ratio to the unsharded reference of the same launch: step time
 (row / reference: above 1 is slower) and tokens/s per GPU (row / reference: below 1 is
 slower per GPU).
+
+Host columns: ``host ms`` is the median host time to issue a step's work (up to the
+closing synchronize; a row whose host ms is close to its step time is host-bound), and
+``host us/layer`` divides the model's forward and backward calls' host time by the
+layers (and microbatches): for layerwise graphs that is one graph launch plus the eager
+FSDP work at the layer's boundary.
 """
 
 from __future__ import annotations
@@ -53,26 +59,39 @@ def markdown(report: dict) -> str:
         "",
         report["setup"],
         "",
-        "| row | ranks | median step ms | min step ms | tokens/s | TFLOP/s per GPU | "
-        "peak mem GiB | final loss | step time vs ref | tokens/s per GPU vs ref |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| row | ranks | median step ms | min step ms | host ms | host us/layer fwd, bwd | "
+        "tokens/s | TFLOP/s per GPU | peak mem GiB | final loss | step time vs ref | "
+        "tokens/s per GPU vs ref |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     notes = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} | | | | | | | | |")
+            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 10)
             notes.append(f"- {r['name']}: {r['status']}: {r['reason']}")
             continue
         if r.get("note"):
             notes.append(f"- {r['name']}: note: {r['note']}")
         peak = r.get("peak_memory_bytes")
+        per_layer = "-"
+        if "host_fwd_us_per_layer" in r or "host_bwd_us_per_layer" in r:
+            per_layer = ", ".join(
+                _fmt(r.get(f"host_{d}_us_per_layer"), ".0f") for d in ("fwd", "bwd")
+            )
         lines.append(
             f"| {r['name']} | {r['world_size']} | {r['median_step_ms']:.2f} | "
-            f"{r['min_step_ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | "
+            f"{r['min_step_ms']:.2f} | {_fmt(r.get('median_host_ms'), '.2f')} | {per_layer} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | "
             f"{_fmt(peak / 2**30 if peak else None, '.2f')} | {r['final_loss']:.5f} | "
             f"{_fmt(r.get('step_time_vs_ref'), '.2f', 'x')} | "
             f"{_fmt(r.get('tokens_per_gpu_vs_ref'), '.2f', 'x')} |"
         )
+    lines += [
+        "",
+        "host ms: host time to issue a step (close to the step time = host-bound); host "
+        "us/layer: host time of the forward and backward calls per layer and microbatch "
+        "(layerwise graphs: a graph launch plus FSDP's eager work at the layer boundary).",
+    ]
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines) + "\n"

@@ -45,8 +45,13 @@ torch FSDP2, FSDP2 with fwd+bwd in one CUDA graph, Megatron-FSDP, unsharded refe
 class BenchJob:
     spec: BenchSpec
     rows: tuple[str, ...] = ROWS
-    graph_impl: str = "none"
+    graph_impls: tuple[str, ...] = ("none",)
+    """Layerwise capture backends: one graphed row per backend and scope set."""
     scope_sets: list[list[str]] = field(default_factory=list)
+
+    @property
+    def graphed(self) -> bool:
+        return any(impl != "none" for impl in self.graph_impls)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,22 +71,27 @@ def plan_rows(job: BenchJob) -> list[Row]:
     rows: list[Row] = []
     if "graph_fsdp" in job.rows:
         rows.append(Row(name="graph_fsdp eager", runner=run_graph_fsdp, spec=eager))
-    if "graph_fsdp_graphed" in job.rows and job.graph_impl != "none":
-        for scopes in job.scope_sets or [[]]:
-            # full_iteration is always captured with torch.cuda graphs (collectives inside).
-            impl = "torch" if "full_iteration" in scopes else job.graph_impl
-            graphed = replace(
-                spec, cfg=replace(cfg, cuda_graph_impl=impl, cuda_graph_scope=list(scopes))
-            )
-            label = " ".join(scopes) or "layer"
-            rows.append(
-                Row(
-                    name=f"graph_fsdp {impl} [{label}]",
-                    runner=run_graph_fsdp,
-                    spec=graphed,
-                    skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
+    if "graph_fsdp_graphed" in job.rows and job.graphed:
+        planned = set()
+        for impl in job.graph_impls:
+            for scopes in job.scope_sets or [[]]:
+                # full_iteration is always captured with torch.cuda graphs (collectives in it).
+                row_impl = "torch" if "full_iteration" in scopes else impl
+                name = f"graph_fsdp {row_impl} [{' '.join(scopes) or 'layer'}]"
+                if name in planned:
+                    continue
+                planned.add(name)
+                graphed = replace(
+                    spec, cfg=replace(cfg, cuda_graph_impl=row_impl, cuda_graph_scope=list(scopes))
                 )
-            )
+                rows.append(
+                    Row(
+                        name=name,
+                        runner=run_graph_fsdp,
+                        spec=graphed,
+                        skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
+                    )
+                )
     if "fsdp2" in job.rows:
         rows.append(Row(name="torch FSDP2", runner=run_fsdp2, spec=eager))
     if "fsdp2_cuda_graph" in job.rows:
@@ -122,8 +132,22 @@ def row_result(row: Row, world_size: int, raw: dict, peak: int | None) -> dict:
         "peak_memory_bytes": peak,
         "final_loss": raw["final_loss"],
         "step_times_ms": [t * 1e3 for t in times],
+        **host_numbers(raw, cfg),
         **({"note": raw["note"]} if raw.get("note") else {}),
     }
+
+
+def host_numbers(raw: dict, cfg) -> dict:
+    """Median host time to issue a step, and per layer and direction where the row's
+    forward and backward calls were timed apart (graph_fsdp eager and layerwise rows)."""
+    out = {}
+    if raw.get("host_step_times"):
+        out["median_host_ms"] = median(raw["host_step_times"]) * 1e3
+    per_step = cfg.grad_accum * cfg.model.num_layers
+    for key, direction in (("host_forward_times", "fwd"), ("host_backward_times", "bwd")):
+        if raw.get(key) and median(raw[key]) > 0:
+            out[f"host_{direction}_us_per_layer"] = median(raw[key]) / per_step * 1e6
+    return out
 
 
 def _agree(values: list[float], device: torch.device, world_size: int) -> list[float]:

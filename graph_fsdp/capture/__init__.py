@@ -1,6 +1,10 @@
 """Layerwise CUDA graph capture over fully_shard-ed models (TE and pure-PyTorch backends)."""
 
-from graph_fsdp.capture.full_iteration import FullIterationGraphs, eager_forward_backward
+from graph_fsdp.capture.full_iteration import (
+    FullIterationGraphs,
+    HostClock,
+    eager_forward_backward,
+)
 from graph_fsdp.capture.runner import LayerwiseGraphs
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
@@ -19,6 +23,7 @@ __all__ = [
     "SCOPES",
     "FullIterationGraphs",
     "GraphConfigError",
+    "HostClock",
     "LayerwiseGraphs",
     "check_scopes",
     "check_static_buffers",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,12 +45,31 @@ from torch import nn
 from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
 
 
+@dataclass
+class HostClock:
+    """Host seconds spent issuing the model's forward and backward calls (one step).
+
+    Nothing in forward or backward waits for the GPU (no host syncs: required for capture),
+    so this is the host cost of launching the work: eager kernels, graph replays and
+    FSDP's hooks between them. A full_iteration replay has no separate forward/backward
+    call and leaves both at zero (train.run's per-step host time covers it).
+    """
+
+    forward: float = 0.0
+    backward: float = 0.0
+
+
 def eager_forward_backward(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, denom: float
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, denom: float, clock: HostClock | None = None
 ) -> torch.Tensor:
     """One microbatch: ``loss = model(x, y) / denom``, its backward; returns the loss."""
+    t0 = time.perf_counter()
     loss = model(x, y) / denom
+    t1 = time.perf_counter()
     loss.backward()
+    if clock is not None:
+        clock.forward += t1 - t0
+        clock.backward += time.perf_counter() - t1
     return loss.detach()
 
 
@@ -117,13 +137,18 @@ class FullIterationGraphs:
 
     # ------------------------------------------------------------------ one microbatch
     def forward_backward(
-        self, micro: int, x: torch.Tensor, y: torch.Tensor, denom: float
+        self,
+        micro: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        denom: float,
+        clock: HostClock | None = None,
     ) -> torch.Tensor:
         if self._phase == "eager":
-            return eager_forward_backward(self.model, x, y, denom)
+            return eager_forward_backward(self.model, x, y, denom, clock)
         if self._phase == "warmup":
             with self._on_capture_stream():
-                return eager_forward_backward(self.model, x, y, denom)
+                return eager_forward_backward(self.model, x, y, denom, clock)
         if micro not in self.graphs:
             self._capture(micro, x, y, denom)
         if self.denoms[micro] != denom:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from graph_fsdp.buffers.allocator import nvtx_range
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
 from graph_fsdp.capture.graphed import (
     CallSignature,
     CapturedCallable,
@@ -125,6 +125,7 @@ class LayerwiseGraphs:
         self.captures = 0
         self.recording = False
         self._pool = None
+        self._probe: _GradStreamProbe | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -141,20 +142,33 @@ class LayerwiseGraphs:
                 self._capture()
         elif self.steps_seen == self.warmup_steps:
             self._capture()
+        if self._probe is not None and self._probe.done():
+            self._probe.remove()
+            self._probe = None
         self.recording = not self.captured and self.steps_seen == self.warmup_steps - 1
         self.steps_seen += 1
 
     def forward_backward(
-        self, micro: int, x: torch.Tensor, y: torch.Tensor, denom: float
+        self,
+        micro: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        denom: float,
+        clock: HostClock | None = None,
     ) -> torch.Tensor:
         """One microbatch (the same call as FullIterationGraphs'): the graphs replay inside
         the model's forward and backward."""
-        return eager_forward_backward(self.model, x, y, denom)
+        return eager_forward_backward(self.model, x, y, denom, clock)
 
     def drop(self) -> None:
         """Forget the graphs (the modules run eagerly until the next capture)."""
         for cap in self.caps:
             cap.drop()
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+        if self.states[0].root is not None:
+            self.states[0].root.grad_streams = []
         self.captured_generation = None
         self._pool = None
 
@@ -176,6 +190,9 @@ class LayerwiseGraphs:
             "capture_seconds": self.capture_seconds,
             "replays": sum(c.replays for c in self.caps),
             "eager_fallbacks": sum(c.fallbacks for c in self.caps),
+            # streams other than the main one that the params' grads were accumulated on
+            # (TE backend; the reduce-scatters wait for them: _GradStreamProbe)
+            "grad_streams": len(self.states[0].root.grad_streams) if self.states[0].root else 0,
         }
 
     # ------------------------------------------------------------------ capture
@@ -221,13 +238,7 @@ class LayerwiseGraphs:
                     from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
 
                     capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
-                    # TE keeps the capture forward's autograd graph alive, so the params'
-                    # AccumulateGrad nodes stay bound to torch's default capture stream: the
-                    # reductions must wait for it (measured: without this, a reduce-scatter
-                    # raced the last grad adds of layer 0).
-                    capture_stream = getattr(torch.cuda.graph, "default_capture_stream", None)
-                    if capture_stream is not None:
-                        root.grad_streams = [capture_stream]
+                    self._probe = _GradStreamProbe(root, self.caps)
                 else:
                     capture_torch(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
             torch.cuda.synchronize()
@@ -246,6 +257,46 @@ class LayerwiseGraphs:
         self.captured_at_step = self.steps_seen
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
+
+
+class _GradStreamProbe:
+    """Finds the streams the TE-graphed params' gradients are accumulated on.
+
+    TE's graphed callables return the params' gradients from an autograd Function, and the
+    engine adds them into ``.grad`` in each param's AccumulateGrad node, on the stream that
+    node was created on. TE keeps its capture forward's autograd graph alive, so those nodes
+    are the capture's, bound to a capture-time side stream, not to the main stream FSDP's
+    reduce-scatter waits for (measured on 2x H200: a reduce-scatter raced the last grad adds
+    of layer 0, and losses left eager from step 3). A post-accumulate-grad hook on every
+    graphed param sees that stream (it runs under the node's stream) and adds it to
+    ``RootContext.grad_streams``, which each unit's post-backward makes the reduce-scatter
+    stream wait for; the nodes live as long as the graphs, so one replayed backward finds
+    them all and the hooks come off at the next step (no per-param host work after that).
+    """
+
+    def __init__(self, root, caps: list[CapturedCallable]) -> None:
+        self.root = root
+        root.grad_streams = []
+        self.main_stream = torch.cuda.current_stream()  # the training loop's
+        params = {id(p): p for c in caps for p in c.module.parameters() if p.requires_grad}
+        self.seen = 0
+        self.handles = [p.register_post_accumulate_grad_hook(self._seen) for p in params.values()]
+
+    def _seen(self, param: torch.Tensor) -> None:
+        self.seen += 1
+        stream = torch.cuda.current_stream(param.device)  # the AccumulateGrad node's
+        streams = self.root.grad_streams
+        if stream != self.main_stream and all(stream != s for s in streams):
+            streams.append(stream)
+
+    def done(self) -> bool:
+        """A whole training step's backward ran through the graphs (before_step asks)."""
+        return self.seen > 0
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):

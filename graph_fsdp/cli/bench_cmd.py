@@ -2,8 +2,8 @@
 
     graph-fsdp bench --bf16 --num-layers 8 --hidden-size 2048 --num-attention-heads 16 \\
         --seq-length 2048 --micro-batch-size 2 --fsdp-double-buffer \\
-        --fsdp-db-use-persist-buf-on-alloc-fail --cuda-graph-impl te \\
-        --scopes "" --scopes "attn"
+        --fsdp-db-use-persist-buf-on-alloc-fail --graph-impls te torch \\
+        --scopes "" --scopes "attn" --scopes full_iteration
     graph-fsdp bench --num-layers 2 --hidden-size 32 --num-attention-heads 4   # CPU, gloo
 
 One launch runs every row back to back on the same model, seeds and shapes: graph_fsdp eager,
@@ -23,10 +23,16 @@ import sys
 from graph_fsdp.bench.peers import BenchSpec
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import ROWS, BenchJob, bench_worker
-from graph_fsdp.capture.scopes import scope_label
+from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
+from graph_fsdp.cli.options import (
+    add_common_args,
+    add_scope_sets_arg,
+    check_graph_environment,
+    resolve,
+    scope_sets_from,
+)
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
@@ -39,6 +45,16 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
     add_common_args(p, iters_default=10, iters_help="Timed steps per row (after the warmup).")
     g = p.add_argument_group("benchmark")
     add_scope_sets_arg(g)
+    g.add_argument(
+        "--graph-impls",
+        nargs="+",
+        choices=[i for i in GRAPH_IMPLS if i != "none"],
+        default=None,
+        metavar="IMPL",
+        help="Capture backends for the layerwise graphed rows: one row per backend and "
+        "--scopes set, in the same launch (default: --cuda-graph-impl). full_iteration "
+        "rows run once, with torch.",
+    )
     g.add_argument(
         "--warmup-iters",
         type=int,
@@ -73,8 +89,9 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         else "dense"
     )
     graphs = (
-        f"{job.graph_impl} graphs, scopes {', '.join(f'[{scope_label(s)}]' for s in job.scope_sets)}"
-        if job.graph_impl != "none"
+        f"{'/'.join(job.graph_impls)} graphs, scopes "
+        f"{', '.join(f'[{scope_label(s)}]' for s in job.scope_sets)}"
+        if job.graphed
         else "no CUDA graphs requested"
     )
     return (
@@ -91,6 +108,14 @@ def main(args: argparse.Namespace) -> int:
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)
+    if args.graph_impls:
+        if args.cuda_graph_impl not in ("none", args.graph_impls[0]):
+            raise CLIError(
+                f"--cuda-graph-impl {args.cuda_graph_impl} and --graph-impls "
+                f"{' '.join(args.graph_impls)} disagree: give one of them"
+            )
+        args.cuda_graph_impl = args.graph_impls[0]
+    impls = list(dict.fromkeys(args.graph_impls or [args.cuda_graph_impl]))
     if args.cuda_graph_impl != "none" and args.warmup_iters <= args.cuda_graph_warmup_steps:
         raise CLIError(
             f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
@@ -103,10 +128,13 @@ def main(args: argparse.Namespace) -> int:
         graphs_optional=True,
         graph_steps=args.warmup_iters + args.train_iters,
     )
+    if res.plan.device == "cuda":
+        for impl in impls[1:]:
+            check_graph_environment(impl, res.plan)
     job = BenchJob(
         spec=BenchSpec(cfg=res.cfg, warmup=args.warmup_iters, steps=args.train_iters),
         rows=tuple(args.rows),
-        graph_impl=args.cuda_graph_impl,
+        graph_impls=tuple(impls),
         scope_sets=scope_sets,
     )
     out = launch(res.plan, bench_worker, job)

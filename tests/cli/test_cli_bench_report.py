@@ -7,6 +7,9 @@ import json
 import pytest
 
 from graph_fsdp.bench.report import gpu_tag, markdown, with_ratios, write_report
+from graph_fsdp.bench.runner import host_numbers
+from graph_fsdp.models import GPTConfig
+from graph_fsdp.train import TrainConfig
 
 
 def ok(name: str, ms: float, tokens: float, world: int, peak: int | None = None) -> dict:
@@ -31,7 +34,12 @@ REPORT = {
     "created": "2025-01-01T00:00:00",
     "setup": "tiny model",
     "rows": [
-        ok("graph_fsdp eager", 12.0, 2000.0, 2, 2**30),
+        {
+            **ok("graph_fsdp eager", 12.0, 2000.0, 2, 2**30),
+            "median_host_ms": 11.5,
+            "host_fwd_us_per_layer": 140.2,
+            "host_bwd_us_per_layer": 201.7,
+        },
         {"name": "megatron_fsdp", "status": "skipped", "reason": "not importable"},
         ok("unsharded reference (1 rank)", 10.0, 1200.0, 1, 2**31),
     ],
@@ -49,9 +57,11 @@ def test_ratios_to_the_reference() -> None:
 def test_markdown_and_files(tmp_path) -> None:
     text = markdown(REPORT)
     assert (
-        "| graph_fsdp eager | 2 | 12.00 | 10.80 | 2,000 | 1.500 | 1.00 | 4.20000 | 1.20x | 0.83x |"
-        in text
+        "| graph_fsdp eager | 2 | 12.00 | 10.80 | 11.50 | 140, 202 | 2,000 | 1.500 | 1.00 | "
+        "4.20000 | 1.20x | 0.83x |" in text
     )
+    assert "| unsharded reference (1 rank) | 1 | 10.00 | 9.00 | - | - | 1,200 |" in text
+    assert "| megatron_fsdp | skipped |" + " |" * 10 in text
     assert "- megatron_fsdp: skipped: not importable" in text
     paths = write_report(REPORT, str(tmp_path / "out"))
     assert set(paths) == {"md", "json", "png"}
@@ -63,3 +73,17 @@ def test_gpu_tag() -> None:
     assert gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_tag("NVIDIA H200") == "h200"
     assert gpu_tag("Tesla") == "tesla"
+
+
+def test_host_numbers_per_layer_and_direction() -> None:
+    cfg = TrainConfig(model=GPTConfig(num_layers=4), grad_accum=2)
+    raw = {
+        "host_step_times": [0.010, 0.012, 0.011],
+        "host_forward_times": [0.0008, 0.0016, 0.0008],  # median 0.8 ms over 8 layer calls
+        "host_backward_times": [0.0, 0.0, 0.0],  # a full_iteration replay: no split
+    }
+    out = host_numbers(raw, cfg)
+    assert out["median_host_ms"] == pytest.approx(11.0)
+    assert out["host_fwd_us_per_layer"] == pytest.approx(100.0)
+    assert "host_bwd_us_per_layer" not in out
+    assert host_numbers({}, cfg) == {}

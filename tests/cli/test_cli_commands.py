@@ -186,8 +186,9 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
             "2",
             "--warmup-iters",
             "1",
-            "--cuda-graph-impl",
+            "--graph-impls",
             "torch",
+            "te",
             "--cuda-graph-warmup-steps",
             "0",
             "--scopes",
@@ -202,6 +203,15 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["median_step_ms"] > 0 and "step_time_vs_ref" in rows[name]
     assert rows["unsharded reference (1 rank)"]["step_time_vs_ref"] == 1.0
+    # Host time to issue a step, and per layer and direction where forward/backward are calls.
+    for name in ("graph_fsdp eager", "unsharded reference (1 rank)"):
+        r = rows[name]
+        assert 0 < r["median_host_ms"] <= r["median_step_ms"] * 1.05, r
+        assert r["host_fwd_us_per_layer"] > 0 and r["host_bwd_us_per_layer"] > 0, r
+    assert 0 < rows["torch FSDP2"]["median_host_ms"]
+    assert "host_fwd_us_per_layer" not in rows["torch FSDP2"]
+    # Two backends, one full_iteration row (it is captured with torch either way).
+    assert [n for n in rows if "full_iteration" in n] == ["graph_fsdp torch [full_iteration]"]
     # Same model, seeds and data: graph_fsdp and FSDP2 end at the same loss.
     assert rows["graph_fsdp eager"]["final_loss"] == pytest.approx(
         rows["torch FSDP2"]["final_loss"], rel=1e-5

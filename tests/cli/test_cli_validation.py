@@ -230,6 +230,13 @@ def test_bench_and_profile_check_capture_warmup(capsys: pytest.CaptureFixture) -
         assert "--warmup-iters 1 must exceed --cuda-graph-warmup-steps 2" in err
 
 
+def test_bench_graph_impls_must_agree_with_cuda_graph_impl(capsys: pytest.CaptureFixture) -> None:
+    err = error_of(
+        capsys, "bench", *TINY, "--cuda-graph-impl", "torch", "--graph-impls", "te", "torch"
+    )
+    assert "--cuda-graph-impl torch and --graph-impls te torch disagree" in err
+
+
 def test_bench_layerwise_rule_applies_even_where_rows_are_skipped(
     capsys: pytest.CaptureFixture,
 ) -> None:
