@@ -59,11 +59,6 @@ class RootContext:
     capturing: bool = False
     """Set by the capture layer: reductions are skipped while warming up/capturing layers."""
     backward_done: set[int] = field(default_factory=set)
-    grad_streams: list = field(default_factory=list)
-    """Extra streams that may still be adding into the unsharded ``.grad`` when a unit's
-    post-backward runs: AccumulateGrad runs on the stream its node was created on, and
-    TE's graphed callables keep nodes created on a capture stream alive (found by
-    capture/runner.py ``_GradStreamProbe``)."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -270,8 +265,6 @@ class FSDPState:
                 if root.capturing:
                     self.allocator.free(group.grad_key, used_on=group._main_streams())
                     continue
-                for stream in root.grad_streams:
-                    self.comm.wait(self.comm.rs_stream, stream)
                 overwrite = not group.grads_defined()
                 group.reduce_grads(
                     self.allocator, sync=self.requires_grad_sync, overwrite=overwrite

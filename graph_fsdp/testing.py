@@ -32,6 +32,9 @@ def _entry(
     )
     try:
         if backend == "nccl":
+            from graph_fsdp.capture.te_backend import preload_te  # noqa: PLC0415
+
+            preload_te()
             torch.cuda.set_device(rank)
             dist.init_process_group(
                 backend, rank=rank, world_size=world_size, device_id=torch.device("cuda", rank)

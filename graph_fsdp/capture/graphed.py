@@ -8,8 +8,8 @@ mode (``grad += g``), so eager and graphed gradients are bit-identical and no pe
 host work is left for replay. (No AccumulateGrad node runs during capture: one created on
 the default stream in an eager step would pull that stream into the capture.) The parameters
 are still inputs of the replay Function (so its outputs require grad whenever they do) and
-get ``None`` back. TE's backend returns parameter gradients instead; AccumulateGrad adds
-them eagerly (the same ``grad += g`` on zeroed grads, so also bit-identical).
+get ``None`` back. The TE backend keeps the same contract (te_backend.py, [Note: TE
+parameter gradients]).
 
 [Note: capture and replay order] All forward graphs are captured first, in execution order,
 then all backward graphs in reverse, in one shared memory pool - the order training replays
@@ -113,8 +113,9 @@ class CapturedCallable:
         self.out_requires_grad: list[bool] = []
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
-        # te backend: the module TE returned (its forward replays)
+        # te backend: the module TE returned (its forward replays) and its anchor input
         self.te_callable: nn.Module | None = None
+        self.te_anchor: torch.Tensor | None = None
         self.replays = 0
         self.fallbacks = 0
 
@@ -131,7 +132,7 @@ class CapturedCallable:
         self.params = tuple(self.module.parameters())
 
     def drop(self) -> None:
-        self.fwd_graph = self.bwd_graph = self.te_callable = None
+        self.fwd_graph = self.bwd_graph = self.te_callable = self.te_anchor = None
         self.static_inputs, self.static_outputs = [], []
         self.static_grad_outputs, self.static_grad_inputs = [], []
         self.params = ()
@@ -185,7 +186,7 @@ class CapturedCallable:
         self.replays += 1
         with nvtx_range(f"graph_fsdp/replay/{self.name}"):
             if self.te_callable is not None:
-                return self.te_callable(*tensors)
+                return self.te_callable(*tensors, self.te_anchor)
             outs = _Replay.apply(self, *tensors, *self.params)
             return tree_unflatten(list(outs), self.out_spec)
 

@@ -125,7 +125,6 @@ class LayerwiseGraphs:
         self.captures = 0
         self.recording = False
         self._pool = None
-        self._probe: _GradStreamProbe | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -142,9 +141,6 @@ class LayerwiseGraphs:
                 self._capture()
         elif self.steps_seen == self.warmup_steps:
             self._capture()
-        if self._probe is not None and self._probe.done():
-            self._probe.remove()
-            self._probe = None
         self.recording = not self.captured and self.steps_seen == self.warmup_steps - 1
         self.steps_seen += 1
 
@@ -164,11 +160,6 @@ class LayerwiseGraphs:
         """Forget the graphs (the modules run eagerly until the next capture)."""
         for cap in self.caps:
             cap.drop()
-        if self._probe is not None:
-            self._probe.remove()
-            self._probe = None
-        if self.states[0].root is not None:
-            self.states[0].root.grad_streams = []
         self.captured_generation = None
         self._pool = None
 
@@ -190,12 +181,26 @@ class LayerwiseGraphs:
             "capture_seconds": self.capture_seconds,
             "replays": sum(c.replays for c in self.caps),
             "eager_fallbacks": sum(c.fallbacks for c in self.caps),
-            # streams other than the main one that the params' grads were accumulated on
-            # (TE backend; the reduce-scatters wait for them: _GradStreamProbe)
-            "grad_streams": len(self.states[0].root.grad_streams) if self.states[0].root else 0,
         }
 
     # ------------------------------------------------------------------ capture
+    def _renew_params(self, units: dict[int, FSDPState]) -> None:
+        """Fresh unsharded parameter leaves on every captured unit (``renew_unsharded``);
+        each unit is gathered, renewed and resharded in turn."""
+        for state in units.values():
+            state.unshard()
+            for group in state.groups:
+                group.renew_unsharded()
+            state.wait_for_unshard()  # installs the new unsharded params on the modules
+            state.reshard()
+
+    @staticmethod
+    def _use_unsharded(units: dict[int, FSDPState]) -> None:
+        """Put the unsharded parameter objects on the modules (capture reads them)."""
+        for state in units.values():
+            for group in state.groups:
+                group.use_unsharded()
+
     def _capture(self) -> None:
         missing = [c.name for c in self.caps if c.signature is None]
         if missing:
@@ -210,15 +215,8 @@ class LayerwiseGraphs:
         units = {id(c.target.unit): unit_states[id(c.target.unit)] for c in self.caps}
         # The graphs' parameter inputs are the unsharded params over the units' current
         # buffers (new ones after a release()), as fresh autograd leaves (renew_unsharded).
-        for state in units.values():
-            state.unshard()
-            for group in state.groups:
-                group.renew_unsharded()
-            state.wait_for_unshard()  # installs the new unsharded params on the modules
-            state.reshard()
-        for state in units.values():
-            for group in state.groups:
-                group.use_unsharded()
+        self._renew_params(units)
+        self._use_unsharded(units)
         for cap in self.caps:
             cap.prepare()
         extracted = {}
@@ -238,7 +236,6 @@ class LayerwiseGraphs:
                     from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
 
                     capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
-                    self._probe = _GradStreamProbe(root, self.caps)
                 else:
                     capture_torch(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
             torch.cuda.synchronize()
@@ -253,50 +250,19 @@ class LayerwiseGraphs:
                 state._pre_backward_done = state._post_backward_done = False
             torch.set_rng_state(rng[0])
             torch.cuda.set_rng_state(rng[1])
+        # The graphs keep their capture's autograd graph, and with it AccumulateGrad nodes
+        # bound to the capture stream: eager calls of the modules (fallbacks) get fresh
+        # leaves, whose nodes are made on the main stream. The graphs read the same storage.
+        self._renew_params(units)
+        self._use_unsharded(units)
+        for cap in self.caps:
+            cap.params = tuple(cap.module.parameters())
+        for state in units.values():
+            state.reshard()
         self.captured_generation = root.allocator.generation
         self.captured_at_step = self.steps_seen
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
-
-
-class _GradStreamProbe:
-    """Finds the streams the TE-graphed params' gradients are accumulated on.
-
-    TE's graphed callables return the params' gradients from an autograd Function, and the
-    engine adds them into ``.grad`` in each param's AccumulateGrad node, on the stream that
-    node was created on. TE keeps its capture forward's autograd graph alive, so those nodes
-    are the capture's, bound to a capture-time side stream, not to the main stream FSDP's
-    reduce-scatter waits for (measured on 2x H200: a reduce-scatter raced the last grad adds
-    of layer 0, and losses left eager from step 3). A post-accumulate-grad hook on every
-    graphed param sees that stream (it runs under the node's stream) and adds it to
-    ``RootContext.grad_streams``, which each unit's post-backward makes the reduce-scatter
-    stream wait for; the nodes live as long as the graphs, so one replayed backward finds
-    them all and the hooks come off at the next step (no per-param host work after that).
-    """
-
-    def __init__(self, root, caps: list[CapturedCallable]) -> None:
-        self.root = root
-        root.grad_streams = []
-        self.main_stream = torch.cuda.current_stream()  # the training loop's
-        params = {id(p): p for c in caps for p in c.module.parameters() if p.requires_grad}
-        self.seen = 0
-        self.handles = [p.register_post_accumulate_grad_hook(self._seen) for p in params.values()]
-
-    def _seen(self, param: torch.Tensor) -> None:
-        self.seen += 1
-        stream = torch.cuda.current_stream(param.device)  # the AccumulateGrad node's
-        streams = self.root.grad_streams
-        if stream != self.main_stream and all(stream != s for s in streams):
-            streams.append(stream)
-
-    def done(self) -> bool:
-        """A whole training step's backward ran through the graphs (before_step asks)."""
-        return self.seen > 0
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
 
 def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):

@@ -8,6 +8,8 @@ capture travels in ``capture_time_hooks`` (hooks/module_hooks.py).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import nn
 
@@ -42,17 +44,51 @@ def require_te() -> None:
         )
 
 
+def preload_te() -> None:
+    """Import TransformerEngine (if installed) before this process does any CUDA work.
+
+    TE loads the system cuDNN libraries; imported after torch has loaded its own cuDNN
+    (by a first attention kernel) it fails with an undefined cuDNN symbol - measured on the
+    GPU host, where the bench's TE and megatron_fsdp rows ran after eager rows. Every CUDA
+    rank the CLI or the tests start calls this first. An installed but broken TE is left
+    for the code that needs it to report.
+    """
+    if importlib.util.find_spec("transformer_engine") is None:
+        return
+    try:
+        import transformer_engine.pytorch  # noqa: F401, PLC0415
+    except (ImportError, OSError):
+        pass
+
+
 class _Positional(nn.Module):
-    """Calls the captured module's original forward from positional tensors."""
+    """What TE captures for one callable: the original forward, called from positional
+    tensors (TE's sample_args must be tensors), with the non-tensor arguments put back.
+
+    [Note: TE parameter gradients] TE passes a callable's ``parameters()`` to its replay
+    Function as extra inputs and returns their gradients, which autograd's AccumulateGrad
+    then adds eagerly - in the nodes TE's capture created and keeps alive, bound to the
+    capture stream, where they race FSDP's reduce-scatter (measured on 2x H200: losses left
+    eager at the first replayed step). This wrapper shows TE no parameters, so TE's
+    backward capture (``torch.autograd.backward``) accumulates them *inside* the graph into
+    FSDP's preset ``grad_full`` views - the torch backend's contract ([Note: gradients of
+    graphed modules]), bit-identical to eager. The module stays a submodule, so TE still
+    finds the TE layers in it (FP8 metadata, delayed wgrad). The last positional input is
+    an anchor leaf that requires grad and is never read: the replay's outputs require grad
+    (its backward replays) even when no recorded input does.
+    """
 
     def __init__(self, cap: CapturedCallable) -> None:
         super().__init__()
         self.inner = cap.module
         self._cap = [cap]  # not a submodule attribute
 
+    def parameters(self, recurse: bool = True):
+        return iter(())
+
     def forward(self, *tensors: torch.Tensor):
         cap = self._cap[0]
-        args, kwargs = cap.signature.rebuild(list(tensors))
+        args, kwargs = cap.signature.rebuild(list(tensors[:-1]))  # tensors[-1]: the anchor
         return cap.orig_forward(*args, **kwargs)
 
 
@@ -62,16 +98,15 @@ def capture_te(
     from transformer_engine.pytorch import make_graphed_callables  # noqa: PLC0415
 
     wrappers = tuple(_Positional(cap) for cap in caps)
+    for cap in caps:
+        cap.te_anchor = torch.zeros(1, device=cap.static_inputs[0].device, requires_grad=True)
     graphed = make_graphed_callables(
         wrappers,
-        tuple(tuple(cap.static_inputs) for cap in caps),
+        tuple((*cap.static_inputs, cap.te_anchor) for cap in caps),
         num_warmup_iters=warmup_iters,
-        allow_unused_input=True,
+        allow_unused_input=True,  # the anchor, and inputs a callable does not differentiate
         pool=pool,
         capture_time_hooks=hooks,
-        # The params' .grad is always preset (FSDP's zeroed grad_full views), so
-        # AccumulateGrad adds the returned static buffer in place and never keeps it.
-        clone_param_grads_on_return=False,
     )
     if not isinstance(graphed, tuple):
         graphed = (graphed,)

@@ -144,6 +144,9 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
     initialised_here = not dist.is_initialized()
     if initialised_here:
         if plan.device == "cuda":
+            from graph_fsdp.capture.te_backend import preload_te  # noqa: PLC0415
+
+            preload_te()
             torch.cuda.set_device(plan.local_rank)
             dist.init_process_group(plan.backend, device_id=torch.device("cuda", plan.local_rank))
         else:
