@@ -57,7 +57,7 @@ def _profile_overlap(rank: int, world: int) -> dict:
         opt.zero_grad()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
+        for _ in range(4):
             model(x, y).backward()
             opt.step()
             opt.zero_grad()
@@ -80,10 +80,13 @@ def test_all_gather_and_reduce_scatter_overlap_compute():
     stats = spawn(_profile_overlap, 2, backend="nccl")
     for s in stats:
         assert s["n_comm"] > 0
-        # Judged from kernel intervals, not wall clock. Without prefetch on side streams
-        # this is ~0; measured on 2x H200 (2026-11-21): 31% of NCCL kernel time overlapped
-        # compute at this shape. Raising it is issue 6's work; this guards the mechanism.
-        assert s["overlapped_us"] >= 0.2 * s["comm_us"], s
+        # Judged from kernel intervals, not wall clock. With every collective on the main
+        # stream this is exactly 0 (kernels of one stream never overlap). Measured on 2x
+        # H200 (2026-11-21) at this shape: 6% to 31% of NCCL kernel time overlapped compute
+        # from run to run - NCCL kernel time includes waiting for the peer rank, which
+        # depends on the two hosts' timing. This guards the mechanism (prefetch and
+        # reductions on side streams); the speed it buys is measured by graph-fsdp bench.
+        assert s["overlapped_us"] >= 0.02 * s["comm_us"], s
 
 
 def _addresses(rank: int, world: int, allocator: str) -> dict:
