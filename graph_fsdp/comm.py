@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.buffers.allocator import current_stream, nvtx_range
 
 
 class CommContext:
@@ -37,22 +37,11 @@ class CommContext:
             self.rs_stream = torch.cuda.Stream(device, priority=-1)
         else:
             self.ag_stream = self.rs_stream = None
-        self._main: tuple | None = None
         self._wait_event: torch.cuda.Event | None = None
 
     def main_stream(self):
         """The current stream of the device (a cached handle while it stays the same)."""
-        if not self.cuda:
-            return None
-        get = getattr(torch._C, "_cuda_getCurrentStream", None)
-        if get is None or self.device.index is None:
-            return torch.cuda.current_stream(self.device)
-        data = get(self.device.index)
-        main = self._main
-        if main is None or main[0] != data:
-            stream = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
-            self._main = main = (data, stream)
-        return main[1]
+        return current_stream(self.device) if self.cuda else None
 
     def on(self, stream):
         """Context that makes ``stream`` current (no-op on CPU).

@@ -133,6 +133,49 @@ def install_fakes(cuda_comm: bool) -> None:
             tc.nvtx._nvtx_push = _nvtx_push
 
 
+TIMES: Counter = Counter()
+
+
+def _timed(cls, name: str, label: str) -> None:
+    fn = getattr(cls, name)
+    wrapped = fn.__func__ if isinstance(fn, staticmethod) else fn
+
+    def timer(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return wrapped(*a, **k)
+        finally:
+            TIMES[label] += time.perf_counter() - t0
+
+    for attr in (
+        "_capture_time_fn",
+        "_cuda_graph_backward_handler",
+        "_cuda_graph_backward_pre_handler",
+    ):
+        if hasattr(wrapped, attr):
+            setattr(timer, attr, getattr(wrapped, attr))
+    setattr(cls, name, staticmethod(timer) if isinstance(fn, staticmethod) else timer)
+
+
+def install_timers() -> None:
+    """Wrap the pieces that run per layer (before the model is built: hooks bind methods)."""
+    from graph_fsdp.capture import graphed  # noqa: PLC0415
+    from graph_fsdp.state import FSDPState  # noqa: PLC0415
+
+    for name, label in [
+        ("_pre_forward_hook", "fwd: pre_forward hook"),
+        ("_register_post_backward_hook", "fwd: post-backward registration (+_PostBackward fwd)"),
+        ("_post_forward_hook", "fwd: post_forward hook (reshard)"),
+        ("_register_pre_backward_hook", "fwd: pre-backward registration"),
+        ("pre_backward", "bwd: pre_backward"),
+        ("post_backward", "bwd: post_backward (reduce, reshard)"),
+    ]:
+        _timed(FSDPState, name, label)
+    _timed(graphed.CapturedCallable, "replay", "fwd: replay (incl. _Replay fwd)")
+    _timed(graphed.CallSignature, "tensors_of", "fwd: dispatcher signature match")
+    _timed(graphed._Replay, "backward", "bwd: _Replay.backward")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
@@ -141,10 +184,13 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help="count (fake) CUDA API calls")
     ap.add_argument("--eager", action="store_true", help="no graphs (eager FSDP layers)")
     ap.add_argument("--bare", action="store_true", help="no FSDP, no graphs")
+    ap.add_argument("--breakdown", action="store_true", help="time each FSDP/replay piece")
     ap.add_argument("--digest", action="store_true", help="print a digest of the parameters")
     args = ap.parse_args()
 
     install_fakes(args.cuda)
+    if args.breakdown:
+        install_timers()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -192,6 +238,7 @@ def main() -> None:
     if graphs is not None:
         assert graphs.captured, "graphs were not captured"
     COUNTS.clear()
+    TIMES.clear()
     prof = cProfile.Profile() if args.profile else None
     for _ in range(args.steps):
         f, b = step(prof)
@@ -207,6 +254,10 @@ def main() -> None:
 
     mode = "bare" if args.bare else "eager" if args.eager else "graphed"
     print(f"{mode}: host us/layer  forward {med(fwd):.1f}  backward {med(bwd):.1f}")
+    if args.breakdown:
+        n = args.steps * L
+        for k in sorted(TIMES):
+            print(f"  {k:58s} {TIMES[k] * 1e6 / n:6.1f} us/layer")
     if args.cuda:
         per = {k: v / (args.steps * L) for k, v in sorted(COUNTS.items())}
         print("fake CUDA calls per layer per step (fwd+bwd):", per)

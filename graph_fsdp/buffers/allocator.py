@@ -70,6 +70,27 @@ def nvtx_range(name: str):
     return rng
 
 
+_CURRENT: dict[int, tuple[tuple, torch.cuda.Stream]] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)``, reusing the handle while the stream is the same.
+
+    The handle is rebuilt whenever the current stream (per thread, as CUDA's) differs from
+    the cached one, so callers always get the stream that is current now.
+    """
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    index = device.index
+    if get is None or index is None:
+        return torch.cuda.current_stream(device)
+    data = get(index)
+    cached = _CURRENT.get(index)
+    if cached is None or cached[0] != data:
+        stream = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+        _CURRENT[index] = cached = (data, stream)
+    return cached[1]
+
+
 def key_role(key: Key) -> str:
     """Role of a key for memory reports: the second element of tuple keys."""
     if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[1], str):
@@ -225,7 +246,7 @@ class Slot:
         tensor = self.materialise()
         if self.pending:
             if tensor.is_cuda:
-                stream = torch.cuda.current_stream(tensor.device)
+                stream = current_stream(tensor.device)
                 for event in self.pending:
                     stream.wait_event(event)
             self.pending = []
