@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.buffers.allocator import current_stream, nvtx_range
 
 
 class CommContext:
@@ -37,29 +37,73 @@ class CommContext:
             self.rs_stream = torch.cuda.Stream(device, priority=-1)
         else:
             self.ag_stream = self.rs_stream = None
+        self._wait_event: torch.cuda.Event | None = None
 
     def main_stream(self):
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        """The current stream of the device (a cached handle while it stays the same)."""
+        return current_stream(self.device) if self.cuda else None
 
     def on(self, stream):
-        """Context that makes ``stream`` current (no-op on CPU)."""
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+        """Context that makes ``stream`` current (no-op on CPU).
+
+        ``torch.cuda.stream(stream)`` semantics; when ``stream`` is on the current device
+        (always, for FSDP's streams) a lighter context does the same two ``set_stream``.
+        """
+        if stream is None:
+            return nullcontext()
+        index = self.device.index
+        if (
+            index is None
+            or stream.device_index != index
+            or torch.cuda.current_device() != index
+            or not hasattr(torch._C, "_cuda_getCurrentStream")
+        ):
+            return torch.cuda.stream(stream)
+        return _OnStream(self, stream)
 
     def wait(self, waiter, producer) -> None:
-        """``waiter`` stream waits for all work queued so far on ``producer``."""
-        if waiter is not None and producer is not None and waiter is not producer:
-            waiter.wait_stream(producer)
+        """``waiter`` stream waits for all work queued so far on ``producer``.
 
-    def record(self, stream) -> torch.cuda.Event | None:
+        What ``waiter.wait_stream(producer)`` does, with one reused event instead of a new
+        one per call: the wait is enqueued right after the record, and a wait depends on the
+        record that was latest when it was enqueued, so later re-records do not affect it.
+        """
+        if waiter is not None and producer is not None and waiter is not producer:
+            event = self._wait_event
+            if event is None:
+                event = self._wait_event = torch.cuda.Event()
+            event.record(producer)
+            waiter.wait_event(event)
+
+    def record(self, stream, event: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+        """Record ``event`` (a new one if None) on ``stream``; None on CPU."""
         if stream is None:
             return None
-        event = torch.cuda.Event()
+        if event is None:
+            event = torch.cuda.Event()
         event.record(stream)
         return event
 
     def wait_event(self, event: torch.cuda.Event | None) -> None:
         if event is not None:
             self.main_stream().wait_event(event)
+
+
+class _OnStream:
+    """``torch.cuda.StreamContext`` for a stream of the current device: make ``stream``
+    current, restore the previous current stream on exit."""
+
+    __slots__ = ("comm", "prev", "stream")
+
+    def __init__(self, comm: CommContext, stream) -> None:
+        self.comm, self.stream, self.prev = comm, stream, None
+
+    def __enter__(self) -> None:
+        self.prev = self.comm.main_stream()
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.prev)
 
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, ctx: CommContext, fqn: str) -> None:

@@ -117,6 +117,9 @@ class FlatParamGroup:
         self.accum: torch.Tensor | None = None
         self.accum_pending = False
         self.ag_event = None
+        self._ag_event_obj = None
+        """The event ``unshard`` records on the AG stream, created once and reused."""
+        self._nonempty_sharded = [ref.sharded for ref in self.params if ref.sharded.numel()]
         self.dirty = False
         """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
         self.force_refresh = False
@@ -194,7 +197,9 @@ class FlatParamGroup:
                 else:
                     full = self._persistent_full
                     full.copy_(self.compute_shard)
-                self.ag_event = comm.record(comm.ag_stream)
+                # One event per group, re-recorded: ``wait_unshard`` waits on the latest
+                # record, exactly what a fresh event per gather gives (see comm.wait).
+                self.ag_event = self._ag_event_obj = comm.record(comm.ag_stream, self._ag_event_obj)
         self._rebuild_unsharded(full)
         self._holds_full = True
 
@@ -220,7 +225,7 @@ class FlatParamGroup:
 
     def _rebuild_unsharded(self, full: torch.Tensor) -> None:
         """(Re)create unsharded parameters when the flat tensor object changed."""
-        if full is self.full and all(r.unsharded is not None for r in self.params):
+        if full is self.full and self._unsharded_built:
             return
         self.full = full
         # The params view an alias with its own version counter: re-gathering into ``full``
@@ -230,6 +235,10 @@ class FlatParamGroup:
             view = alias[offset : offset + ref.shape.numel()].view(ref.shape)
             ref.unsharded = nn.Parameter(view, requires_grad=ref.sharded.requires_grad)
         self._grads_attached_to = None
+        self._unsharded_built = True
+
+    _unsharded_built = False
+    """Every ``ref.unsharded`` exists (cleared by ``renew_unsharded``, which drops them)."""
 
     def renew_unsharded(self) -> None:
         """New unsharded parameter objects over the same buffer: fresh autograd leaves.
@@ -242,21 +251,24 @@ class FlatParamGroup:
             return
         for ref in self.params:
             ref.unsharded = None
+        self._unsharded_built = False
         self._rebuild_unsharded(self.full)
 
     def use_unsharded(self) -> None:
         for ref in self.params:
+            unsharded = ref.unsharded
             for module, name in ref.owners:
-                module._parameters[name] = ref.unsharded
+                module._parameters[name] = unsharded
 
     def use_sharded(self, *, initial: bool = False) -> None:
         for ref in self.params:
+            sharded = ref.sharded
             for module, name in ref.owners:
-                if (
-                    not initial
-                    and module._parameters.get(name) is not ref.sharded
-                    and module._parameters.get(name) is not ref.unsharded
-                ):
+                params = module._parameters
+                current = params.get(name)
+                if current is sharded:
+                    continue
+                if not initial and current is not ref.unsharded:
                     raise RuntimeError(
                         f"parameter {ref.fqn} was replaced after fully_shard (now "
                         f"{tuple(module._parameters[name].shape) if module._parameters.get(name) is not None else None},"
@@ -264,7 +276,7 @@ class FlatParamGroup:
                         "sharding; assign new values in place (param.data.copy_) or re-create "
                         "the module before fully_shard"
                     )
-                module._parameters[name] = ref.sharded
+                params[name] = sharded
 
     # ---------------------------------------------------------------- gradients
     def prepare_grads(self, allocator: BufferAllocator) -> None:
@@ -341,11 +353,15 @@ class FlatParamGroup:
         return [self.comm.rs_stream] if self.comm.rs_stream is not None else []
 
     def grads_defined(self) -> bool:
-        return any(ref.sharded.grad is not None for ref in self.params if ref.sharded.numel())
+        for p in self._nonempty_sharded:
+            if p.grad is not None:
+                return True
+        return False
 
     def attach_sharded_grads(self) -> None:
         for ref in self.params:
             # Empty shards never get a grad: optimizers skip them, so a zero-numel tensor
             # never reaches a fused/foreach kernel.
-            if ref.sharded.numel() and ref.sharded.requires_grad and ref.sharded.grad is None:
-                ref.sharded.grad = ref.grad_view
+            p = ref.sharded
+            if p.grad is None and p.requires_grad and p.numel():
+                p.grad = ref.grad_view

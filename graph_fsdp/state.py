@@ -59,6 +59,8 @@ class RootContext:
     capturing: bool = False
     """Set by the capture layer: reductions are skipped while warming up/capturing layers."""
     backward_done: set[int] = field(default_factory=set)
+    order_positions: dict[int, int] = field(default_factory=dict)
+    """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -128,6 +130,17 @@ class FSDPState:
     def _register_post_backward_hook(self, module, args, kwargs):
         if not torch.is_grad_enabled() or in_backward():
             return None
+        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            # Fast path (the usual ``layer(x)``): what the tree_flatten path below computes,
+            # without flattening; the tensors are the leaves, in order.
+            idx = [i for i, t in enumerate(args) if t.requires_grad]
+            if not idx:
+                return None
+            outs = _PostBackward.apply(self, *[args[i] for i in idx])
+            new_args = list(args)
+            for i, t in zip(idx, outs):
+                new_args[i] = t
+            return tuple(new_args), {}
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
@@ -141,7 +154,7 @@ class FSDPState:
     def _register_pre_backward_hook(self, module, args, output) -> None:
         if not torch.is_grad_enabled() or in_backward():
             return
-        flat, _ = tree_flatten(output)
+        flat = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
         for t in flat:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._pre_backward_grad_hook)
@@ -247,10 +260,9 @@ class FSDPState:
             prev = self._neighbour(-1)
             if prev is not None and not prev.is_root:
                 prev.unshard()
-            self.wait_for_unshard()
+            self.wait_for_unshard()  # also puts the unsharded params on the modules
             for group in self.groups:
                 group.prepare_grads(self.allocator)
-                group.use_unsharded()
 
     def post_backward(self) -> None:
         if self._post_backward_done:
@@ -303,10 +315,19 @@ class FSDPState:
                 group.use_sharded()
 
     def _neighbour(self, step: int) -> FSDPState | None:
-        order = self.root.forward_order
-        if not self.root.order_frozen or self not in order:
+        root = self.root
+        if not root.order_frozen:
             return None
-        i = order.index(self) + step
+        order = root.forward_order
+        positions = root.order_positions
+        if len(positions) != len(order):  # the order is only ever appended to
+            positions.clear()
+            for i, s in enumerate(order):
+                positions.setdefault(id(s), i)
+        i = positions.get(id(self))
+        if i is None:
+            return None
+        i += step
         return order[i] if 0 <= i < len(order) else None
 
 

@@ -30,11 +30,65 @@ import torch
 Key = Hashable
 
 
+class _NvtxRange:
+    """``torch.cuda.nvtx.range(name)`` without a generator per use: stateless, reentrant."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        torch.cuda.nvtx.range_push(self.name)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.nvtx.range_pop()
+
+
+_NULL_RANGE = nullcontext()
+_CUDA_AVAILABLE: bool | None = None
+_RANGES: dict[str, _NvtxRange] = {}
+_MAX_CACHED_RANGES = 65536
+
+
 def nvtx_range(name: str):
-    """NVTX range on CUDA builds; a no-op context elsewhere."""
-    if torch.cuda.is_available():
-        return torch.cuda.nvtx.range(name)
-    return nullcontext()
+    """NVTX range on CUDA builds; a no-op context elsewhere.
+
+    Host time matters here (several ranges per layer and direction around graph replays):
+    CUDA availability is queried once, and each name's range object is built once.
+    """
+    global _CUDA_AVAILABLE
+    if _CUDA_AVAILABLE is None:
+        _CUDA_AVAILABLE = torch.cuda.is_available()
+    if not _CUDA_AVAILABLE:
+        return _NULL_RANGE
+    rng = _RANGES.get(name)
+    if rng is None:
+        rng = _NvtxRange(name)
+        if len(_RANGES) < _MAX_CACHED_RANGES:
+            _RANGES[name] = rng
+    return rng
+
+
+_CURRENT: dict[int, tuple[tuple, torch.cuda.Stream]] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)``, reusing the handle while the stream is the same.
+
+    The handle is rebuilt whenever the current stream (per thread, as CUDA's) differs from
+    the cached one, so callers always get the stream that is current now.
+    """
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    index = device.index
+    if get is None or index is None:
+        return torch.cuda.current_stream(device)
+    data = get(index)
+    cached = _CURRENT.get(index)
+    if cached is None or cached[0] != data:
+        stream = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+        _CURRENT[index] = cached = (data, stream)
+    return cached[1]
 
 
 def key_role(key: Key) -> str:
@@ -164,6 +218,8 @@ class Slot:
         self.tensor: torch.Tensor | None = None
         self.holder: Key | None = None
         self.pending: list[torch.cuda.Event] = []
+        self._events: dict[tuple, torch.cuda.Event] = {}
+        """One reusable event per stream this slot is given back on (see ``give_back``)."""
 
     @property
     def nbytes(self) -> int:
@@ -175,6 +231,10 @@ class Slot:
         return self.tensor
 
     def take(self, key: Key, numel: int) -> torch.Tensor:
+        return self.acquire(key)[:numel]
+
+    def acquire(self, key: Key) -> torch.Tensor:
+        """``take`` without the view: the slot's whole tensor (callers cache their view)."""
         if self.holder is not None and self.holder != key:
             raise SlotReuseError(
                 f"slot {self.label} ({self.numel} x {self.dtype}) is still held by "
@@ -184,22 +244,32 @@ class Slot:
             )
         self.holder = key
         tensor = self.materialise()
-        if self.pending and tensor.is_cuda:
-            stream = torch.cuda.current_stream(tensor.device)
-            for event in self.pending:
-                stream.wait_event(event)
-        self.pending = []
-        return tensor[:numel]
+        if self.pending:
+            if tensor.is_cuda:
+                stream = current_stream(tensor.device)
+                for event in self.pending:
+                    stream.wait_event(event)
+            self.pending = []
+        return tensor
 
     def give_back(self, used_on: Sequence[torch.cuda.Stream]) -> None:
+        # Events are reused, one per stream: a wait enqueued by ``take`` depends on the record
+        # that was latest when the wait was enqueued, and ``free`` gives a slot back at most
+        # once between two takes, so each pending event carries exactly the record a fresh
+        # event would (inside a capture too: a record/wait pair becomes the same graph edge).
         self.holder = None
         for stream in used_on:
-            event = torch.cuda.Event()
+            sid = (stream.stream_id, stream.device_index, stream.device_type)
+            event = self._events.get(sid)
+            if event is None:
+                event = self._events[sid] = torch.cuda.Event()
             event.record(stream)
-            self.pending.append(event)
+            if event not in self.pending:
+                self.pending.append(event)
 
     def drop(self) -> None:
         self.tensor, self.holder, self.pending = None, None, []
+        self._events = {}
 
 
 class SlotAllocator(BufferAllocator):
@@ -244,6 +314,7 @@ class SlotAllocator(BufferAllocator):
             )
         else:
             reason = self._unplanned(key, numel, dtype)
+        device = torch.device(device)
         if not self.persist_on_alloc_fail:
             raise SlotReuseError(
                 f"{type(self).__name__}: {reason}. Set BufferPolicy(persist_on_alloc_fail=True) "
@@ -259,12 +330,12 @@ class SlotAllocator(BufferAllocator):
         return dedicated
 
     def allocate(self, key, numel, dtype, device):
-        slot = self._slot_for(key, numel, dtype, torch.device(device))
-        view = slot.take(key, numel)
+        slot = self._slot_for(key, numel, dtype, device)
+        base = slot.acquire(key)
         cached = self._views.get(key)
-        if cached is None or cached.data_ptr() != view.data_ptr() or cached.numel() != numel:
-            self._views[key] = cached = view
-        self.stats.on_alloc(key_role(key), numel * view.element_size())
+        if cached is None or cached.data_ptr() != base.data_ptr() or cached.numel() != numel:
+            self._views[key] = cached = base[:numel]
+        self.stats.on_alloc(key_role(key), numel * cached.element_size())
         return cached
 
     def free(self, key, *, used_on=()):

@@ -10,6 +10,7 @@ shard): ``local_range`` says which part of it a rank holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 ALIGN_ELEMENTS = 64
 """Parameter starts are multiples of this many elements (128 bytes in bf16)."""
@@ -21,7 +22,10 @@ def _round_up(value: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Placement of ``numels`` in a flat buffer sharded over ``world_size`` ranks."""
+    """Placement of ``numels`` in a flat buffer sharded over ``world_size`` ranks.
+
+    Frozen, so the derived sizes are computed once (``cached_property``).
+    """
 
     numels: tuple[int, ...]
     world_size: int
@@ -33,7 +37,7 @@ class FlatLayout:
         if any(n < 0 for n in self.numels):
             raise ValueError(f"negative numel in {self.numels}")
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         out, pos = [], 0
         for n in self.numels:
@@ -41,19 +45,19 @@ class FlatLayout:
             pos = _round_up(pos + n, self.align)
         return tuple(out)
 
-    @property
+    @cached_property
     def used(self) -> int:
         """Elements up to the end of the last parameter (before world-size padding)."""
         if not self.numels:
             return 0
         return self.offsets[-1] + self.numels[-1]
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements each rank owns; a multiple of ``align`` so shards stay aligned."""
         return _round_up(max(-(-self.used // self.world_size), 1), self.align)
 
-    @property
+    @cached_property
     def total(self) -> int:
         return self.shard_numel * self.world_size
 

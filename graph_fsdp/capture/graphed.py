@@ -47,9 +47,26 @@ class CallSignature:
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
         self.samples = [flat[i].detach().clone() for i in self.tensor_index]
+        self.n_plain_args: int | None = (
+            len(args) if not kwargs and all(isinstance(a, torch.Tensor) for a in args) else None
+        )
+        """``len(args)`` when the recorded call was positional tensors only (else None)."""
 
     def tensors_of(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
         """The call's tensors in signature order, or None if the call does not match."""
+        if (
+            self.n_plain_args is not None
+            and not kwargs
+            and len(args) == self.n_plain_args
+            and all(isinstance(a, torch.Tensor) for a in args)
+        ):
+            # Fast path: such a call flattens to the recorded spec, its leaves are ``args``
+            # and there are no constants to compare.
+            tensors = list(args)
+            for t, m in zip(tensors, self.metas):
+                if _meta(t) != m:
+                    return None
+            return tensors
         flat, spec = tree_flatten((args, kwargs))
         if spec != self.spec:
             return None
@@ -188,6 +205,8 @@ class CapturedCallable:
             if self.te_callable is not None:
                 return self.te_callable(*tensors, self.te_anchor)
             outs = _Replay.apply(self, *tensors, *self.params)
+            if self.out_spec.is_leaf():  # a single tensor: what tree_unflatten returns
+                return outs[0]
             return tree_unflatten(list(outs), self.out_spec)
 
 
