@@ -68,8 +68,9 @@ class _Positional(nn.Module):
     [Note: TE parameter gradients] TE passes a callable's ``parameters()`` to its replay
     Function as extra inputs and returns their gradients, which autograd's AccumulateGrad
     then adds eagerly - in the nodes TE's capture created and keeps alive, bound to the
-    capture stream, where they race FSDP's reduce-scatter (measured on 2x H200: losses left
-    eager at the first replayed step). This wrapper shows TE no parameters, so TE's
+    capture stream. Measured on 2x H200 with that path: losses left eager within the first
+    replayed steps, and making the reduce-scatter also wait for the streams those adds ran
+    on did not fix it. This wrapper shows TE no parameters, so TE's
     backward capture (``torch.autograd.backward``) accumulates them *inside* the graph into
     FSDP's preset ``grad_full`` views - the torch backend's contract ([Note: gradients of
     graphed modules]), bit-identical to eager. The module stays a submodule, so TE still
