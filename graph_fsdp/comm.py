@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from graph_fsdp.buffers.allocator import current_stream, nvtx_range
+from graph_fsdp.buffers.allocator import CUDA_GET_CURRENT_STREAM, current_stream, nvtx_range
 
 
 class CommContext:
@@ -56,7 +56,7 @@ class CommContext:
             index is None
             or stream.device_index != index
             or torch.cuda.current_device() != index
-            or not hasattr(torch._C, "_cuda_getCurrentStream")
+            or CUDA_GET_CURRENT_STREAM is None
         ):
             return torch.cuda.stream(stream)
         return _OnStream(self, stream)

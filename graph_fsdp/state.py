@@ -130,25 +130,17 @@ class FSDPState:
     def _register_post_backward_hook(self, module, args, kwargs):
         if not torch.is_grad_enabled() or in_backward():
             return None
-        if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-            # Fast path (the usual ``layer(x)``): what the tree_flatten path below computes,
-            # without flattening; the tensors are the leaves, in order.
-            idx = [i for i, t in enumerate(args) if t.requires_grad]
-            if not idx:
-                return None
-            outs = _PostBackward.apply(self, *[args[i] for i in idx])
-            new_args = list(args)
-            for i, t in zip(idx, outs):
-                new_args[i] = t
-            return tuple(new_args), {}
-        flat, spec = tree_flatten((args, kwargs))
+        # The usual ``layer(x)`` (positional tensors only) skips tree_flatten: its leaves are
+        # ``args``, in order.
+        simple = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+        flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
         outs = _PostBackward.apply(self, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        return (tuple(flat), {}) if spec is None else tree_unflatten(flat, spec)
 
     @mark(BACKWARD_PRE_HANDLER, "capture_pre_backward")
     def _register_pre_backward_hook(self, module, args, output) -> None:

@@ -71,6 +71,8 @@ def nvtx_range(name: str):
 
 
 _CURRENT: dict[int, tuple[tuple, torch.cuda.Stream]] = {}
+CUDA_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+"""What ``torch.cuda.current_stream`` reads (absent from CPU-only builds)."""
 
 
 def current_stream(device: torch.device) -> torch.cuda.Stream:
@@ -79,11 +81,10 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     The handle is rebuilt whenever the current stream (per thread, as CUDA's) differs from
     the cached one, so callers always get the stream that is current now.
     """
-    get = getattr(torch._C, "_cuda_getCurrentStream", None)
     index = device.index
-    if get is None or index is None:
+    if CUDA_GET_CURRENT_STREAM is None or index is None:
         return torch.cuda.current_stream(device)
-    data = get(index)
+    data = CUDA_GET_CURRENT_STREAM(index)
     cached = _CURRENT.get(index)
     if cached is None or cached[0] != data:
         stream = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])

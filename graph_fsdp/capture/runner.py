@@ -184,19 +184,17 @@ class LayerwiseGraphs:
         }
 
     # ------------------------------------------------------------------ capture
-    def _renew_params(self, units: dict[int, FSDPState]) -> None:
-        """Fresh unsharded parameter leaves on every captured unit (``renew_unsharded``);
-        each unit is gathered, renewed and resharded in turn."""
+    @staticmethod
+    def _renew_params(units: dict[int, FSDPState]) -> None:
+        """Fresh unsharded parameter leaves on every captured unit (``renew_unsharded``):
+        each unit is gathered, renewed and resharded in turn, then the new unsharded
+        parameter objects are put on the modules (capture and ``cap.params`` read them)."""
         for state in units.values():
             state.unshard()
             for group in state.groups:
                 group.renew_unsharded()
-            state.wait_for_unshard()  # installs the new unsharded params on the modules
+            state.wait_for_unshard()
             state.reshard()
-
-    @staticmethod
-    def _use_unsharded(units: dict[int, FSDPState]) -> None:
-        """Put the unsharded parameter objects on the modules (capture reads them)."""
         for state in units.values():
             for group in state.groups:
                 group.use_unsharded()
@@ -216,7 +214,6 @@ class LayerwiseGraphs:
         # The graphs' parameter inputs are the unsharded params over the units' current
         # buffers (new ones after a release()), as fresh autograd leaves (renew_unsharded).
         self._renew_params(units)
-        self._use_unsharded(units)
         for cap in self.caps:
             cap.prepare()
         extracted = {}
@@ -254,7 +251,6 @@ class LayerwiseGraphs:
         # bound to the capture stream: eager calls of the modules (fallbacks) get fresh
         # leaves, whose nodes are made on the main stream. The graphs read the same storage.
         self._renew_params(units)
-        self._use_unsharded(units)
         for cap in self.caps:
             cap.params = tuple(cap.module.parameters())
         for state in units.values():
