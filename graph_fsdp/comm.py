@@ -108,10 +108,10 @@ class _OnStream:
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, ctx: CommContext, fqn: str) -> None:
     with nvtx_range(f"graph_fsdp/all_gather/{fqn}"):
-        if ctx.world_size == 1:
-            out.copy_(shard)
-        else:
+        if ctx.world_size > 1:
             dist.all_gather_into_tensor(out, shard, group=ctx.group)
+        elif out.data_ptr() != shard.data_ptr():
+            out.copy_(shard)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:

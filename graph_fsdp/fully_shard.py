@@ -126,14 +126,13 @@ class FSDPModule:
         persistent: dict[str, int] = {}
 
         def add(name: str, t: torch.Tensor | None) -> None:
-            if t is not None:
-                persistent[name] = persistent.get(name, 0) + t.numel() * t.element_size()
+            if t is not None:  # storage bytes: a released main_grad holds none
+                persistent[name] = persistent.get(name, 0) + t.untyped_storage().nbytes()
 
         for s in states:
             for g in s.groups:
                 add("main_params", g.main_flat)
                 add("main_grads", g.main_grad)
-                add("compute_shard", g.compute_shard)
                 add("compute_full_persistent", getattr(g, "_persistent_full", None))
                 add("grad_accum", g.accum)
         root = states[0].root

@@ -7,14 +7,19 @@ optimizer is sharded, else the whole flat buffer):
 name           size, dtype            lifetime
 ============== ===================== =====================================================
 main_flat      owned, main dtype      persistent; the optimizer's parameters are 1-D views
-main_grad      owned|full, main grad  persistent; sharded ``param.grad`` views
-compute_shard  shard, compute dtype   persistent (sharded params); cast of main_flat
+main_grad      owned|full, main grad  storage freed between steps (see release_main_grad);
+                                      sharded ``param.grad`` views
 full           total, compute dtype   allocator key ``(fqn, "param", dtype)`` (ZeRO-3) or
                                       persistent (ZeRO-0/1/2); unsharded params are views
 grad_full      total, compute dtype   allocator key ``(fqn, "grad", dtype)``; the unsharded
                                       params' preset ``.grad`` (autograd adds into it)
 accum          total, main grad dtype persistent, lazily, only under ``no_sync``
 ============== ===================== =====================================================
+
+[Note: copy-in all-gather] There is no persistent compute-dtype copy of the shard: each
+gather casts ``main_flat`` straight into this rank's part of ``full`` and all-gathers in
+place (``all_gather_into_tensor(full, full[lo:hi])``, NCCL's in-place form), as torch FSDP2
+does. The cast is 1/W of the unit per gather and gives the same values as a cached copy.
 
 The unsharded parameters' ``.grad`` is preset to views of ``grad_full`` and zeroed before
 backward, so autograd's AccumulateGrad writes gradients in place - inside a captured graph
@@ -102,12 +107,7 @@ class FlatParamGroup:
             self.params.append(ref)
         del full
 
-        if placements.params:
-            self.compute_shard = torch.empty(
-                self.layout.shard_numel, dtype=self.compute_dtype, device=device
-            )
-        else:
-            self.compute_shard = torch.empty(hi - lo, dtype=self.compute_dtype, device=device)
+        if not placements.params:
             self._persistent_full = torch.empty(
                 self.layout.total, dtype=self.compute_dtype, device=device
             )
@@ -124,6 +124,8 @@ class FlatParamGroup:
         """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
         self.force_refresh = False
         """Set while capturing a full iteration: the graph must contain the refresh."""
+        self.pin_main_grad = False
+        """A captured graph writes ``main_grad``: its storage must never be released."""
 
     # Allocator keys are identities (unit name, role, dtype): see buffers/allocator.py.
     @property
@@ -179,24 +181,22 @@ class FlatParamGroup:
             self.full = self._persistent_full
             return
         with nvtx_range(f"graph_fsdp/unshard/{self.fqn}"):
-            if self.stale():
-                with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):
-                    self.compute_shard.copy_(self.main_flat)
-                self._synced_version = self.main_flat._version
-                self.dirty = False
+            # The cast reads main_flat, which the optimizer updates on the main stream.
             comm.wait(comm.ag_stream, comm.main_stream())
             with comm.on(comm.ag_stream):
                 if self.placements.params:
                     full = allocator.allocate(
                         self.param_key, self.layout.total, self.compute_dtype, self.device
                     )
-                    all_gather(full, self.compute_shard, comm, self.fqn)
-                elif self.placements.optim:
-                    full = self._persistent_full
-                    all_gather(full, self.compute_shard, comm, self.fqn)
                 else:
                     full = self._persistent_full
-                    full.copy_(self.compute_shard)
+                lo, hi = self.owned
+                with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):
+                    full[lo:hi].copy_(self.main_flat)  # [Note: copy-in all-gather]
+                self._synced_version = self.main_flat._version
+                self.dirty = False
+                if self.placements.optim:
+                    all_gather(full, full[lo:hi], comm, self.fqn)
                 # One event per group, re-recorded: ``wait_unshard`` waits on the latest
                 # record, exactly what a fresh event per gather gives (see comm.wait).
                 self.ag_event = self._ag_event_obj = comm.record(comm.ag_stream, self._ag_event_obj)
@@ -294,9 +294,29 @@ class FlatParamGroup:
                     )
             self._grads_attached_to = self.full
 
+    # [Note: releasable main grads] Like torch FSDP2, which frees sharded gradients on
+    # ``zero_grad(set_to_none=True)``, ``main_grad``'s storage is released at the next forward
+    # once the optimizer dropped every sharded ``.grad`` (nothing can read it then), and
+    # re-allocated - on the main stream, so the caching allocator hands the freed bytes to
+    # activations - just before the next reduction, which overwrites all of it. The tensor
+    # object and its ``grad_view``s stay; only their storage comes and goes. A full-iteration
+    # graph writes ``main_grad`` at a fixed address, so capture pins it.
+    def release_main_grad(self) -> None:
+        storage = self.main_grad.untyped_storage()
+        if self.pin_main_grad or storage.nbytes() == 0 or self.grads_defined():
+            return
+        storage.resize_(0)
+
+    def ensure_main_grad(self) -> None:
+        storage = self.main_grad.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.main_grad.numel() * self.main_grad.element_size())
+
     def reduce_grads(self, allocator: BufferAllocator, *, sync: bool, overwrite: bool) -> None:
         """Reduce this backward's gradients into ``main_grad`` (or keep them under no_sync)."""
         comm, mp = self.comm, self.mp
+        if sync:
+            self.ensure_main_grad()  # on the main stream: [Note: releasable main grads]
         main = comm.main_stream()
         comm.wait(comm.rs_stream, main)
         with comm.on(comm.rs_stream), nvtx_range(f"graph_fsdp/reduce_grads/{self.fqn}"):

@@ -211,6 +211,8 @@ class FSDPState:
             root.callback_queued = False
             for s in root.states:
                 s._pre_backward_done = s._post_backward_done = False
+                for group in s.groups:
+                    group.release_main_grad()
         with nvtx_range(f"graph_fsdp/pre_forward/{self.fqn}"):
             self.training_state = TrainingState.FORWARD
             if not root.order_frozen and torch.is_grad_enabled():

@@ -202,6 +202,8 @@ class FullIterationGraphs:
         groups = [g for s in self.states for g in s.groups]
         for g in groups:
             g.force_refresh = True
+            g.pin_main_grad = True  # the graph reduces into it: [Note: releasable main grads]
+            g.ensure_main_grad()
         try:
             with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"):
                 with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
