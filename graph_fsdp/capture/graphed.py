@@ -20,7 +20,9 @@ overwrites a tensor a later replay still reads.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -28,7 +30,8 @@ from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.buffers.allocator import nvtx_range
-from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.scopes import GraphConfigError, Target
+from graph_fsdp.capture.tracker import ModuleTracker
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 
@@ -41,8 +44,9 @@ class CallSignature:
     writes fixed-size buffers, so any other call runs eagerly).
     """
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, args: tuple, kwargs: dict, *, what: str = "a graphed call") -> None:
         flat, self.spec = tree_flatten((args, kwargs))
+        check_constants(flat, self.spec, what)
         self.tensor_index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
@@ -80,6 +84,28 @@ class CallSignature:
             return None
         return tensors
 
+    def mismatch(self, args: tuple, kwargs: dict) -> str | None:
+        """Why a call does not match (the first difference, with values), or None."""
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self.spec:
+            return (
+                f"the arguments' structure differs: captured {_structure(self.spec)}, called "
+                f"with {_structure(spec)}"
+            )
+        paths = _leaf_paths(self.spec)
+        metas = iter(self.metas)
+        for path, x, const in zip(paths, flat, self.consts):
+            if isinstance(x, torch.Tensor):
+                m, now = next(metas), _meta(x)
+                if now != m:
+                    return (
+                        f"tensor {path} is {_fmt_meta(now)}, captured as {_fmt_meta(m)}: keep "
+                        "shapes, dtypes and devices fixed (pad, or drop and recapture)"
+                    )
+            elif not _same(x, const):
+                return f"{path} is {x!r}, captured as {const!r}: non-tensor arguments are constants"
+        return None
+
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         flat = list(self.consts)
         for i, t in zip(self.tensor_index, tensors):
@@ -97,6 +123,85 @@ def describe_call(args: tuple, kwargs: dict) -> str:
         f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}"
         for t in flat
         if isinstance(t, torch.Tensor)
+    )
+
+
+_CONSTANT_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+    type,
+    slice,
+    type(Ellipsis),
+)
+
+
+def check_constants(flat: list, spec, what: str) -> None:
+    """Reject non-tensor arguments a graph cannot treat as constants (objects with state,
+    e.g. a HuggingFace ``past_key_values`` cache): the graph would ignore their changes."""
+    for path, x in zip(_leaf_paths(spec), flat):
+        if isinstance(x, torch.Tensor) or isinstance(x, _CONSTANT_TYPES) or callable(x):
+            continue
+        raise GraphConfigError(
+            f"{what}: argument {path} is a {type(x).__module__}.{type(x).__name__}, neither a "
+            "tensor nor a constant (None, bool, number, str, dtype, ...): a CUDA graph replays "
+            "fixed buffers and cannot follow that object's state. For a KV cache pass "
+            "use_cache=False / past_key_values=None in training, or keep this module eager"
+        )
+
+
+def _leaf_paths(spec) -> list[str]:
+    """Readable paths of a ``(args, kwargs)`` spec's leaves: ``args[0]``, ``kwargs['mask']``."""
+    from torch.utils._pytree import tree_unflatten as unflatten  # noqa: PLC0415
+
+    n = spec.num_leaves
+    marked = unflatten(list(range(n)), spec)
+    out = [""] * n
+
+    def walk(node, path):
+        if isinstance(node, int) and not isinstance(node, bool) and path:
+            out[node] = path
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}[{k!r}]")
+        elif isinstance(node, list | tuple):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+        elif hasattr(node, "items"):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}")
+
+    args, kwargs = marked
+    walk(args, "args")
+    walk(kwargs, "kwargs")
+    return [p or f"leaf {i}" for i, p in enumerate(out)]
+
+
+def _structure(spec) -> str:
+    try:
+        args, kwargs = spec.children_specs
+        return (
+            f"{args.num_children} positional and keywords {list(kwargs.context)} "
+            f"({spec.num_leaves} leaves)"
+        )
+    except (AttributeError, ValueError, TypeError):
+        return " ".join(str(spec).split())[:300]
+
+
+def _fmt_meta(m: tuple) -> str:
+    shape, dtype, device, rg = m
+    return f"{tuple(shape)}:{str(dtype).replace('torch.', '')} on {device}" + (
+        " requiring grad" if rg else ""
     )
 
 
@@ -241,6 +346,10 @@ class _Replay(torch.autograd.Function):
         return (None, *grads_in, *([None] * len(cap.params)))
 
 
+def _phase(tracker: ModuleTracker | None, name: str, kind: str):
+    return tracker.phase(name, kind) if tracker is not None else nullcontext()
+
+
 def _run(hooks: CaptureHooks, key: str, module: nn.Module) -> None:
     for fn in hooks[key].values():
         fn(module)
@@ -252,6 +361,7 @@ def capture_torch(
     *,
     warmup_iters: int,
     pool,
+    tracker: ModuleTracker | None = None,
 ) -> None:
     """Warm up and capture ``caps`` with torch.cuda graphs (see the module notes).
 
@@ -276,16 +386,18 @@ def capture_torch(
             _run(h, "forward_pre_hooks", cap.module)
             cap.fwd_graph = torch.cuda.CUDAGraph()
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
-                with torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream):
-                    cap.static_outputs = cap.forward_eager()
+                with _phase(tracker, cap.name, "forward"):
+                    with torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream):
+                        cap.static_outputs = cap.forward_eager()
             cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
             _run(h, "forward_hooks", cap.module)
         for cap, h in reversed(list(zip(caps, hooks))):
             _run(h, "backward_pre_hooks", cap.module)
             cap.bwd_graph = torch.cuda.CUDAGraph()
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):
-                with torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream):
-                    cap.static_grad_inputs = cap.backward_eager(cap.static_outputs)
+                with _phase(tracker, cap.name, "backward"):
+                    with torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream):
+                        cap.static_grad_inputs = cap.backward_eager(cap.static_outputs)
             # Drop the capture forward's autograd graph: only its buffers, owned by the
             # pool, remain (the backward graph reads them).
             cap.static_outputs = [o.detach() for o in cap.static_outputs]
