@@ -334,7 +334,8 @@ def _no_match_message(
         _is_moe_block(c) for _, u in units for c in u.children()
     ):
         notes.append("the units have no MoE block (a dense model): drop the moe scopes")
-    example = next(iter(found), "name")
+    preset_heads = {sp.path.split(".")[0] for ps in SCOPE_PRESETS.values() for sp in ps}
+    example = next((n for n in found if n not in preset_heads), "PATH")
     return (
         f"{flag} {' '.join(missing)}: no module of the model matches (looked for {looked} in "
         f"every FSDP unit; [moe]/[dense]: only where that submodule is / is not an MoE block). "
