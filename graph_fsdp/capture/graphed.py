@@ -48,6 +48,7 @@ class CallSignature:
         flat, self.spec = tree_flatten((args, kwargs))
         check_constants(flat, self.spec, what)
         self.tensor_index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        self.tensor_set = frozenset(self.tensor_index)
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
         self.samples = [flat[i].detach().clone() for i in self.tensor_index]
@@ -75,7 +76,9 @@ class CallSignature:
         if spec != self.spec:
             return None
         tensors = []
-        for x, const in zip(flat, self.consts):
+        for i, (x, const) in enumerate(zip(flat, self.consts)):
+            if isinstance(x, torch.Tensor) != (i in self.tensor_set):
+                return None  # a tensor where a constant was recorded, or the reverse
             if isinstance(x, torch.Tensor):
                 tensors.append(x)
             elif not _same(x, const):
@@ -94,7 +97,11 @@ class CallSignature:
             )
         paths = _leaf_paths(self.spec)
         metas = iter(self.metas)
-        for path, x, const in zip(paths, flat, self.consts):
+        for i, (path, x, const) in enumerate(zip(paths, flat, self.consts)):
+            if isinstance(x, torch.Tensor) != (i in self.tensor_set):
+                kind = "a tensor" if isinstance(x, torch.Tensor) else repr(x)
+                was = "a tensor" if i in self.tensor_set else repr(const)
+                return f"{path} is {kind}, captured as {was}"
             if isinstance(x, torch.Tensor):
                 m, now = next(metas), _meta(x)
                 if now != m:
