@@ -24,6 +24,9 @@ from torch.nn.modules.module import (
 )
 from torch.utils._pytree import tree_flatten
 
+_TAG = "graph_fsdp_module"
+"""Key in ``grad_fn.metadata``: the innermost tracked module whose output the node made."""
+
 
 class CaptureFailedError(RuntimeError):
     """A CUDA graph capture failed; the message names the running module and the fix."""
@@ -46,7 +49,7 @@ class ModuleTracker:
         self.last_backward: str | None = None
         self.context: list[tuple[str, str]] = []
         self._handles: list = []
-        self._grad_fn_handles: list = []
+        self._active = False
 
     @classmethod
     def for_model(cls, model: nn.Module) -> ModuleTracker:
@@ -58,12 +61,14 @@ class ModuleTracker:
             register_module_forward_pre_hook(self._pre_forward),
             register_module_forward_hook(self._post_forward),
         ]
+        self._active = True
         try:
             yield self
         finally:
-            for h in self._handles + self._grad_fn_handles:
+            for h in self._handles:
                 h.remove()
-            self._handles, self._grad_fn_handles = [], []
+            self._handles = []
+            self._active = False
 
     @contextmanager
     def phase(self, name: str, kind: str) -> Iterator[None]:
@@ -86,16 +91,19 @@ class ModuleTracker:
             return
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
-        seen = set()
         for t in tree_flatten(output)[0]:
             node = t.grad_fn if isinstance(t, torch.Tensor) else None
-            if node is not None and id(node) not in seen:
-                seen.add(id(node))
-                self._grad_fn_handles.append(node.register_prehook(self._backward_hook(name)))
+            # A node that is also an inner module's output keeps the inner (first) name. No
+            # handle is kept (it would keep the node and its saved tensors alive): the hook
+            # dies with the node and does nothing once the tracker is inactive.
+            if node is not None and _TAG not in node.metadata:
+                node.metadata[_TAG] = name
+                node.register_prehook(self._backward_hook(name))
 
     def _backward_hook(self, name: str):
         def hook(grad_outputs):
-            self.last_backward = name
+            if self._active:
+                self.last_backward = name
 
         return hook
 
