@@ -70,6 +70,7 @@ from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
+    GradState,
     GraphVerificationError,
     VerifyResult,
     verify_step,
@@ -320,9 +321,12 @@ class FullIterationGraphs:
             with self._on_capture_stream():
                 return detached(fn(*args, **kwargs))
         if pos.graph is None:
+            # The capture runs the step's Python (FSDP's flags) but none of its kernels:
+            # verification starts from the state before it.
+            before = GradState.save(self.states) if self.verify else None
             self._capture(micro, pos)
             if self.verify:
-                return self._verify(micro, pos, args, kwargs)
+                return self._verify(micro, pos, args, kwargs, before)
         return self._replay(micro, pos, args, kwargs)
 
     def _replay(self, micro: int, pos: StepPosition, args: tuple, kwargs: dict):
@@ -338,7 +342,7 @@ class FullIterationGraphs:
         flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in pos.static_flat]
         return tree_unflatten(flat, pos.out_spec)
 
-    def _verify(self, micro: int, pos: StepPosition, args: tuple, kwargs: dict):
+    def _verify(self, micro: int, pos: StepPosition, args: tuple, kwargs: dict, before):
         groups = [g for s in self.states for g in s.groups]
 
         def run_eager():
@@ -359,6 +363,7 @@ class FullIterationGraphs:
             run_eager=run_eager,
             run_graphed=lambda: self._replay(micro, pos, args, kwargs),
             device=self.device,
+            saved=before,
         )
         self._drop_slot_events()
         record_verification(self.verification, result, self.verify)

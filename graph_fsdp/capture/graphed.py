@@ -239,6 +239,9 @@ class CapturedCallable:
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None
+        self.out_template: list = []
+        self.out_has_consts = False
+        self.out_tensor_pos: frozenset[int] = frozenset()
         self.out_requires_grad: list[bool] = []
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
@@ -268,16 +271,37 @@ class CapturedCallable:
 
     # ------------------------------------------------------------------ eager pieces
     def forward_eager(self) -> list[torch.Tensor]:
-        """The original forward on the static inputs (warmup and capture)."""
+        """The original forward on the static inputs (warmup and capture): its tensors."""
         args, kwargs = self.signature.rebuild(self.static_inputs)
-        flat, self.out_spec = tree_flatten(self.orig_forward(*args, **kwargs))
-        if not all(isinstance(o, torch.Tensor) for o in flat):
-            kinds = [type(o).__name__ for o in flat]
-            raise TypeError(
-                f"{self.name} returns {kinds}: a graphed module must return tensors only "
-                "(a tensor or a nested tuple/list/dict of tensors)"
-            )
-        return flat
+        return self.split_outputs(self.orig_forward(*args, **kwargs))
+
+    def split_outputs(self, out) -> list[torch.Tensor]:
+        """The tensors of ``out``; its structure and non-tensor leaves (a HuggingFace
+        attention's ``attn_weights=None``) are kept as constants of the replay."""
+        flat, self.out_spec = tree_flatten(out)
+        self.out_template = [None if isinstance(o, torch.Tensor) else o for o in flat]
+        self.out_tensor_pos = frozenset(
+            i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)
+        )
+        self.out_has_consts = len(self.out_tensor_pos) != len(flat)
+        for o in flat:
+            if not isinstance(o, (torch.Tensor, *_CONSTANT_TYPES)):
+                raise TypeError(
+                    f"{self.name} returns a {type(o).__name__}: a graphed module must return "
+                    "tensors (a tensor or a nested tuple/list/dict of tensors) and constants "
+                    "(None, numbers, ...)"
+                )
+        return [o for o in flat if isinstance(o, torch.Tensor)]
+
+    def join_outputs(self, tensors) -> object:
+        """The replay's result in the structure the module returns."""
+        if not self.out_has_consts and self.out_spec.is_leaf():
+            return tensors[0]  # a single tensor: what tree_unflatten returns
+        it = iter(tensors)
+        flat = [
+            next(it) if i in self.out_tensor_pos else o for i, o in enumerate(self.out_template)
+        ]
+        return tree_unflatten(flat, self.out_spec)
 
     def backward_eager(self, outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Backward of ``outputs``: returns the inputs' grads, adds the params' into ``.grad``.
@@ -315,11 +339,10 @@ class CapturedCallable:
         self.replays += 1
         with nvtx_range(f"graph_fsdp/replay/{self.name}"):
             if self.te_callable is not None:
-                return self.te_callable(*tensors, self.te_anchor)
-            outs = _Replay.apply(self, *tensors, *self.params)
-            if self.out_spec.is_leaf():  # a single tensor: what tree_unflatten returns
-                return outs[0]
-            return tree_unflatten(list(outs), self.out_spec)
+                outs = self.te_callable(*tensors, self.te_anchor)
+                # te_backend's wrapper returns the tensors alone when there are constants.
+                return self.join_outputs(list(outs)) if self.out_has_consts else outs
+            return self.join_outputs(_Replay.apply(self, *tensors, *self.params))
 
 
 class _Replay(torch.autograd.Function):

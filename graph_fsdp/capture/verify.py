@@ -262,13 +262,17 @@ def verify_step(
     run_eager,
     run_graphed,
     device: torch.device,
+    saved: GradState | None = None,
 ) -> tuple[VerifyResult, object]:
     """Run ``run_eager()`` and ``run_graphed()`` from the same state; compare them.
 
     Both return the step's outputs. Returns the result and the graphed run's outputs: the
-    step counts as run once, graphed (its gradients stay).
+    step counts as run once, graphed (its gradients stay). ``saved``: the state to start
+    from when the live one is not it (a full-iteration capture ran the step's Python, e.g.
+    set ``accum_pending``, without running its kernels); default: the live state.
     """
-    grads = GradState.save(states)
+    grads = saved if saved is not None else GradState.save(states)
+    grads.restore()
     rng = rng_state(device)
     recorder.reset_values()
     with recorder.recording("always"):
