@@ -171,8 +171,8 @@ def check_step_call(
             f"{_onoff(sync)}: each position has its own graph (no_sync accumulates, the last "
             "microbatch reduces), so keep the set_requires_gradient_sync pattern of a step fixed"
         )
-    why = pos.signature.mismatch(args, kwargs)
-    if why is not None:
+    if pos.signature.tensors_of(args, kwargs) is None:  # the fast check; explain only here
+        why = pos.signature.mismatch(args, kwargs) or "the call does not match its record"
         raise GraphConfigError(f"{where}: {why}")
 
 
@@ -348,10 +348,13 @@ class FullIterationGraphs:
         def run_eager():
             # The graph refreshes the compute weights from the main weights (force_refresh);
             # the capture marked them fresh without running: refresh here as well.
+            # On the capture stream, like the warmup step: autograd nodes it creates are
+            # bound to that stream, so the next position's capture is not pulled off it.
             for g in groups:
                 g.force_refresh = True
             try:
-                return detached(pos.fn(*args, **kwargs))
+                with self._on_capture_stream():
+                    return detached(pos.fn(*args, **kwargs))
             finally:
                 for g in groups:
                     g.force_refresh = False
@@ -365,7 +368,6 @@ class FullIterationGraphs:
             device=self.device,
             saved=before,
         )
-        self._drop_slot_events()
         record_verification(self.verification, result, self.verify)
         return out
 
