@@ -20,6 +20,7 @@ overwrites a tensor a later replay still reads.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -153,17 +154,38 @@ _CONSTANT_TYPES = (
 
 
 def check_constants(flat: list, spec, what: str) -> None:
-    """Reject non-tensor arguments a graph cannot treat as constants (objects with state,
-    e.g. a HuggingFace ``past_key_values`` cache): the graph would ignore their changes."""
+    """Reject non-tensor arguments that carry state a graph cannot follow: a cache object
+    (a HuggingFace ``past_key_values``) or an object holding tensors. Other objects are
+    compared with ``==`` at every call (a call that differs runs eagerly)."""
     for path, x in zip(_leaf_paths(spec), flat):
-        if isinstance(x, torch.Tensor) or isinstance(x, _CONSTANT_TYPES) or callable(x):
+        if isinstance(x, (torch.Tensor, *_CONSTANT_TYPES)) or callable(x) or _frozen_value(x):
             continue
-        raise GraphConfigError(
-            f"{what}: argument {path} is a {type(x).__module__}.{type(x).__name__}, neither a "
-            "tensor nor a constant (None, bool, number, str, dtype, ...): a CUDA graph replays "
-            "fixed buffers and cannot follow that object's state. For a KV cache pass "
-            "use_cache=False / past_key_values=None in training, or keep this module eager"
-        )
+        is_cache = any(c.__name__.endswith("Cache") for c in type(x).__mro__)
+        if is_cache or _holds_tensors(x):
+            raise GraphConfigError(
+                f"{what}: argument {path} is a {type(x).__module__}.{type(x).__name__}, "
+                f"{'a cache' if is_cache else 'an object holding tensors'}: a CUDA graph replays "
+                "fixed buffers and cannot follow that object's state. For a KV cache pass "
+                "use_cache=False / past_key_values=None in training; otherwise pass the "
+                "tensors as arguments, or keep this module eager"
+            )
+
+
+def _holds_tensors(x) -> bool:
+    values = list(getattr(x, "__dict__", {}).values())
+    values += [getattr(x, n, None) for n in getattr(type(x), "__slots__", ())]
+    return any(
+        isinstance(v, torch.Tensor)
+        or (isinstance(v, list | tuple) and any(isinstance(e, torch.Tensor) for e in v))
+        for v in values
+    )
+
+
+def _frozen_value(x) -> bool:
+    """A frozen dataclass without tensors: an immutable value, compared with ``==``."""
+    if not dataclasses.is_dataclass(x) or not x.__dataclass_params__.frozen:
+        return False
+    return not any(isinstance(getattr(x, f.name), torch.Tensor) for f in dataclasses.fields(x))
 
 
 def _leaf_paths(spec) -> list[str]:
@@ -250,6 +272,8 @@ class CapturedCallable:
         self.te_anchor: torch.Tensor | None = None
         self.replays = 0
         self.fallbacks = 0
+        self.tracker: ModuleTracker | None = None
+        """Set while capturing: names this callable if its capture fails (tracker.py)."""
 
     @property
     def captured(self) -> bool:
@@ -405,11 +429,13 @@ def capture_torch(
             outs = []
             for cap, h in zip(caps, hooks):
                 _run(h, "forward_pre_hooks", cap.module)
-                outs.append(cap.forward_eager())
+                with _phase(tracker, cap.name, "forward"):
+                    outs.append(cap.forward_eager())
                 _run(h, "forward_hooks", cap.module)
             for cap, h, out in reversed(list(zip(caps, hooks, outs))):
                 _run(h, "backward_pre_hooks", cap.module)
-                cap.backward_eager(out)
+                with _phase(tracker, cap.name, "backward"):
+                    cap.backward_eager(out)
                 _run(h, "backward_hooks", cap.module)
             del outs
         for cap, h in zip(caps, hooks):

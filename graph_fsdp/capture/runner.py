@@ -332,6 +332,8 @@ class LayerwiseGraphs:
         """Warm up and capture every callable; a failure names the module that was running."""
         label = scope_label(self.scopes)
         checksums = self._recorder.recording("capturing") if self._recorder else nullcontext()
+        for cap in self.caps:
+            cap.tracker = self._tracker
         try:
             with (
                 self._tracker.active(),
@@ -354,6 +356,9 @@ class LayerwiseGraphs:
             raise explain_capture_failure(
                 err, self._tracker, what=f"layerwise graphs [{label}] ({self.impl})", layerwise=True
             ) from err
+        finally:
+            for cap in self.caps:
+                cap.tracker = None
 
 
 def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):

@@ -75,6 +75,7 @@ class ModuleTracker:
         """What the capture code itself runs (a layerwise callable's forward or backward),
         for modules whose ``__call__`` is bypassed (hooks do not see them)."""
         self.context.append((name, kind))
+        self.last_backward = None  # a backward begun in an earlier phase is not this one's
         try:
             yield
         finally:
@@ -163,11 +164,12 @@ def explain_capture_failure(
         "an operation CUDA graphs cannot record",
     )
     module, phase = tracker.running()
-    where = (
-        f"while the {phase} of {module} was running"
-        if module
-        else "before any module of the model ran (in the step function itself)"
-    )
+    if module:
+        where = f"while the {phase} of {module} was running"
+    elif layerwise:
+        where = "outside the captured modules (in FSDP's capture-time hooks or the backend)"
+    else:
+        where = "outside every module of the model (in the step function itself)"
     if layerwise:
         move = (
             "capture less: pick scopes that leave that module eager (e.g. scopes=['attn'] or "
