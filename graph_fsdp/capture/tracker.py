@@ -143,22 +143,24 @@ _CAUSES = (
 )
 
 
-def _messages(err: BaseException) -> str:
-    parts, seen = [], set()
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from or during (torch's graph context can
+    replace the original error with a capture-end error)."""
+    out, seen = [], set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        parts.append(str(e))
+        out.append(e)
         e = e.__cause__ or e.__context__
-    return "\n".join(parts)
+    return out
 
 
 def explain_capture_failure(
     err: BaseException, tracker: ModuleTracker, *, what: str, layerwise: bool
 ) -> CaptureFailedError:
     """A :class:`CaptureFailedError` for ``err``, raised while capturing ``what``."""
-    text = _messages(err)
-    low = text.lower()
+    chain = _chain(err)
+    low = "\n".join(str(e) for e in chain).lower()
     cause = next(
         (hint for keys, hint in _CAUSES if any(k in low for k in keys)),
         "an operation CUDA graphs cannot record",
@@ -180,9 +182,11 @@ def explain_capture_failure(
             "use layerwise graphs instead of full_iteration (LayerwiseGraphs / --cuda-graph-scope "
             "attn mlp ...) with that module outside the captured scopes, or run it eagerly"
         )
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    root = chain[-1]  # the first error; the later ones are consequences
+    lines = str(root).strip().splitlines()
+    first = f"{type(root).__name__}: {lines[0] if lines else ''}"
     return CaptureFailedError(
-        f"CUDA graph capture of {what} failed {where}: {type(err).__name__}: {first}. "
+        f"CUDA graph capture of {what} failed {where}: {first}. "
         f"Likely cause: {cause}. Fix the model there, or {move}.",
         module=module,
         phase=phase,

@@ -197,3 +197,22 @@ def test_capture_failure_in_backward_names_the_module():
     err = explain_capture_failure(raised.value, tracker, what="layer 1", layerwise=True)
     assert (err.module, err.phase) == ("1.1", "backward"), str(err)
     assert "pick scopes that leave that module eager" in str(err)
+
+
+def test_compare_verdict_reports_the_verification():
+    from graph_fsdp.cli.compare_cmd import add_verification, format_verdict
+
+    verdict = {"identical": True, "equal_steps": 3, "steps": 3, "params": 2}
+    flagged = {
+        "identical": False,
+        "first_module": "model.layers.0.self_attn",
+        "summary": "step: graphed != eager: first module whose output differs: ...",
+    }
+    ok = {"identical": True, "summary": "step: graphed == eager bit for bit"}
+    clean = dict(verdict)
+    add_verification(clean, {"cuda_graphs": {"verification": [ok]}})
+    assert clean["identical"] and "verify: step: graphed == eager" in format_verdict("x", clean)
+    add_verification(verdict, {"cuda_graphs": {"verification": [ok, flagged]}})
+    assert not verdict["identical"]
+    text = format_verdict("torch [full_iteration]", verdict)
+    assert "DIFFERENT" in text and "first at model.layers.0.self_attn" in text, text
