@@ -326,7 +326,9 @@ class FullIterationGraphs:
             before = GradState.save(self.states) if self.verify else None
             self._capture(micro, pos)
             if self.verify:
-                return self._verify(micro, pos, args, kwargs, before)
+                # ... and ends in the Python state the capture left: replays run no Python.
+                after = GradState.save(self.states, tensors=False)
+                return self._verify(micro, pos, args, kwargs, before, after)
         return self._replay(micro, pos, args, kwargs)
 
     def _replay(self, micro: int, pos: StepPosition, args: tuple, kwargs: dict):
@@ -342,7 +344,9 @@ class FullIterationGraphs:
         flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in pos.static_flat]
         return tree_unflatten(flat, pos.out_spec)
 
-    def _verify(self, micro: int, pos: StepPosition, args: tuple, kwargs: dict, before):
+    def _verify(
+        self, micro: int, pos: StepPosition, args: tuple, kwargs: dict, before, after
+    ) -> object:
         groups = [g for s in self.states for g in s.groups]
 
         def run_eager():
@@ -367,6 +371,7 @@ class FullIterationGraphs:
             run_graphed=lambda: self._replay(micro, pos, args, kwargs),
             device=self.device,
             saved=before,
+            after=after,
         )
         record_verification(self.verification, result, self.verify)
         return out

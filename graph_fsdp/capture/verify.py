@@ -162,11 +162,13 @@ class GradState:
     attached: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
 
     @classmethod
-    def save(cls, states) -> GradState:
+    def save(cls, states, *, tensors: bool = True) -> GradState:
+        """``tensors=False``: only the Python side (which accumulator holds pending grads,
+        which ``.grad`` are attached)."""
         out = cls()
         for state in states:
             for g in state.groups:
-                for attr in ("main_grad", "accum"):
+                for attr in ("main_grad", "accum") if tensors else ():
                     t = getattr(g, attr, None)
                     out.tensors.append((g, attr, None if t is None else t.detach().clone()))
                 out.flags.append((g, g.accum_pending))
@@ -278,13 +280,15 @@ def verify_step(
     run_graphed,
     device: torch.device,
     saved: GradState | None = None,
+    after: GradState | None = None,
 ) -> tuple[VerifyResult, object]:
     """Run ``run_eager()`` and ``run_graphed()`` from the same state; compare them.
 
     Both return the step's outputs. Returns the result and the graphed run's outputs: the
     step counts as run once, graphed (its gradients stay). ``saved``: the state to start
     from when the live one is not it (a full-iteration capture ran the step's Python, e.g.
-    set ``accum_pending``, without running its kernels); default: the live state.
+    set ``accum_pending``, without running its kernels); default: the live state. ``after``:
+    the Python side to leave behind (the capture's: a replay runs no Python).
     """
     grads = saved if saved is not None else GradState.save(states)
     grads.restore()
@@ -300,6 +304,8 @@ def verify_step(
     recorder.reset_values()
     with recorder.recording("always"):
         out_graphed = run_graphed()
+    if after is not None:
+        after.restore()
     sums_graphed = recorder.snapshot()
     grads_graphed = grads.grads_by_group(states)
     first = first_difference(order, sums_eager, sums_graphed)
