@@ -216,3 +216,59 @@ def test_compare_verdict_reports_the_verification():
     assert not verdict["identical"]
     text = format_verdict("torch [full_iteration]", verdict)
     assert "DIFFERENT" in text and "first at model.layers.0.self_attn" in text, text
+
+
+def _capture_like_worker(rank: int, world: int) -> dict:
+    """A full-iteration capture runs the step's Python (FSDP sets accum_pending, attaches
+    grads) but none of its kernels; verification must start from the state before it and
+    leave the capture's Python state behind. Emulated on gloo: run the step, then put the
+    gradient tensors back (flags stay), as a capture leaves them."""
+    from graph_fsdp.capture.verify import GradState
+
+    cfg = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
+    model, twin = (shard_model(build_for(cfg, torch.device("cpu")), cfg) for _ in range(2))
+    states = collect_states(model)
+    recorder = ChecksumRecorder(model)
+    results = []
+    for micro in range(2):
+        x, y = batch_for(cfg, micro, rank, torch.device("cpu"))
+        for m in (model, twin):
+            m.set_requires_gradient_sync(micro == 1)
+
+        def step(x=x, y=y):
+            return eager_forward_backward(model, x, y, 2)
+
+        def replay_like(step=step):  # the kernels' effects without the Python ones
+            flags = GradState.save(states, tensors=False)
+            out = step()
+            flags.restore()
+            return out
+
+        before = GradState.save(states)
+        step()  # the "capture": Python effects ...
+        after = GradState.save(states, tensors=False)
+        before.restore()
+        after.restore()  # ... without the kernels' effects
+        result, _ = verify_step(
+            what=f"micro {micro}",
+            states=states,
+            recorder=recorder,
+            run_eager=step,
+            run_graphed=replay_like,
+            device=torch.device("cpu"),
+            saved=before,
+            after=after,
+        )
+        results.append(result.identical)
+        eager_forward_backward(twin, x, y, 2)
+    same = all(
+        (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
+        for a, b in zip(model.parameters(), twin.parameters())
+    )
+    return {"identical": results, "grads_equal": same}
+
+
+def test_verification_around_a_capture_keeps_the_accumulation_right():
+    r = spawn(_capture_like_worker, 2)[0]
+    assert r["identical"] == [True, True]
+    assert r["grads_equal"], "micro 1 must add micro 0's no_sync accumulation"
