@@ -3,6 +3,11 @@
 No scope at all captures every FSDP unit below the root (a transformer layer) whole. Partial
 scopes capture pieces of a layer and leave the rest eager - MoE dispatch has data-dependent
 work, so ``moe_router`` (+ ``moe_preprocess``) graphs the routing and keeps experts eager.
+
+Which submodule a scope names depends on the model family: :data:`SCOPE_PRESETS` knows
+graph_fsdp's models, TransformerEngine, Megatron-Core and HuggingFace decoder layers, and a
+user's ``scope_modules`` (``{"attn": "attention"}``) replaces a scope's presets or defines a
+new scope. A scope that matches nothing is an error listing the units' children.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ SCOPE_PRESETS: dict[str, tuple[ScopePath, ...]] = {
     "moe_preprocess": (ScopePath("moe.preprocess", family="graph_fsdp"),),
 }
 """The submodules each scope captures, per model family, tried in order (first match wins
-per FSDP unit). Extend or override them with ``scope_modules`` (:func:`resolve_scope_paths`)."""
+per FSDP unit). Extend or override them with ``scope_modules`` (:func:`scope_paths`)."""
 
 SCOPE_ATTRS: dict[str, tuple[str, ...]] = {
     scope: tuple(p.path for p in paths) for scope, paths in SCOPE_PRESETS.items()
