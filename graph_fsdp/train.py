@@ -83,6 +83,12 @@ class TrainConfig:
     """Megatron scopes: [] whole layer, attn, mlp, moe, moe_router, moe_preprocess, full_iteration."""
     cuda_graph_warmup_steps: int = 2
     """Eager training steps before capture."""
+    cuda_graph_scope_modules: dict[str, list[str]] = field(default_factory=dict)
+    """Scope -> submodule paths relative to each FSDP unit, replacing that scope's presets
+    or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
+    cuda_graph_verify: bool = False
+    """Check the first graphed step against an eager run of it from the same state and name
+    the first module whose output differs (graph-fsdp compare turns it on)."""
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -180,7 +186,9 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
                 f"cuda_graph_impl={cfg.cuda_graph_impl!r}: use --cuda-graph-impl torch"
             )
         check_scopes(cfg.cuda_graph_scope)
-        return FullIterationGraphs(model, warmup_steps=cfg.cuda_graph_warmup_steps)
+        return FullIterationGraphs(
+            model, warmup_steps=cfg.cuda_graph_warmup_steps, verify=cfg.cuda_graph_verify
+        )
     if cfg.recompute:
         raise GraphConfigError(
             "recompute=True (--recompute-activations) re-runs layer forwards inside backward, "
@@ -192,6 +200,8 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
         impl=cfg.cuda_graph_impl,
         scopes=cfg.cuda_graph_scope,
         warmup_steps=cfg.cuda_graph_warmup_steps,
+        scope_modules=cfg.cuda_graph_scope_modules,
+        verify=cfg.cuda_graph_verify,
     )
 
 

@@ -2,6 +2,7 @@
 
 from graph_fsdp.capture.full_iteration import (
     FullIterationGraphs,
+    GraphedStep,
     HostClock,
     eager_forward_backward,
 )
@@ -9,25 +10,41 @@ from graph_fsdp.capture.runner import LayerwiseGraphs
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     MOE_SCOPES,
+    SCOPE_PRESETS,
     SCOPES,
     GraphConfigError,
+    ScopePath,
     check_scopes,
     check_static_buffers,
+    normalize_scope_modules,
+    parse_scope_modules,
     scope_label,
+    scope_paths,
     select_targets,
 )
+from graph_fsdp.capture.tracker import CaptureFailedError
+from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
 
 __all__ = [
     "GRAPH_IMPLS",
     "MOE_SCOPES",
     "SCOPES",
+    "SCOPE_PRESETS",
+    "CaptureFailedError",
     "FullIterationGraphs",
     "GraphConfigError",
+    "GraphVerificationError",
+    "GraphedStep",
     "HostClock",
     "LayerwiseGraphs",
+    "ScopePath",
+    "VerifyResult",
     "check_scopes",
     "check_static_buffers",
     "eager_forward_backward",
+    "normalize_scope_modules",
+    "parse_scope_modules",
     "scope_label",
+    "scope_paths",
     "select_targets",
 ]

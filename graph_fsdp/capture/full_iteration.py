@@ -5,13 +5,29 @@ the graph, so a replayed step costs one graph launch instead of host work at eve
 boundary. The optimizer step stays eager (any torch optimizer works; it updates the main
 weights in place, at the addresses the graph reads). Usage (train.py does this)::
 
-    graphs = FullIterationGraphs(model, warmup_steps=2)
-    for step in ...:
+    def step_fn(input_ids, labels, *, scale):  # forward + backward, returns the loss
+        loss = model(input_ids=input_ids, labels=labels).loss * scale
+        loss.backward()
+        return loss.detach()
+
+    graphs = FullIterationGraphs(model, warmup_steps=2)  # eager=True: same API, no graphs
+    step = graphs.capture(step_fn)
+    for _ in range(steps):
         graphs.before_step()
         for micro, (x, y) in enumerate(batches):
             model.set_requires_gradient_sync(micro == last)
-            loss = graphs.forward_backward(micro, x, y, denom)  # eager, capture or replay
+            loss = step(x, y, scale=1 / len(batches))  # eager, capture or replay
         opt.step(); opt.zero_grad()
+
+``step_fn(*tensors, **kwargs)`` runs forward *and* backward and returns a tensor or any
+pytree of them (a dict, a HuggingFace output object); non-tensor leaves are returned as
+they are. The tensor arguments are copied into the graph's static inputs at every replay;
+non-tensor arguments are constants of the graph (a different value is an error, as is a
+different shape, dtype or argument structure). The returned tensors are the caller's: clones
+of the graph's static outputs (which the next replay overwrites) - one device copy per
+output tensor per call, a few bytes for a loss. The older call
+``graphs.forward_backward(micro, x, y, denom, clock)`` (``loss = model(x, y) / denom``) still
+works; it is ``forward_backward(step_fn, x, y, denom=denom)`` with a built-in step function.
 
 [Note: full-iteration capture] What makes the step capturable:
 - static buffers: every FSDP buffer comes from a slot allocator (double buffer / trace
@@ -29,20 +45,36 @@ weights in place, at the addresses the graph reads). Usage (train.py does this):
   pulls the default stream into the capture;
 - Python-side effects of the step are redone after every replay: the sharded ``.grad``
   views the optimizer reads (``zero_grad(set_to_none=True)`` removes them).
-Each microbatch position has its own graph (the no_sync accumulation and the final
-reduction differ), captured in order on first use and sharing one memory pool.
+Each microbatch position (the n-th call after ``before_step()``) has its own graph (the
+no_sync accumulation and the final reduction differ), captured in order on first use and
+sharing one memory pool. A capture that fails is re-raised as ``CaptureFailedError`` naming
+the module that was running (tracker.py); ``verify=True`` checks the first replay of each
+position against an eager run of the same step ([Note: verification], verify.py).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
+from graph_fsdp.capture.graphed import CallSignature
+from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.verify import (
+    ChecksumRecorder,
+    GradState,
+    GraphVerificationError,
+    VerifyResult,
+    verify_step,
+)
 
 
 @dataclass
@@ -73,20 +105,112 @@ def eager_forward_backward(
     return loss.detach()
 
 
+StepFn = Callable[..., object]
+
+
+def detached(tree):
+    """``tree`` with its tensors detached (no autograd graph kept alive by the caller)."""
+    flat, spec = tree_flatten(tree)
+    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in flat], spec)
+
+
+def same_step_fn(a: StepFn, b: StepFn) -> bool:
+    """The same function, or the same method of the same object (a bound method is a new
+    object at every attribute access)."""
+    if a is b:
+        return True
+    return getattr(a, "__func__", a) is getattr(b, "__func__", b) and getattr(
+        a, "__self__", None
+    ) is getattr(b, "__self__", None)
+
+
+def fn_name(fn: StepFn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+class GraphedStep:
+    """``graphs.capture(step_fn)``: call it like ``step_fn``; the runner decides whether the
+    call runs eagerly, is captured or replays (``graphs.forward_backward(step_fn, ...)``)."""
+
+    def __init__(self, graphs, fn: StepFn) -> None:
+        if not callable(fn):
+            raise TypeError(f"capture(step_fn): {fn!r} is not callable")
+        self.graphs, self.fn = graphs, fn
+
+    def __call__(self, *tensors, **kwargs):
+        return self.graphs.forward_backward(self.fn, *tensors, **kwargs)
+
+
+@dataclass
+class StepPosition:
+    """One microbatch position: the call it was first made with and its graph."""
+
+    fn: StepFn
+    signature: CallSignature
+    sync: tuple[bool, ...]
+    graph: torch.cuda.CUDAGraph | None = None
+    static_inputs: list[torch.Tensor] = field(default_factory=list)
+    static_flat: list = field(default_factory=list)
+    out_spec: object = None
+
+
+def check_step_call(
+    pos: StepPosition, micro: int, fn: StepFn, args: tuple, kwargs: dict, sync: tuple
+) -> None:
+    """A later call at a position must be the call the position was recorded with."""
+    where = f"step call {micro} of the training step (microbatch position {micro})"
+    if not same_step_fn(pos.fn, fn):
+        raise GraphConfigError(
+            f"{where} was first made with step function {fn_name(pos.fn)}, now with "
+            f"{fn_name(fn)}: create the step function once (step = graphs.capture(step_fn)) "
+            "outside the training loop, or call drop() before switching"
+        )
+    if pos.sync != sync:
+        raise GraphConfigError(
+            f"{where} ran with gradient sync {_onoff(pos.sync)} when it was recorded, now "
+            f"{_onoff(sync)}: each position has its own graph (no_sync accumulates, the last "
+            "microbatch reduces), so keep the set_requires_gradient_sync pattern of a step fixed"
+        )
+    if pos.signature.tensors_of(args, kwargs) is None:  # the fast check; explain only here
+        why = pos.signature.mismatch(args, kwargs) or "the call does not match its record"
+        raise GraphConfigError(f"{where}: {why}")
+
+
+def _onoff(sync: tuple) -> str:
+    return "on" if all(sync) else "off" if not any(sync) else f"mixed {sync}"
+
+
 class FullIterationGraphs:
-    def __init__(self, model: nn.Module, *, warmup_steps: int = 2) -> None:
+    """Forward+backward of a ``fully_shard``-ed model, one CUDA graph per microbatch position.
+
+    ``eager=True`` runs the same step logic without graphs (signature checks, positions,
+    owned outputs; any device, e.g. CPU + gloo). ``verify`` (False | True | "raise") checks
+    the first replay of each position against an eager run (verify.py); True records the
+    result in ``verification`` and warns on a difference, "raise" raises.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        warmup_steps: int = 2,
+        eager: bool = False,
+        verify: bool | str = False,
+    ) -> None:
         from graph_fsdp.capture.runner import check_capturable  # noqa: PLC0415 (cycle)
         from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
 
-        check_capturable(model, ["full_iteration"], warmup_steps)
-        device = next(model.parameters()).device
-        self.model = model
+        check_verify_option(verify)
+        check_capturable(model, ["full_iteration"], warmup_steps, graphs=not eager)
+        self.device = next(model.parameters()).device
+        self.model, self.eager, self.verify = model, eager, verify
         self.states = collect_states(model)
         self.warmup_steps = warmup_steps
-        self.stream = torch.cuda.Stream(device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self.losses: dict[int, torch.Tensor] = {}
-        self.denoms: dict[int, float] = {}
+        self.stream = None if eager else torch.cuda.Stream(self.device)
+        self.positions: dict[int, StepPosition] = {}
+        self.verification: list[VerifyResult] = []
+        self._recorder = ChecksumRecorder(model) if verify and not eager else None
+        self._tracker = ModuleTracker.for_model(model)
         self.steps_seen = 0
         self.captured_generation: int | None = None
         self.captured_at_step: int | None = None
@@ -95,12 +219,22 @@ class FullIterationGraphs:
         self.replays = 0
         self._pool = None
         self._phase = "eager"
+        self._calls = 0
+        self._clock: HostClock | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def _allocator(self):
         root = self.states[0].root
         return root.allocator if root is not None else None
+
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        return {m: p.graph for m, p in self.positions.items() if p.graph is not None}
+
+    def capture(self, step_fn: StepFn) -> GraphedStep:
+        """``step_fn`` as a replayable step: ``step(*tensors, **kwargs)``."""
+        return GraphedStep(self, step_fn)
 
     def before_step(self) -> None:
         """Call at the start of every training step."""
@@ -114,17 +248,18 @@ class FullIterationGraphs:
         else:
             self._phase = "eager"
         self.steps_seen += 1
+        self._calls = 0
 
     def drop(self) -> None:
-        self.graphs.clear()
-        self.losses.clear()
-        self.denoms.clear()
+        """Forget the graphs; the next graphed step captures again (the recorded calls stay)."""
+        for pos in self.positions.values():
+            pos.graph, pos.static_inputs, pos.static_flat = None, [], []
         self.captured_generation = None
         self._pool = None
 
     def report(self) -> dict:
         return {
-            "impl": "torch",
+            "impl": "eager" if self.eager else "torch",
             "scopes": ["full_iteration"],
             "scope_label": "full_iteration",
             "callables": [f"microbatch {i}" for i in sorted(self.graphs)],
@@ -133,43 +268,113 @@ class FullIterationGraphs:
             "capture_seconds": self.capture_seconds,
             "replays": self.replays,
             "eager_fallbacks": 0,
+            "verification": [vars(r) | {"summary": r.describe()} for r in self.verification],
         }
 
-    # ------------------------------------------------------------------ one microbatch
-    def forward_backward(
-        self,
-        micro: int,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        denom: float,
-        clock: HostClock | None = None,
-    ) -> torch.Tensor:
-        if self._phase == "eager":
-            return eager_forward_backward(self.model, x, y, denom, clock)
+    # ------------------------------------------------------------------ one step call
+    def forward_backward(self, step_fn, *tensors, **kwargs):
+        """Run ``step_fn(*tensors, **kwargs)`` (forward+backward) at the next microbatch
+        position: eagerly, captured, or replayed. Returns its outputs, owned by the caller.
+
+        The older ``forward_backward(micro, x, y, denom, clock=None)`` (an int first) runs
+        ``loss = model(x, y) / denom; loss.backward()`` at position ``micro``.
+        """
+        if isinstance(step_fn, int) and not isinstance(step_fn, bool):
+            return self._model_loss_call(step_fn, *tensors, **kwargs)
+        micro = self._calls
+        self._calls += 1
+        return self._run(micro, step_fn, tensors, kwargs)
+
+    def _model_loss_call(self, micro, x, y, denom, clock: HostClock | None = None):
+        self._calls = micro + 1
+        self._clock = clock
+        try:
+            return self._run(micro, self._model_loss, (x, y), {"denom": denom})
+        finally:
+            self._clock = None
+
+    def _model_loss(self, x: torch.Tensor, y: torch.Tensor, *, denom: float) -> torch.Tensor:
+        return eager_forward_backward(self.model, x, y, denom, self._clock)
+
+    def _sync_state(self) -> tuple[bool, ...]:
+        return tuple(s.requires_grad_sync for s in self.states)
+
+    def _run(self, micro: int, fn: StepFn, args: tuple, kwargs: dict):
+        if self.steps_seen == 0:
+            raise GraphConfigError(
+                "forward_backward before the first before_step(): call graphs.before_step() at "
+                "the start of every training step (it counts the warmup steps and the "
+                "microbatch positions)"
+            )
+        sync = self._sync_state()
+        pos = self.positions.get(micro)
+        if pos is None:
+            what = f"full_iteration step call {micro}"
+            pos = self.positions[micro] = StepPosition(
+                fn, CallSignature(args, kwargs, what=what), sync
+            )
+        else:
+            check_step_call(pos, micro, fn, args, kwargs, sync)
+        if self.eager or self._phase == "eager":
+            return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
             with self._on_capture_stream():
-                return eager_forward_backward(self.model, x, y, denom, clock)
-        if micro not in self.graphs:
-            self._capture(micro, x, y, denom)
-        if self.denoms[micro] != denom:
-            raise ValueError(
-                f"full_iteration graph of microbatch {micro} was captured with loss scale "
-                f"1/{self.denoms[micro]}, called with 1/{denom}; keep grad accumulation fixed"
-            )
-        graph, sx, sy = self.graphs[micro]
-        if sx.shape != x.shape or sy.shape != y.shape:
-            raise ValueError(
-                f"full_iteration graph of microbatch {micro} was captured for inputs "
-                f"{tuple(sx.shape)}/{tuple(sy.shape)}, called with {tuple(x.shape)}/"
-                f"{tuple(y.shape)}; keep the micro-batch size and sequence length fixed"
-            )
+                return detached(fn(*args, **kwargs))
+        if pos.graph is None:
+            # The capture runs the step's Python (FSDP's flags) but none of its kernels:
+            # verification starts from the state before it.
+            before = GradState.save(self.states) if self.verify else None
+            self._capture(micro, pos)
+            if self.verify:
+                # ... and ends in the Python state the capture left: replays run no Python.
+                after = GradState.save(self.states, tensors=False)
+                return self._verify(micro, pos, args, kwargs, before, after)
+        return self._replay(micro, pos, args, kwargs)
+
+    def _replay(self, micro: int, pos: StepPosition, args: tuple, kwargs: dict):
+        tensors = pos.signature.tensors_of(args, kwargs)
         with nvtx_range(f"graph_fsdp/replay/full_iteration/{micro}"):
-            sx.copy_(x)
-            sy.copy_(y)
-            graph.replay()
+            for static, x in zip(pos.static_inputs, tensors):
+                if static.data_ptr() != x.data_ptr():
+                    static.copy_(x)
+            pos.graph.replay()
             self.replays += 1
             self._after_replay()
-        return self.losses[micro]
+        # The caller's copy: the next replay overwrites the static outputs.
+        flat = [x.clone() if isinstance(x, torch.Tensor) else x for x in pos.static_flat]
+        return tree_unflatten(flat, pos.out_spec)
+
+    def _verify(
+        self, micro: int, pos: StepPosition, args: tuple, kwargs: dict, before, after
+    ) -> object:
+        groups = [g for s in self.states for g in s.groups]
+
+        def run_eager():
+            # The graph refreshes the compute weights from the main weights (force_refresh);
+            # the capture marked them fresh without running: refresh here as well.
+            # On the capture stream, like the warmup step: autograd nodes it creates are
+            # bound to that stream, so the next position's capture is not pulled off it.
+            for g in groups:
+                g.force_refresh = True
+            try:
+                with self._on_capture_stream():
+                    return detached(pos.fn(*args, **kwargs))
+            finally:
+                for g in groups:
+                    g.force_refresh = False
+
+        result, out = verify_step(
+            what=f"full_iteration step call {micro}",
+            states=self.states,
+            recorder=self._recorder,
+            run_eager=run_eager,
+            run_graphed=lambda: self._replay(micro, pos, args, kwargs),
+            device=self.device,
+            saved=before,
+            after=after,
+        )
+        record_verification(self.verification, result, self.verify)
+        return out
 
     @contextmanager
     def _on_capture_stream(self):
@@ -188,7 +393,7 @@ class FullIterationGraphs:
             for group in state.groups:
                 group.ag_event = None
 
-    def _capture(self, micro: int, x: torch.Tensor, y: torch.Tensor, denom: float) -> None:
+    def _capture(self, micro: int, pos: StepPosition) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         if not self.graphs:
@@ -197,7 +402,9 @@ class FullIterationGraphs:
                     group.renew_unsharded()
             self._pool = torch.cuda.graph_pool_handle()
         self._drop_slot_events()
-        sx, sy = x.clone(), y.clone()
+        sig = pos.signature
+        pos.static_inputs = [s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)]
+        args, kwargs = sig.rebuild(pos.static_inputs)
         graph = torch.cuda.CUDAGraph()
         groups = [g for s in self.states for g in s.groups]
         for g in groups:
@@ -205,23 +412,60 @@ class FullIterationGraphs:
             g.pin_main_grad = True  # the graph reduces into it: [Note: releasable main grads]
             g.ensure_main_grad()
         try:
-            with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"):
-                with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
-                    self.losses[micro] = eager_forward_backward(self.model, sx, sy, denom)
+            with self._tracker.active(), self._checksums():
+                with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"):
+                    with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+                        out = pos.fn(*args, **kwargs)
+        except Exception as err:
+            raise explain_capture_failure(
+                err,
+                self._tracker,
+                what=f"full_iteration step call {micro} ({fn_name(pos.fn)})",
+                layerwise=False,
+            ) from err
         finally:
             for g in groups:
                 g.force_refresh = False
+        flat, pos.out_spec = tree_flatten(out)
+        pos.static_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         self._drop_slot_events()
-        self.graphs[micro] = (graph, sx, sy)
-        self.denoms[micro] = denom
+        pos.graph = graph
         self.captured_generation = self._allocator.generation
         if self.captured_at_step is None or micro == 0:
             self.captured_at_step = self.steps_seen - 1
         self.captures += micro == 0
         self.capture_seconds += time.perf_counter() - t0
 
+    @contextmanager
+    def _checksums(self):
+        if self._recorder is None:
+            yield
+            return
+        with self._recorder.recording("capturing"):
+            yield
+
     def _after_replay(self) -> None:
         for state in self.states:
             if state.requires_grad_sync:
                 for group in state.groups:
                     group.attach_sharded_grads()
+
+
+VERIFY_OPTIONS = (False, True, "raise")
+
+
+def check_verify_option(verify) -> None:
+    if not any(verify is v or (isinstance(v, str) and verify == v) for v in VERIFY_OPTIONS):
+        raise GraphConfigError(
+            f"verify={verify!r}: expected False, True (record and warn on a difference) or "
+            "'raise' (raise GraphVerificationError)"
+        )
+
+
+def record_verification(results: list[VerifyResult], result: VerifyResult, mode) -> None:
+    results.append(result)
+    if result.identical:
+        return
+    if mode == "raise":
+        raise GraphVerificationError(result.describe())
+    warnings.warn(result.describe(), stacklevel=3)

@@ -20,7 +20,10 @@ overwrites a tensor a later replay still reads.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -28,7 +31,8 @@ from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.buffers.allocator import nvtx_range
-from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.scopes import GraphConfigError, Target
+from graph_fsdp.capture.tracker import ModuleTracker
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 
@@ -41,9 +45,11 @@ class CallSignature:
     writes fixed-size buffers, so any other call runs eagerly).
     """
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, args: tuple, kwargs: dict, *, what: str = "a graphed call") -> None:
         flat, self.spec = tree_flatten((args, kwargs))
+        check_constants(flat, self.spec, what)
         self.tensor_index = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        self.tensor_set = frozenset(self.tensor_index)
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
         self.samples = [flat[i].detach().clone() for i in self.tensor_index]
@@ -71,7 +77,9 @@ class CallSignature:
         if spec != self.spec:
             return None
         tensors = []
-        for x, const in zip(flat, self.consts):
+        for i, (x, const) in enumerate(zip(flat, self.consts)):
+            if isinstance(x, torch.Tensor) != (i in self.tensor_set):
+                return None  # a tensor where a constant was recorded, or the reverse
             if isinstance(x, torch.Tensor):
                 tensors.append(x)
             elif not _same(x, const):
@@ -79,6 +87,32 @@ class CallSignature:
         if any(_meta(t) != m for t, m in zip(tensors, self.metas)):
             return None
         return tensors
+
+    def mismatch(self, args: tuple, kwargs: dict) -> str | None:
+        """Why a call does not match (the first difference, with values), or None."""
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self.spec:
+            return (
+                f"the arguments' structure differs: captured {_structure(self.spec)}, called "
+                f"with {_structure(spec)}"
+            )
+        paths = _leaf_paths(self.spec)
+        metas = iter(self.metas)
+        for i, (path, x, const) in enumerate(zip(paths, flat, self.consts)):
+            if isinstance(x, torch.Tensor) != (i in self.tensor_set):
+                kind = "a tensor" if isinstance(x, torch.Tensor) else repr(x)
+                was = "a tensor" if i in self.tensor_set else repr(const)
+                return f"{path} is {kind}, captured as {was}"
+            if isinstance(x, torch.Tensor):
+                m, now = next(metas), _meta(x)
+                if now != m:
+                    return (
+                        f"tensor {path} is {_fmt_meta(now)}, captured as {_fmt_meta(m)}: keep "
+                        "shapes, dtypes and devices fixed (pad, or drop and recapture)"
+                    )
+            elif not _same(x, const):
+                return f"{path} is {x!r}, captured as {const!r}: non-tensor arguments are constants"
+        return None
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         flat = list(self.consts)
@@ -97,6 +131,106 @@ def describe_call(args: tuple, kwargs: dict) -> str:
         f"{tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}"
         for t in flat
         if isinstance(t, torch.Tensor)
+    )
+
+
+_CONSTANT_TYPES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+    type,
+    slice,
+    type(Ellipsis),
+)
+
+
+def check_constants(flat: list, spec, what: str) -> None:
+    """Reject non-tensor arguments that carry state a graph cannot follow: a cache object
+    (a HuggingFace ``past_key_values``) or an object holding tensors. Other objects are
+    compared with ``==`` at every call (a call that differs runs eagerly)."""
+    for path, x in zip(_leaf_paths(spec), flat):
+        if isinstance(x, (torch.Tensor, *_CONSTANT_TYPES)) or callable(x) or _frozen_value(x):
+            continue
+        is_cache = any(c.__name__.endswith("Cache") for c in type(x).__mro__)
+        if is_cache or _holds_tensors(x):
+            raise GraphConfigError(
+                f"{what}: argument {path} is a {type(x).__module__}.{type(x).__name__}, "
+                f"{'a cache' if is_cache else 'an object holding tensors'}: a CUDA graph replays "
+                "fixed buffers and cannot follow that object's state. For a KV cache pass "
+                "use_cache=False / past_key_values=None in training; otherwise pass the "
+                "tensors as arguments, or keep this module eager"
+            )
+
+
+def _holds_tensors(x) -> bool:
+    values = list(getattr(x, "__dict__", {}).values())
+    values += [getattr(x, n, None) for n in getattr(type(x), "__slots__", ())]
+    return any(
+        isinstance(v, torch.Tensor)
+        or (isinstance(v, list | tuple) and any(isinstance(e, torch.Tensor) for e in v))
+        for v in values
+    )
+
+
+def _frozen_value(x) -> bool:
+    """A frozen dataclass without tensors: an immutable value, compared with ``==``."""
+    if not dataclasses.is_dataclass(x) or not x.__dataclass_params__.frozen:
+        return False
+    return not any(isinstance(getattr(x, f.name), torch.Tensor) for f in dataclasses.fields(x))
+
+
+def _leaf_paths(spec) -> list[str]:
+    """Readable paths of a ``(args, kwargs)`` spec's leaves: ``args[0]``, ``kwargs['mask']``."""
+    from torch.utils._pytree import tree_unflatten as unflatten  # noqa: PLC0415
+
+    n = spec.num_leaves
+    marked = unflatten(list(range(n)), spec)
+    out = [""] * n
+
+    def walk(node, path):
+        if isinstance(node, int) and not isinstance(node, bool) and path:
+            out[node] = path
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}[{k!r}]")
+        elif isinstance(node, list | tuple):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+        elif hasattr(node, "items"):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}")
+
+    args, kwargs = marked
+    walk(args, "args")
+    walk(kwargs, "kwargs")
+    return [p or f"leaf {i}" for i, p in enumerate(out)]
+
+
+def _structure(spec) -> str:
+    try:
+        args, kwargs = spec.children_specs
+        return (
+            f"{args.num_children} positional and keywords {list(kwargs.context)} "
+            f"({spec.num_leaves} leaves)"
+        )
+    except (AttributeError, ValueError, TypeError):
+        return " ".join(str(spec).split())[:300]
+
+
+def _fmt_meta(m: tuple) -> str:
+    shape, dtype, device, rg = m
+    return f"{tuple(shape)}:{str(dtype).replace('torch.', '')} on {device}" + (
+        " requiring grad" if rg else ""
     )
 
 
@@ -127,6 +261,9 @@ class CapturedCallable:
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None
+        self.out_template: list = []
+        self.out_has_consts = False
+        self.out_tensor_pos: frozenset[int] = frozenset()
         self.out_requires_grad: list[bool] = []
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
@@ -135,6 +272,8 @@ class CapturedCallable:
         self.te_anchor: torch.Tensor | None = None
         self.replays = 0
         self.fallbacks = 0
+        self.tracker: ModuleTracker | None = None
+        """Set while capturing: names this callable if its capture fails (tracker.py)."""
 
     @property
     def captured(self) -> bool:
@@ -156,16 +295,37 @@ class CapturedCallable:
 
     # ------------------------------------------------------------------ eager pieces
     def forward_eager(self) -> list[torch.Tensor]:
-        """The original forward on the static inputs (warmup and capture)."""
+        """The original forward on the static inputs (warmup and capture): its tensors."""
         args, kwargs = self.signature.rebuild(self.static_inputs)
-        flat, self.out_spec = tree_flatten(self.orig_forward(*args, **kwargs))
-        if not all(isinstance(o, torch.Tensor) for o in flat):
-            kinds = [type(o).__name__ for o in flat]
-            raise TypeError(
-                f"{self.name} returns {kinds}: a graphed module must return tensors only "
-                "(a tensor or a nested tuple/list/dict of tensors)"
-            )
-        return flat
+        return self.split_outputs(self.orig_forward(*args, **kwargs))
+
+    def split_outputs(self, out) -> list[torch.Tensor]:
+        """The tensors of ``out``; its structure and non-tensor leaves (a HuggingFace
+        attention's ``attn_weights=None``) are kept as constants of the replay."""
+        flat, self.out_spec = tree_flatten(out)
+        self.out_template = [None if isinstance(o, torch.Tensor) else o for o in flat]
+        self.out_tensor_pos = frozenset(
+            i for i, o in enumerate(flat) if isinstance(o, torch.Tensor)
+        )
+        self.out_has_consts = len(self.out_tensor_pos) != len(flat)
+        for o in flat:
+            if not isinstance(o, (torch.Tensor, *_CONSTANT_TYPES)):
+                raise TypeError(
+                    f"{self.name} returns a {type(o).__name__}: a graphed module must return "
+                    "tensors (a tensor or a nested tuple/list/dict of tensors) and constants "
+                    "(None, numbers, ...)"
+                )
+        return [o for o in flat if isinstance(o, torch.Tensor)]
+
+    def join_outputs(self, tensors) -> object:
+        """The replay's result in the structure the module returns."""
+        if not self.out_has_consts and self.out_spec.is_leaf():
+            return tensors[0]  # a single tensor: what tree_unflatten returns
+        it = iter(tensors)
+        flat = [
+            next(it) if i in self.out_tensor_pos else o for i, o in enumerate(self.out_template)
+        ]
+        return tree_unflatten(flat, self.out_spec)
 
     def backward_eager(self, outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Backward of ``outputs``: returns the inputs' grads, adds the params' into ``.grad``.
@@ -203,11 +363,10 @@ class CapturedCallable:
         self.replays += 1
         with nvtx_range(f"graph_fsdp/replay/{self.name}"):
             if self.te_callable is not None:
-                return self.te_callable(*tensors, self.te_anchor)
-            outs = _Replay.apply(self, *tensors, *self.params)
-            if self.out_spec.is_leaf():  # a single tensor: what tree_unflatten returns
-                return outs[0]
-            return tree_unflatten(list(outs), self.out_spec)
+                outs = self.te_callable(*tensors, self.te_anchor)
+                # te_backend's wrapper returns the tensors alone when there are constants.
+                return self.join_outputs(list(outs)) if self.out_has_consts else outs
+            return self.join_outputs(_Replay.apply(self, *tensors, *self.params))
 
 
 class _Replay(torch.autograd.Function):
@@ -241,6 +400,10 @@ class _Replay(torch.autograd.Function):
         return (None, *grads_in, *([None] * len(cap.params)))
 
 
+def _phase(tracker: ModuleTracker | None, name: str, kind: str):
+    return tracker.phase(name, kind) if tracker is not None else nullcontext()
+
+
 def _run(hooks: CaptureHooks, key: str, module: nn.Module) -> None:
     for fn in hooks[key].values():
         fn(module)
@@ -252,6 +415,7 @@ def capture_torch(
     *,
     warmup_iters: int,
     pool,
+    tracker: ModuleTracker | None = None,
 ) -> None:
     """Warm up and capture ``caps`` with torch.cuda graphs (see the module notes).
 
@@ -265,27 +429,31 @@ def capture_torch(
             outs = []
             for cap, h in zip(caps, hooks):
                 _run(h, "forward_pre_hooks", cap.module)
-                outs.append(cap.forward_eager())
+                with _phase(tracker, cap.name, "forward"):
+                    outs.append(cap.forward_eager())
                 _run(h, "forward_hooks", cap.module)
             for cap, h, out in reversed(list(zip(caps, hooks, outs))):
                 _run(h, "backward_pre_hooks", cap.module)
-                cap.backward_eager(out)
+                with _phase(tracker, cap.name, "backward"):
+                    cap.backward_eager(out)
                 _run(h, "backward_hooks", cap.module)
             del outs
         for cap, h in zip(caps, hooks):
             _run(h, "forward_pre_hooks", cap.module)
             cap.fwd_graph = torch.cuda.CUDAGraph()
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
-                with torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream):
-                    cap.static_outputs = cap.forward_eager()
+                with _phase(tracker, cap.name, "forward"):
+                    with torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream):
+                        cap.static_outputs = cap.forward_eager()
             cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
             _run(h, "forward_hooks", cap.module)
         for cap, h in reversed(list(zip(caps, hooks))):
             _run(h, "backward_pre_hooks", cap.module)
             cap.bwd_graph = torch.cuda.CUDAGraph()
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):
-                with torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream):
-                    cap.static_grad_inputs = cap.backward_eager(cap.static_outputs)
+                with _phase(tracker, cap.name, "backward"):
+                    with torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream):
+                        cap.static_grad_inputs = cap.backward_eager(cap.static_outputs)
             # Drop the capture forward's autograd graph: only its buffers, owned by the
             # pool, remain (the backward graph reads them).
             cap.static_outputs = [o.detach() for o in cap.static_outputs]

@@ -25,12 +25,20 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from graph_fsdp.buffers.allocator import nvtx_range
-from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
+from graph_fsdp.capture.full_iteration import (
+    GraphedStep,
+    check_verify_option,
+    detached,
+    eager_forward_backward,
+    fn_name,
+    record_verification,
+)
 from graph_fsdp.capture.graphed import (
     CallSignature,
     CapturedCallable,
@@ -40,22 +48,34 @@ from graph_fsdp.capture.graphed import (
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     GraphConfigError,
+    ScopeModules,
     check_scopes,
     check_static_buffers,
     scope_label,
     select_targets,
 )
+from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
 from graph_fsdp.state import FSDPState, in_backward
 
 
 def check_capturable(
-    model: nn.Module, scopes: list[str] | tuple[str, ...], warmup_steps: int
+    model: nn.Module,
+    scopes: list[str] | tuple[str, ...],
+    warmup_steps: int,
+    *,
+    graphs: bool = True,
+    scope_modules: ScopeModules | None = None,
 ) -> FSDPState:
-    """What every capture needs (layerwise or full_iteration); returns the root's state."""
+    """What every capture needs (layerwise or full_iteration); returns the root's state.
+
+    ``graphs=False`` (an eager runner: the same step logic without graphs) checks only what
+    does not depend on capturing: the scopes, the warmup steps and fully_shard.
+    """
     from graph_fsdp.fully_shard import FSDPModule  # noqa: PLC0415
 
-    check_scopes(scopes)
+    check_scopes(scopes, scope_modules=scope_modules)
     if warmup_steps < 1:
         raise GraphConfigError(
             f"cuda_graph_warmup_steps={warmup_steps} must be >= 1 (--cuda-graph-warmup-steps):"
@@ -68,6 +88,8 @@ def check_capturable(
             "layer and then to the root before capturing CUDA graphs"
         )
     root: FSDPState = model._fsdp_state
+    if not graphs:
+        return root
     check_static_buffers(root.buffer_policy, scopes)
     if "full_iteration" in scopes and root.buffer_policy.allocator == "dynamic":
         raise GraphConfigError(
@@ -79,7 +101,8 @@ def check_capturable(
     if device.type != "cuda":
         raise GraphConfigError(
             f"CUDA graphs need a CUDA device, but the model is on {device}; use "
-            "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU"
+            "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU, or eager=True to run the "
+            "same step API without graphs"
         )
     return root
 
@@ -95,6 +118,8 @@ class LayerwiseGraphs:
         scopes: list[str] | tuple[str, ...] = (),
         warmup_steps: int = 2,
         warmup_iters: int = 3,
+        scope_modules: ScopeModules | None = None,
+        verify: bool | str = False,
     ) -> None:
         from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
 
@@ -103,18 +128,27 @@ class LayerwiseGraphs:
                 f"cuda_graph_impl={impl!r}: layerwise graphs need 'te' or 'torch' "
                 f"(--cuda-graph-impl te|torch); accepted values are {', '.join(GRAPH_IMPLS)}"
             )
-        check_capturable(model, scopes, warmup_steps)
+        check_verify_option(verify)
+        check_capturable(model, scopes, warmup_steps, scope_modules=scope_modules)
         if impl == "te":
             from graph_fsdp.capture.te_backend import require_te  # noqa: PLC0415
 
             require_te()
         self.model, self.impl, self.scopes = model, impl, list(scopes)
+        self.scope_modules = dict(scope_modules or {})
+        self.verify = verify
+        self.verification: list[VerifyResult] = []
+        self._verify_pending = False
+        self.force_eager = False
+        """True while a verification runs the step eagerly (the dispatchers call through)."""
+        self._recorder = ChecksumRecorder(model) if verify else None
+        self._tracker = ModuleTracker.for_model(model)
         self.warmup_steps, self.warmup_iters = warmup_steps, warmup_iters
         names = {id(m): n for n, m in model.named_modules()}
         self.states = collect_states(model)
         units = [(names[id(s.module)], s.module) for s in self.states if s.module is not model]
         self.caps: list[CapturedCallable] = []
-        for target in select_targets(units, scopes):
+        for target in select_targets(units, scopes, scope_modules=scope_modules):
             cap = CapturedCallable(target, target.module.forward)
             target.module.forward = _dispatcher(self, cap)
             self.caps.append(cap)
@@ -144,17 +178,55 @@ class LayerwiseGraphs:
         self.recording = not self.captured and self.steps_seen == self.warmup_steps - 1
         self.steps_seen += 1
 
-    def forward_backward(
-        self,
-        micro: int,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        denom: float,
-        clock: HostClock | None = None,
-    ) -> torch.Tensor:
-        """One microbatch (the same call as FullIterationGraphs'): the graphs replay inside
-        the model's forward and backward."""
-        return eager_forward_backward(self.model, x, y, denom, clock)
+    def capture(self, step_fn) -> GraphedStep:
+        """``step_fn`` (forward+backward, returns the loss) as a step: ``step(*tensors, **kw)``."""
+        return GraphedStep(self, step_fn)
+
+    def forward_backward(self, step_fn, *tensors, **kwargs):
+        """Run ``step_fn(*tensors, **kwargs)`` (forward+backward); the graphs replay inside the
+        model's forward and backward. Returns its outputs, detached. With ``verify`` the first
+        call after a capture is checked against an eager run (verify.py).
+
+        The older ``forward_backward(micro, x, y, denom, clock=None)`` (an int first, the same
+        call as FullIterationGraphs') runs ``loss = model(x, y) / denom; loss.backward()``.
+        """
+        if isinstance(step_fn, int) and not isinstance(step_fn, bool):
+            micro, (x, y, denom, *rest) = step_fn, tensors
+            clock = rest[0] if rest else kwargs.get("clock")
+
+            def run():
+                return eager_forward_backward(self.model, x, y, denom, clock)
+
+            what = f"layerwise step (microbatch {micro})"
+        else:
+
+            def run():
+                return detached(step_fn(*tensors, **kwargs))
+
+            what = f"layerwise step ({fn_name(step_fn)})"
+        if not (self._verify_pending and self.captured):
+            return run()
+        self._verify_pending = False
+        return self._verify(what, run)
+
+    def _verify(self, what: str, run):
+        def run_eager():
+            self.force_eager = True
+            try:
+                return run()
+            finally:
+                self.force_eager = False
+
+        result, out = verify_step(
+            what=f"{what}, scopes [{scope_label(self.scopes)}]",
+            states=self.states,
+            recorder=self._recorder,
+            run_eager=run_eager,
+            run_graphed=run,
+            device=next(self.model.parameters()).device,
+        )
+        record_verification(self.verification, result, self.verify)
+        return out
 
     def drop(self) -> None:
         """Forget the graphs (the modules run eagerly until the next capture)."""
@@ -181,6 +253,7 @@ class LayerwiseGraphs:
             "capture_seconds": self.capture_seconds,
             "replays": sum(c.replays for c in self.caps),
             "eager_fallbacks": sum(c.fallbacks for c in self.caps),
+            "verification": [vars(r) | {"summary": r.describe()} for r in self.verification],
         }
 
     # ------------------------------------------------------------------ capture
@@ -228,13 +301,7 @@ class LayerwiseGraphs:
             ]
             root.capturing = True
             self._pool = torch.cuda.graph_pool_handle()
-            with nvtx_range(f"graph_fsdp/capture/{self.impl}/{scope_label(self.scopes)}"):
-                if self.impl == "te":
-                    from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
-
-                    capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
-                else:
-                    capture_torch(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
+            self._run_backend(hooks)
             torch.cuda.synchronize()
         finally:
             root.capturing = False
@@ -256,9 +323,42 @@ class LayerwiseGraphs:
         for state in units.values():
             state.reshard()
         self.captured_generation = root.allocator.generation
+        self._verify_pending = bool(self.verify)
         self.captured_at_step = self.steps_seen
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
+
+    def _run_backend(self, hooks) -> None:
+        """Warm up and capture every callable; a failure names the module that was running."""
+        label = scope_label(self.scopes)
+        checksums = self._recorder.recording("capturing") if self._recorder else nullcontext()
+        for cap in self.caps:
+            cap.tracker = self._tracker
+        try:
+            with (
+                self._tracker.active(),
+                checksums,
+                nvtx_range(f"graph_fsdp/capture/{self.impl}/{label}"),
+            ):
+                if self.impl == "te":
+                    from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
+
+                    capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
+                else:
+                    capture_torch(
+                        self.caps,
+                        hooks,
+                        warmup_iters=self.warmup_iters,
+                        pool=self._pool,
+                        tracker=self._tracker,
+                    )
+        except Exception as err:
+            raise explain_capture_failure(
+                err, self._tracker, what=f"layerwise graphs [{label}] ({self.impl})", layerwise=True
+            ) from err
+        finally:
+            for cap in self.caps:
+                cap.tracker = None
 
 
 def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
@@ -266,7 +366,7 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
 
     def forward(*args, **kwargs):
         training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
-        if cap.captured and training_call:
+        if cap.captured and training_call and not graphs.force_eager:
             tensors = cap.signature.tensors_of(args, kwargs)
             if tensors is not None:
                 return cap.replay(tensors)
@@ -278,7 +378,7 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
                     stacklevel=2,
                 )
         elif graphs.recording and training_call and cap.signature is None:
-            cap.signature = CallSignature(args, kwargs)
+            cap.signature = CallSignature(args, kwargs, what=cap.name)
         return cap.orig_forward(*args, **kwargs)
 
     forward._graph_fsdp_dispatcher = cap

@@ -90,7 +90,14 @@ class _Positional(nn.Module):
     def forward(self, *tensors: torch.Tensor):
         cap = self._cap[0]
         args, kwargs = cap.signature.rebuild(list(tensors[:-1]))  # tensors[-1]: the anchor
-        return cap.orig_forward(*args, **kwargs)
+        if cap.tracker is not None:  # capture-failure diagnosis (tracker.py)
+            with cap.tracker.phase(cap.name, "forward"):
+                out = cap.orig_forward(*args, **kwargs)
+        else:
+            out = cap.orig_forward(*args, **kwargs)
+        tensors_out = cap.split_outputs(out)
+        # TE graphs tensors only: non-tensor outputs (None, ...) are put back at replay.
+        return tuple(tensors_out) if cap.out_has_consts else out
 
 
 def capture_te(

@@ -9,6 +9,9 @@ Every run uses the same seeds, data and shapes, and deterministic algorithms
 backward is otherwise nondeterministic, so not even two eager runs would match). Per compared
 run it prints whether every step's loss and the final full parameters are bit-identical
 (``torch.equal``) to the reference, else the first differing step and the largest difference.
+Every graphed run also verifies its first graphed step (``TrainConfig.cuda_graph_verify``,
+graph_fsdp/capture/verify.py): the step runs eagerly and replayed from the same state, and a
+difference names the first module whose forward output differs.
 Exit status 1 when any run differs. Without CUDA no graph can be captured, so on CPU the
 reference is an eager run of ``--reference-strategy`` and the compared run an eager run of
 ``--data-parallel-sharding-strategy``.
@@ -120,8 +123,19 @@ def diff_runs(ref: dict, other: dict, start_step: int = 0) -> dict:
     return out
 
 
+def add_verification(verdict: dict, other: dict) -> None:
+    """The graphed run's step verification (graphed vs eager, first differing module)."""
+    checks = other.get(GRAPH_REPORT_KEY, {}).get("verification", [])
+    verdict["verification"] = [c["summary"] for c in checks]
+    flagged = [c for c in checks if not c["identical"]]
+    if flagged:
+        verdict["identical"] = False
+        verdict["first_differing_module"] = flagged[0].get("first_module")
+
+
 def format_verdict(label: str, v: dict) -> str:
     warning = f"\n  {'':<44} warning: {v['warning']}" if v.get("warning") else ""
+    warning += "".join(f"\n  {'':<44} verify: {line}" for line in v.get("verification", []))
     if v["identical"]:
         return (
             f"  {label:<44} IDENTICAL  losses {v['equal_steps']}/{v['steps']} steps and final "
@@ -140,6 +154,9 @@ def format_verdict(label: str, v: dict) -> str:
         parts.append(f"losses {v['equal_steps']}/{v['steps']} steps bit-identical")
     if v.get("eval_differs"):
         parts.append("eval losses differ")
+    if "first_differing_module" in v:
+        first = v["first_differing_module"] or "no module output (outputs or gradients)"
+        parts.append(f"step verification flags a difference, first at {first}")
     if "param_note" in v:
         parts.append(v["param_note"])
     elif v.get("differing_params"):
@@ -162,6 +179,7 @@ def compare_worker(
             verdict = diff_runs(ref, other, cfg.start_step)
             if cfg.cuda_graph_impl != "none" and GRAPH_REPORT_KEY not in other:
                 verdict["warning"] = NO_GRAPH_REPORT
+            add_verification(verdict, other)
             verdicts.append(verdict)
         del other
         if cfg.device == "cuda":
@@ -195,7 +213,9 @@ def main(args: argparse.Namespace) -> int:
     if args.cuda_graph_impl == "none":
         runs = [replace(base, lr=lr)]
     else:
-        runs = [replace(base, lr=lr, cuda_graph_scope=s) for s in scope_sets]
+        runs = [
+            replace(base, lr=lr, cuda_graph_scope=s, cuda_graph_verify=True) for s in scope_sets
+        ]
     verdicts = launch(res.plan, compare_worker, reference, runs)
     if verdicts is None:
         return 0

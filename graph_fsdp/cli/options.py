@@ -20,6 +20,7 @@ from graph_fsdp.capture.scopes import (
     SCOPES,
     GraphConfigError,
     check_static_buffers,
+    parse_scope_modules,
     scope_label,
 )
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
@@ -205,6 +206,15 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="Eager training steps before capture.",
     )
+    g.add_argument(
+        "--cuda-graph-scope-modules",
+        nargs="+",
+        default=None,
+        metavar="SCOPE=PATH[,PATH]",
+        help="Which submodules (paths relative to each FSDP unit) a scope captures, replacing "
+        "that scope's presets or defining a new scope, e.g. attn=self_attn "
+        "mlp=mlp,feed_forward.",
+    )
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -333,17 +343,34 @@ def scope_sets_from(args: argparse.Namespace) -> tuple[list[list[str]], str]:
     return ([[]] if args.cuda_graph_impl != "none" else []), "--scopes"
 
 
-def check_scopes(scopes: list[str], model: GPTConfig, *, flag: str) -> list[str]:
+def scope_modules_of(args: argparse.Namespace) -> dict[str, list[str]]:
+    """``--cuda-graph-scope-modules attn=self_attn ...`` as ``{"attn": ["self_attn"]}``."""
+    items = getattr(args, "cuda_graph_scope_modules", None) or []
+    try:
+        return {k: list(v) for k, v in parse_scope_modules(items).items()}
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
+
+
+def check_scopes(
+    scopes: list[str],
+    model: GPTConfig,
+    *,
+    flag: str,
+    scope_modules: dict[str, list[str]] | None = None,
+) -> list[str]:
     """Reject unknown, repeated or conflicting scopes and scopes the model does not have.
 
     The model-independent rules are the engine's (:func:`graph_fsdp.capture.scopes.check_scopes`,
     same messages); the checks against the model's shape are the CLI's, made before any model
-    exists.
+    exists (not for scopes --cuda-graph-scope-modules maps: the model tells at capture).
     """
     try:
-        check_scope_rules(scopes, flag=flag)
+        check_scope_rules(scopes, flag=flag, scope_modules=scope_modules)
     except GraphConfigError as err:
         raise CLIError(str(err)) from err
+    mapped = set(scope_modules or ())
+    scopes = [s for s in scopes if s not in mapped]
     moe_wanted = [s for s in scopes if s in MOE_SCOPES]
     if moe_wanted and model.num_experts is None:
         raise CLIError(
@@ -490,8 +517,14 @@ def resolve(
             f"{scope_flag} is given but --cuda-graph-impl is none, so nothing would be captured: "
             f"add --cuda-graph-impl te (or torch), or drop {scope_flag}"
         )
+    scope_modules = scope_modules_of(args)
+    if scope_modules and impl == "none":
+        raise CLIError(
+            "--cuda-graph-scope-modules is given but --cuda-graph-impl is none, so nothing would "
+            "be captured: add --cuda-graph-impl te (or torch), or drop --cuda-graph-scope-modules"
+        )
     for scopes in graph_scope_sets:
-        check_scopes(scopes, model, flag=scope_flag)
+        check_scopes(scopes, model, flag=scope_flag, scope_modules=scope_modules)
         if impl != "none":
             check_graph_buffers(args, scopes, flag=scope_flag)
         if impl != "none" and args.recompute_activations and "full_iteration" not in scopes:
@@ -528,5 +561,6 @@ def resolve(
         cuda_graph_impl=impl,
         cuda_graph_scope=list(graph_scope_sets[0]) if len(graph_scope_sets) == 1 else [],
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        cuda_graph_scope_modules=scope_modules,
     )
     return Resolved(plan=plan, cfg=cfg)

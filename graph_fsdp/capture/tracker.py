@@ -1,0 +1,193 @@
+"""Which module was running when a capture failed, and what the user can do about it.
+
+[Note: capture failure diagnosis] torch reports a failed stream capture with the CUDA call
+that broke it ("operation not permitted when stream is capturing", "Cannot copy between CPU
+and CUDA tensors during CUDA graph capture", ...) and nothing about the model. While a
+capture runs, :class:`ModuleTracker` keeps the stack of module forwards in flight (global
+forward pre/post hooks, filtered to the captured model) and, for the backward, the last
+module whose backward began (a pre-hook on the ``grad_fn`` of each module output). Both are
+installed only for the capture and removed in ``finally``; they do host bookkeeping only,
+so nothing of them enters a graph. :func:`explain_capture_failure` turns the exception
+into a :class:`CaptureFailedError` naming that module and the fix for the kind of failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
+from torch.utils._pytree import tree_flatten
+
+_TAG = "graph_fsdp_module"
+"""Key in ``grad_fn.metadata``: the innermost tracked module whose output the node made."""
+
+
+class CaptureFailedError(RuntimeError):
+    """A CUDA graph capture failed; the message names the running module and the fix."""
+
+    def __init__(self, message: str, *, module: str | None, phase: str | None) -> None:
+        super().__init__(message)
+        self.module = module
+        self.phase = phase
+
+
+class ModuleTracker:
+    """The innermost module forward in flight and the last module backward begun.
+
+    ``names``: ``{id(module): fqn}`` of the modules to track (others are ignored).
+    """
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names
+        self.stack: list[str] = []
+        self.last_backward: str | None = None
+        self.context: list[tuple[str, str]] = []
+        self._handles: list = []
+        self._active = False
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> ModuleTracker:
+        return cls({id(m): n or type(model).__name__ for n, m in model.named_modules()})
+
+    @contextmanager
+    def active(self) -> Iterator[ModuleTracker]:
+        self._handles = [
+            register_module_forward_pre_hook(self._pre_forward),
+            register_module_forward_hook(self._post_forward),
+        ]
+        self._active = True
+        try:
+            yield self
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            self._active = False
+
+    @contextmanager
+    def phase(self, name: str, kind: str) -> Iterator[None]:
+        """What the capture code itself runs (a layerwise callable's forward or backward),
+        for modules whose ``__call__`` is bypassed (hooks do not see them)."""
+        self.context.append((name, kind))
+        self.last_backward = None  # a backward begun in an earlier phase is not this one's
+        try:
+            yield
+        finally:
+            self.context.pop()
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        name = self.names.get(id(module))
+        if name is not None:
+            self.stack.append(name)
+
+    def _post_forward(self, module: nn.Module, args, output) -> None:
+        name = self.names.get(id(module))
+        if name is None:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        for t in tree_flatten(output)[0]:
+            node = t.grad_fn if isinstance(t, torch.Tensor) else None
+            # A node that is also an inner module's output keeps the inner (first) name. No
+            # handle is kept (it would keep the node and its saved tensors alive): the hook
+            # dies with the node and does nothing once the tracker is inactive.
+            if node is not None and _TAG not in node.metadata:
+                node.metadata[_TAG] = name
+                node.register_prehook(self._backward_hook(name))
+
+    def _backward_hook(self, name: str):
+        def hook(grad_outputs):
+            if self._active:
+                self.last_backward = name
+
+        return hook
+
+    def running(self) -> tuple[str | None, str | None]:
+        """``(module fqn, "forward" | "backward")`` of what ran last, innermost first."""
+        if self.stack:
+            return self.stack[-1], "forward"
+        if self.last_backward is not None and self.context and self.context[-1][1] == "backward":
+            return self.last_backward, "backward"
+        if self.context:
+            return self.context[-1]
+        if self.last_backward is not None:
+            return self.last_backward, "backward"
+        return None, None
+
+
+_CAUSES = (
+    (
+        ("cannot copy between cpu and cuda",),
+        "a CPU<->GPU copy: a tensor made on the CPU and moved to the GPU (torch.tensor(...)"
+        ".cuda(), .to(device) of a host value), or .cpu()/.tolist() of a GPU tensor - make such "
+        "tensors once on the device outside the step, or keep the module eager",
+    ),
+    (
+        ("synchroniz", ".item()", "is_nonzero", "nonzero", "local_scalar"),
+        "a host synchronization: .item(), bool(tensor) / an `if` on a tensor, .nonzero(), "
+        "torch.cuda.synchronize() or printing a tensor - the host cannot read GPU values "
+        "while a graph is recorded",
+    ),
+    (
+        ("not permitted when stream is capturing", "capture", "invalidated"),
+        "work the capture cannot record: a host synchronization (.item(), an `if` on a tensor, "
+        ".nonzero(), boolean-mask indexing), a data-dependent (dynamic) shape, a CPU<->GPU copy, "
+        "or an operation on another stream that was not joined",
+    ),
+)
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from or during (torch's graph context can
+    replace the original error with a capture-end error)."""
+    out, seen = [], set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def explain_capture_failure(
+    err: BaseException, tracker: ModuleTracker, *, what: str, layerwise: bool
+) -> CaptureFailedError:
+    """A :class:`CaptureFailedError` for ``err``, raised while capturing ``what``."""
+    chain = _chain(err)
+    low = "\n".join(str(e) for e in chain).lower()
+    cause = next(
+        (hint for keys, hint in _CAUSES if any(k in low for k in keys)),
+        "an operation CUDA graphs cannot record",
+    )
+    module, phase = tracker.running()
+    if module:
+        where = f"while the {phase} of {module} was running"
+    elif layerwise:
+        where = "outside the captured modules (in FSDP's capture-time hooks or the backend)"
+    else:
+        where = "outside every module of the model (in the step function itself)"
+    if layerwise:
+        move = (
+            "capture less: pick scopes that leave that module eager (e.g. scopes=['attn'] or "
+            "scope_modules={'attn': 'self_attn'}), or cuda_graph_impl='none'"
+        )
+    else:
+        move = (
+            "use layerwise graphs instead of full_iteration (LayerwiseGraphs / --cuda-graph-scope "
+            "attn mlp ...) with that module outside the captured scopes, or run it eagerly"
+        )
+    root = chain[-1]  # the first error; the later ones are consequences
+    lines = str(root).strip().splitlines()
+    first = f"{type(root).__name__}: {lines[0] if lines else ''}"
+    return CaptureFailedError(
+        f"CUDA graph capture of {what} failed {where}: {first}. "
+        f"Likely cause: {cause}. Fix the model there, or {move}.",
+        module=module,
+        phase=phase,
+    )

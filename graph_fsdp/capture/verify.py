@@ -1,0 +1,324 @@
+"""Graphed == eager? Run one step both ways from the same state; name the first difference.
+
+[Note: verification] With ``verify=True`` a graph runner checks its first replayed step:
+
+1. snapshot the step's mutable state - FSDP's gradient accumulators (``main_grad``, the
+   no_sync ``accum``, which sharded ``.grad`` are attached) and the CPU/CUDA RNG states
+   (the step is forward+backward: weights are read, not written);
+2. run the step eagerly with :class:`ChecksumRecorder` on, keep its outputs, gradients and
+   per-module checksums; restore the snapshot;
+3. run the step graphed (replay), keep the same; compare bitwise.
+
+The checksums are one float64 sum and one bit-pattern hash of each module's forward
+outputs, per ``(module, call)``. Inside a graph no host code runs at replay, so the recorder
+is armed while the graphs are *captured*: its hooks then record kernels that write each
+checksum into a preallocated static slot, and every replay rewrites those slots. Outside
+graphs (eager modules, eager runs) the same hooks write the same slots live. The first slot
+in the eager run's execution order whose values differ names the first module whose output
+differs. Cost: the checksum kernels stay in the verified graphs (one reduction per module
+output per replay) - verify in a separate run (``graph-fsdp compare`` does) when that
+matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
+from torch.utils._pytree import tree_flatten
+
+_INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_UNSET = -(2**62)
+"""Bit-hash value of a slot no module wrote in this run."""
+
+
+class GraphVerificationError(RuntimeError):
+    """Graphed and eager execution of the same step differ (``verify='raise'``)."""
+
+
+def tensor_checksum(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 sum, int64 position-weighted hash of the bit patterns) of ``t``, on device.
+
+    Kernels only (no host sync), so it can be recorded into a graph. The hash sees every
+    bit of every element and its position; int64 overflow wraps, identically in both runs.
+    """
+    t = t.detach()
+    flat = t.reshape(-1)
+    if t.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        fsum = flat.double().sum()
+        bits = flat.contiguous().view(_INT_OF[flat.element_size()]).long()
+    else:
+        fsum = flat.double().sum()
+        bits = flat.long()
+    weights = torch.arange(bits.numel(), device=t.device, dtype=torch.int64) % 1009 + 1
+    return fsum, (bits * weights).sum()
+
+
+class ChecksumRecorder:
+    """Per-module output checksums into static slots (see [Note: verification]).
+
+    ``armed``: None (off), ``"always"`` (every forward of a tracked module, eager runs) or
+    ``"capturing"`` (only forwards recorded into a graph).
+    """
+
+    def __init__(self, model: nn.Module, *, capacity: int | None = None) -> None:
+        self.names = {id(m): n or "<root>" for n, m in model.named_modules()}
+        self.capacity = capacity or 4 * len(self.names) + 64
+        device = next(model.parameters()).device
+        self.fsum = torch.full((self.capacity,), float("nan"), dtype=torch.float64, device=device)
+        self.bits = torch.full((self.capacity,), _UNSET, dtype=torch.int64, device=device)
+        self.slots: dict[tuple[str, int], int] = {}
+        self.order: list[tuple[str, int]] = []
+        self.calls: dict[str, int] = {}
+        self.overflow = 0
+        self.unsupported: set[str] = set()
+        self.armed: str | None = None
+        self._handle = None
+
+    @contextmanager
+    def recording(self, mode: str = "always") -> Iterator[ChecksumRecorder]:
+        """Record one run: call counts and the execution order start afresh."""
+        self.calls, self.order, self.armed = {}, [], mode
+        self._handle = register_module_forward_hook(self._hook)
+        try:
+            yield self
+        finally:
+            self._handle.remove()
+            self.armed = None
+
+    def reset_values(self) -> None:
+        self.fsum.fill_(float("nan"))
+        self.bits.fill_(_UNSET)
+
+    def _hook(self, module: nn.Module, args, output) -> None:
+        name = self.names.get(id(module))
+        if name is None or self.armed is None:
+            return
+        if self.armed == "capturing" and not torch.cuda.is_current_stream_capturing():
+            return
+        k = self.calls.get(name, 0)
+        self.calls[name] = k + 1
+        key = (name, k)
+        self.order.append(key)
+        slot = self.slots.get(key)
+        if slot is None:
+            if len(self.slots) >= self.capacity:
+                self.overflow += 1
+                return
+            slot = self.slots[key] = len(self.slots)
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return
+        try:
+            sums = [tensor_checksum(t) for t in tensors]
+        except (TypeError, RuntimeError, KeyError):
+            # A tensor subclass without plain storage (e.g. an FP8 tensor): not checksummed.
+            self.unsupported.add(name)
+            return
+        self.fsum[slot].copy_(torch.stack([s for s, _ in sums]).sum())
+        self.bits[slot].copy_(torch.stack([b for _, b in sums]).sum())
+
+    def snapshot(self) -> dict[tuple[str, int], tuple[float, int]]:
+        """The slot values of the last run, by key (one host sync)."""
+        fsum, bits = self.fsum.cpu().tolist(), self.bits.cpu().tolist()
+        return {key: (fsum[i], bits[i]) for key, i in self.slots.items()}
+
+
+def _differ(a: tuple[float, int], b: tuple[float, int]) -> bool:
+    (fa, ba), (fb, bb) = a, b
+    same_sum = fa == fb or (fa != fa and fb != fb)  # NaN == NaN here
+    return ba != bb or not same_sum
+
+
+def first_difference(
+    order: list[tuple[str, int]],
+    eager: dict[tuple[str, int], tuple[float, int]],
+    graphed: dict[tuple[str, int], tuple[float, int]],
+) -> tuple[str, int, str] | None:
+    """The first ``(module, call, detail)`` in ``order`` whose checksums differ, else None."""
+    for key in order:
+        if key not in eager:
+            continue
+        a, b = eager[key], graphed.get(key, (float("nan"), _UNSET))
+        if b[1] == _UNSET and a[1] != _UNSET:
+            return key[0], key[1], "its output was not recorded in the graphed run"
+        if _differ(a, b):
+            return key[0], key[1], f"output sum {a[0]!r} eager vs {b[0]!r} graphed"
+    return None
+
+
+@dataclass
+class GradState:
+    """FSDP's gradient accumulators of every unit (the state a forward+backward changes)."""
+
+    tensors: list[tuple[object, str, torch.Tensor | None]] = field(default_factory=list)
+    flags: list[tuple[object, bool]] = field(default_factory=list)
+    attached: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
+
+    @classmethod
+    def save(cls, states, *, tensors: bool = True) -> GradState:
+        """``tensors=False``: only the Python side (which accumulator holds pending grads,
+        which ``.grad`` are attached)."""
+        out = cls()
+        for state in states:
+            for g in state.groups:
+                for attr in ("main_grad", "accum") if tensors else ():
+                    t = getattr(g, attr, None)
+                    out.tensors.append((g, attr, None if t is None else t.detach().clone()))
+                out.flags.append((g, g.accum_pending))
+                out.attached.extend((ref.sharded, ref.sharded.grad) for ref in g.params)
+        return out
+
+    def restore(self) -> None:
+        for g, attr, saved in self.tensors:
+            live = getattr(g, attr, None)
+            if saved is not None and live is not None:
+                live.copy_(saved)
+        for g, pending in self.flags:
+            g.accum_pending = pending
+        for p, grad in self.attached:
+            p.grad = grad
+
+    def grads_by_group(self, states) -> dict[str, torch.Tensor]:
+        """The live accumulators, cloned, by ``group fqn/attr``."""
+        out = {}
+        for state in states:
+            for g in state.groups:
+                for attr in ("main_grad", "accum"):
+                    t = getattr(g, attr, None)
+                    if t is not None:
+                        out[f"{g.fqn or '<root>'}/{attr}"] = t.detach().clone()
+        return out
+
+
+@dataclass
+class VerifyResult:
+    """The outcome of one verified step (see [Note: verification])."""
+
+    what: str
+    identical: bool
+    outputs_equal: bool
+    first_module: str | None = None
+    first_call: int | None = None
+    module_detail: str = ""
+    differing_grads: list[str] = field(default_factory=list)
+    modules_checked: int = 0
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.identical:
+            return (
+                f"{self.what}: graphed == eager bit for bit (outputs, gradients and the "
+                f"forward outputs of {self.modules_checked} module calls)"
+            )
+        parts = []
+        if self.first_module is not None:
+            parts.append(
+                f"first module whose output differs: {self.first_module} (call "
+                f"{self.first_call}; {self.module_detail})"
+            )
+        if not self.outputs_equal:
+            parts.append("the step's outputs (loss) differ")
+        if self.differing_grads:
+            parts.append(f"gradients differ in {', '.join(self.differing_grads[:4])}")
+        hint = (
+            " - the module's Python may take another branch under stream capture (e.g. a check "
+            "of torch.cuda.is_current_stream_capturing()) or pick other kernels: keep it out of "
+            "the captured scopes, or run with deterministic algorithms"
+        )
+        return f"{self.what}: graphed != eager: " + "; ".join(parts) + hint + self.note
+
+
+def equal_trees(a, b) -> bool:
+    fa, sa = tree_flatten(a)
+    fb, sb = tree_flatten(b)
+    if sa != sb:
+        return False
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def _coverage_note(recorder: ChecksumRecorder) -> str:
+    notes = []
+    if recorder.overflow:
+        notes.append(f"{recorder.overflow} module calls beyond the checksum slots")
+    if recorder.unsupported:
+        notes.append(f"outputs not checksummed: {', '.join(sorted(recorder.unsupported)[:4])}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def verify_step(
+    *,
+    what: str,
+    states,
+    recorder: ChecksumRecorder,
+    run_eager,
+    run_graphed,
+    device: torch.device,
+    saved: GradState | None = None,
+    after: GradState | None = None,
+) -> tuple[VerifyResult, object]:
+    """Run ``run_eager()`` and ``run_graphed()`` from the same state; compare them.
+
+    Both return the step's outputs. Returns the result and the graphed run's outputs: the
+    step counts as run once, graphed (its gradients stay). ``saved``: the state to start
+    from when the live one is not it (a full-iteration capture ran the step's Python, e.g.
+    set ``accum_pending``, without running its kernels); default: the live state. ``after``:
+    the Python side to leave behind (the capture's: a replay runs no Python).
+    """
+    grads = saved if saved is not None else GradState.save(states)
+    grads.restore()
+    rng = rng_state(device)
+    recorder.reset_values()
+    with recorder.recording("always"):
+        out_eager = run_eager()
+    order = list(recorder.order)
+    sums_eager = recorder.snapshot()
+    grads_eager = grads.grads_by_group(states)
+    grads.restore()
+    set_rng_state(rng, device)
+    recorder.reset_values()
+    with recorder.recording("always"):
+        out_graphed = run_graphed()
+    if after is not None:
+        after.restore()
+    sums_graphed = recorder.snapshot()
+    grads_graphed = grads.grads_by_group(states)
+    first = first_difference(order, sums_eager, sums_graphed)
+    differing = [k for k, v in grads_eager.items() if not torch.equal(v, grads_graphed.get(k, v))]
+    outputs_equal = equal_trees(out_eager, out_graphed)
+    result = VerifyResult(
+        what=what,
+        identical=first is None and not differing and outputs_equal,
+        outputs_equal=outputs_equal,
+        differing_grads=differing,
+        modules_checked=len(order),
+        note=_coverage_note(recorder),
+    )
+    if first is not None:
+        result.first_module, result.first_call, result.module_detail = first
+    return result, out_graphed

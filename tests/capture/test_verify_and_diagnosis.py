@@ -1,0 +1,274 @@
+"""Verification (per-module checksums, first differing module, same-state replays) and
+capture-failure diagnosis, on CPU: the logic the GPU runners use, with real modules and gloo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.verify import (
+    ChecksumRecorder,
+    first_difference,
+    tensor_checksum,
+    verify_step,
+)
+from graph_fsdp.data import batch_for
+from graph_fsdp.fully_shard import collect_states
+from graph_fsdp.models import GPTConfig, build_model
+from graph_fsdp.testing import spawn
+from graph_fsdp.train import TrainConfig, build_for, shard_model
+
+TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+
+
+def _perturb(module: nn.Module, rel: float = 1e-6) -> None:
+    """Make ``module`` compute a (slightly) different output, as a graph might."""
+    forward = module.forward
+
+    def perturbed(*args, **kwargs):
+        return forward(*args, **kwargs) * (1 + rel)
+
+    module.forward = perturbed
+
+
+def test_checksums_see_every_bit_and_position():
+    a = torch.tensor([1.0, 2.0, 0.0])
+    for b in (torch.tensor([2.0, 1.0, 0.0]), torch.tensor([1.0, 2.0, -0.0])):
+        (sa, ha), (sb, hb) = tensor_checksum(a), tensor_checksum(b)
+        assert torch.equal(sa, sb) and not torch.equal(ha, hb)  # same sum, other bits
+    x = torch.randn(64, dtype=torch.bfloat16)
+    assert torch.equal(tensor_checksum(x)[1], tensor_checksum(x.clone())[1])
+    assert tensor_checksum(torch.arange(5))[0].item() == 10.0
+
+
+def _run(model, recorder, x, y):
+    recorder.reset_values()
+    with recorder.recording():
+        model(x, y).backward()
+    return list(recorder.order), recorder.snapshot()
+
+
+def test_first_differing_module_is_the_perturbed_one():
+    torch.manual_seed(0)
+    model = build_model(TINY)
+    recorder = ChecksumRecorder(model)
+    x = torch.randint(0, 64, (2, 8))
+    order, eager = _run(model, recorder, x, x)
+    assert order[0][0] == "embedding" and ("layers.1.mlp.fc2", 0) in order
+    _, again = _run(model, recorder, x, x)
+    assert first_difference(order, eager, again) is None  # eager is reproducible
+    _perturb(model.layers[1].mlp.fc2)
+    _, changed = _run(model, recorder, x, x)
+    name, call, detail = first_difference(order, eager, changed)
+    # fc2 finishes before its parents (mlp, the layer, the model), whose outputs differ too.
+    assert (name, call) == ("layers.1.mlp.fc2", 0), (name, detail)
+    assert "eager vs" in detail
+    assert not module_globals._global_forward_hooks  # the recorder's hook is gone
+
+
+def _verify_worker(rank: int, world: int) -> dict:
+    cfg = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
+    models = [shard_model(build_for(cfg, torch.device("cpu")), cfg) for _ in range(2)]
+    model, twin = models
+    recorder = ChecksumRecorder(model)
+    out = {}
+    for micro in range(2):  # micro 0 accumulates under no_sync: its accum is state too
+        x, y = batch_for(cfg, micro, rank, torch.device("cpu"))
+        for m in models:
+            m.set_requires_gradient_sync(micro == 1)
+
+        def step(x=x, y=y):
+            return eager_forward_backward(model, x, y, 2)
+
+        result, loss = verify_step(
+            what=f"micro {micro}",
+            states=collect_states(model),
+            recorder=recorder,
+            run_eager=step,
+            run_graphed=step,
+            device=torch.device("cpu"),
+        )
+        ref = eager_forward_backward(twin, x, y, 2)
+        out[f"identical_{micro}"] = (result.identical, result.describe(), torch.equal(loss, ref))
+    # The step counted once: gradients equal the twin's, which ran each step once.
+    out["grads_equal"] = all(
+        (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
+        for a, b in zip(model.parameters(), twin.parameters())
+    )
+    x, y = batch_for(cfg, 2, rank, torch.device("cpu"))
+    model.set_requires_gradient_sync(True)
+    layer = model.layers[1]
+    clean = layer.self_attention.proj.forward
+
+    def perturbed_step():
+        _perturb(layer.self_attention.proj, 1e-3)
+        try:
+            return eager_forward_backward(model, x, y, 2)
+        finally:
+            layer.self_attention.proj.forward = clean
+
+    result, _ = verify_step(
+        what="perturbed",
+        states=collect_states(model),
+        recorder=recorder,
+        run_eager=lambda: eager_forward_backward(model, x, y, 2),
+        run_graphed=perturbed_step,
+        device=torch.device("cpu"),
+    )
+    out["perturbed"] = (result.identical, result.first_module, result.differing_grads)
+    out["perturbed_text"] = result.describe()
+    return out
+
+
+def test_verify_step_restores_state_and_names_the_first_module_on_gloo():
+    r = spawn(_verify_worker, 2)[0]
+    for micro in range(2):
+        identical, text, same_loss = r[f"identical_{micro}"]
+        assert identical and same_loss, text
+        assert "graphed == eager bit for bit" in text
+    assert r["grads_equal"]
+    identical, first, grads = r["perturbed"]
+    assert not identical and first == "layers.1.self_attention.proj", r["perturbed_text"]
+    assert grads, "the perturbed step's gradients must differ"
+    assert "first module whose output differs: layers.1.self_attention.proj" in r["perturbed_text"]
+
+
+class _Fails(nn.Module):
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.message = message
+
+    def forward(self, x):
+        raise RuntimeError(self.message)
+
+
+class _BackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+class _FailsInBackward(nn.Module):
+    def forward(self, x):
+        return _BackwardFails.apply(x)
+
+
+def _model(inner: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), inner), nn.Linear(4, 1))
+
+
+@pytest.mark.parametrize(
+    "message, cause",
+    [
+        ("Cannot copy between CPU and CUDA tensors during CUDA graph capture", "CPU<->GPU copy"),
+        ("CUDA error: operation not permitted when stream is capturing", "host synchronization"),
+        ("a value error", "an operation CUDA graphs cannot record"),
+    ],
+)
+def test_capture_failure_names_the_running_module(message, cause):
+    model = _model(_Fails(message))
+    tracker = ModuleTracker.for_model(model)
+    with pytest.raises(RuntimeError) as raised, tracker.active():
+        model(torch.randn(2, 4))
+    err = explain_capture_failure(raised.value, tracker, what="full_iteration", layerwise=False)
+    assert err.module == "1.1" and err.phase == "forward"
+    text = str(err)
+    assert "while the forward of 1.1 was running" in text and cause in text, text
+    assert "use layerwise graphs instead of full_iteration" in text
+    assert message.splitlines()[0] in text
+    assert not module_globals._global_forward_hooks and not module_globals._global_forward_pre_hooks
+
+
+def test_capture_failure_in_backward_names_the_module():
+    model = _model(_FailsInBackward())
+    tracker = ModuleTracker.for_model(model)
+    with pytest.raises(RuntimeError) as raised, tracker.active():
+        with tracker.phase("whole step", "backward"):
+            model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    err = explain_capture_failure(raised.value, tracker, what="layer 1", layerwise=True)
+    assert (err.module, err.phase) == ("1.1", "backward"), str(err)
+    assert "pick scopes that leave that module eager" in str(err)
+
+
+def test_compare_verdict_reports_the_verification():
+    from graph_fsdp.cli.compare_cmd import add_verification, format_verdict
+
+    verdict = {"identical": True, "equal_steps": 3, "steps": 3, "params": 2}
+    flagged = {
+        "identical": False,
+        "first_module": "model.layers.0.self_attn",
+        "summary": "step: graphed != eager: first module whose output differs: ...",
+    }
+    ok = {"identical": True, "summary": "step: graphed == eager bit for bit"}
+    clean = dict(verdict)
+    add_verification(clean, {"cuda_graphs": {"verification": [ok]}})
+    assert clean["identical"] and "verify: step: graphed == eager" in format_verdict("x", clean)
+    add_verification(verdict, {"cuda_graphs": {"verification": [ok, flagged]}})
+    assert not verdict["identical"]
+    text = format_verdict("torch [full_iteration]", verdict)
+    assert "DIFFERENT" in text and "first at model.layers.0.self_attn" in text, text
+
+
+def _capture_like_worker(rank: int, world: int) -> dict:
+    """A full-iteration capture runs the step's Python (FSDP sets accum_pending, attaches
+    grads) but none of its kernels; verification must start from the state before it and
+    leave the capture's Python state behind. Emulated on gloo: run the step, then put the
+    gradient tensors back (flags stay), as a capture leaves them."""
+    from graph_fsdp.capture.verify import GradState
+
+    cfg = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
+    model, twin = (shard_model(build_for(cfg, torch.device("cpu")), cfg) for _ in range(2))
+    states = collect_states(model)
+    recorder = ChecksumRecorder(model)
+    results = []
+    for micro in range(2):
+        x, y = batch_for(cfg, micro, rank, torch.device("cpu"))
+        for m in (model, twin):
+            m.set_requires_gradient_sync(micro == 1)
+
+        def step(x=x, y=y):
+            return eager_forward_backward(model, x, y, 2)
+
+        def replay_like(step=step):  # the kernels' effects without the Python ones
+            flags = GradState.save(states, tensors=False)
+            out = step()
+            flags.restore()
+            return out
+
+        before = GradState.save(states)
+        step()  # the "capture": Python effects ...
+        after = GradState.save(states, tensors=False)
+        before.restore()
+        after.restore()  # ... without the kernels' effects
+        result, _ = verify_step(
+            what=f"micro {micro}",
+            states=states,
+            recorder=recorder,
+            run_eager=step,
+            run_graphed=replay_like,
+            device=torch.device("cpu"),
+            saved=before,
+            after=after,
+        )
+        results.append(result.identical)
+        eager_forward_backward(twin, x, y, 2)
+    same = all(
+        (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad))
+        for a, b in zip(model.parameters(), twin.parameters())
+    )
+    return {"identical": results, "grads_equal": same}
+
+
+def test_verification_around_a_capture_keeps_the_accumulation_right():
+    r = spawn(_capture_like_worker, 2)[0]
+    assert r["identical"] == [True, True]
+    assert r["grads_equal"], "micro 1 must add micro 0's no_sync accumulation"

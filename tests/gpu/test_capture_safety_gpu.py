@@ -1,0 +1,187 @@
+"""The general step API, verification and capture-failure diagnosis on real graphs (NCCL, 2 GPUs).
+
+On the reference GPT (bf16, double buffer, deterministic):
+- ``FullIterationGraphs.capture(step_fn)`` with several inputs, a keyword constant and a dict
+  output trains bit-identically to eager; the returned loss is the caller's (a later replay
+  does not overwrite it); ``verify=True`` reports graphed == eager for both microbatch
+  positions; layerwise ``verify=True`` too;
+- a module that computes something else under stream capture (``is_current_stream_capturing``,
+  like HuggingFace's mask code) is flagged by the verification, naming that module;
+- a module that syncs with the host (``.item()``) or copies a CPU tensor to the GPU fails the
+  capture with ``CaptureFailedError`` naming that module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import spawn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+MODEL = GPTConfig(
+    vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
+)
+STEPS, ACCUM = 10, 2
+
+
+def _setup(rank: int):
+    from graph_fsdp.train import TrainConfig, build_for, shard_model
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    cfg = TrainConfig(
+        model=MODEL,
+        bf16=True,
+        micro_batch_size=2,
+        grad_accum=ACCUM,
+        device="cuda",
+        allocator="double_buffer",
+        persist_on_alloc_fail=True,
+    )
+    device = torch.device("cuda", rank)
+    model = shard_model(build_for(cfg, device), cfg)
+    return cfg, device, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _capturing_changes(module: torch.nn.Module) -> None:
+    """The module computes another value while a graph is being captured."""
+    forward = module.forward
+
+    def changed(x):
+        out = forward(x)
+        return out * 1.001 if torch.cuda.is_current_stream_capturing() else out
+
+    module.forward = changed
+
+
+def _train(rank: int, kind: str, scopes: list[str], verify, perturb: bool) -> dict:
+    from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs
+    from graph_fsdp.data import batch_for
+
+    cfg, device, model, opt = _setup(rank)
+    if perturb:
+        _capturing_changes(model.layers[1].mlp.fc2)
+    if kind == "eager":
+        graphs = FullIterationGraphs(model, eager=True, warmup_steps=1)
+    elif kind == "full":
+        graphs = FullIterationGraphs(model, warmup_steps=2, verify=verify)
+    else:
+        graphs = LayerwiseGraphs(model, impl="torch", scopes=scopes, warmup_steps=2, verify=verify)
+
+    def step_fn(x, y, *, scale):
+        loss = model(x, y) * scale
+        loss.backward()
+        return {"loss": loss, "tokens": x.numel()}
+
+    step = graphs.capture(step_fn)
+    losses, kept = [], None
+    for i in range(STEPS):
+        graphs.before_step()
+        total = torch.zeros((), device=device)
+        for micro in range(ACCUM):
+            model.set_requires_gradient_sync(micro == ACCUM - 1)
+            x, y = batch_for(cfg, i * ACCUM + micro, rank, device)
+            out = step(x, y, scale=1.0 / ACCUM)
+            if i == 3 and micro == 0:
+                kept = (out["loss"], out["loss"].clone())
+            total += out["loss"]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    return {"losses": losses, "owned": torch.equal(*kept), "report": graphs.report()}
+
+
+def _all(rank: int, world: int) -> dict:
+    return {
+        "eager": _train(rank, "eager", [], False, False),
+        "full": _train(rank, "full", [], True, False),
+        "layer_attn": _train(rank, "layer", ["attn", "mlp"], True, False),
+        "full_perturbed": _train(rank, "full", [], True, True),
+        "layer_perturbed": _train(rank, "layer", ["mlp"], True, True),
+    }
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_all, 2, backend="nccl", timeout=900)[0]
+
+
+def test_step_api_full_iteration_is_bit_exact_and_owned(results):
+    eager, full = results["eager"], results["full"]
+    assert full["losses"] == eager["losses"], (full["losses"], eager["losses"])
+    assert full["owned"], "a replay overwrote a loss the caller holds"
+    report = full["report"]
+    assert report["callables"] == ["microbatch 0", "microbatch 1"], report
+    assert [c["identical"] for c in report["verification"]] == [True, True], report
+    assert "graphed == eager bit for bit" in report["verification"][0]["summary"]
+
+
+def test_layerwise_verification_passes(results):
+    run = results["layer_attn"]
+    assert run["losses"] == results["eager"]["losses"]
+    checks = run["report"]["verification"]
+    assert len(checks) == 1 and checks[0]["identical"], checks
+
+
+@pytest.mark.parametrize("key", ["full_perturbed", "layer_perturbed"])
+def test_verification_names_the_module_that_differs_under_capture(results, key):
+    checks = results[key]["report"]["verification"]
+    flagged = [c for c in checks if not c["identical"]]
+    assert flagged, checks
+    assert flagged[0]["first_module"] == "layers.1.mlp.fc2", flagged[0]["summary"]
+    assert results[key]["losses"] != results["eager"]["losses"]
+
+
+def _fail(rank: int, world: int, kind: str, fault: str) -> dict:
+    from graph_fsdp.capture import CaptureFailedError, FullIterationGraphs, LayerwiseGraphs
+    from graph_fsdp.data import batch_for
+
+    cfg, device, model, opt = _setup(rank)
+    mlp = model.layers[2].mlp
+    forward = mlp.forward
+
+    def faulty(x):
+        if fault == "item":
+            if x.float().abs().sum().item() < 0:  # a host sync
+                return x
+        else:
+            x = x + torch.zeros(1).to(x.device, x.dtype)  # a CPU->GPU copy
+        return forward(x)
+
+    mlp.forward = faulty
+    if kind == "full":
+        graphs = FullIterationGraphs(model, warmup_steps=1)
+    else:
+        graphs = LayerwiseGraphs(model, impl="torch", scopes=["mlp"], warmup_steps=1)
+    x, y = batch_for(cfg, 0, rank, device)
+    try:
+        for _ in range(3):
+            graphs.before_step()
+            graphs.forward_backward(0, x, y, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    except CaptureFailedError as err:
+        return {"module": err.module, "phase": err.phase, "text": str(err)}
+    return {"module": None, "text": "no error"}
+
+
+@pytest.mark.parametrize("kind", ["full", "layer"])
+@pytest.mark.parametrize("fault", ["item", "copy"])
+def test_capture_failure_names_the_module(kind, fault):
+    # A short join timeout: the ranks report before tearing down NCCL after a failed capture.
+    r = spawn(_fail, 2, kind, fault, backend="nccl", timeout=180)[0]
+    expected = "layers.2.mlp"
+    assert r["module"] == expected and r["phase"] == "forward", r["text"]
+    assert f"while the forward of {expected} was running" in r["text"]
+    if kind == "full":
+        assert "use layerwise graphs instead of full_iteration" in r["text"]
+    else:
+        assert "pick scopes that leave that module eager" in r["text"]
