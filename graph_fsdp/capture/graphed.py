@@ -127,6 +127,7 @@ class CapturedCallable:
         self.bwd_graph: torch.cuda.CUDAGraph | None = None
         self.static_outputs: list[torch.Tensor] = []
         self.out_spec = None
+        self.out_none: list[bool] = []
         self.out_requires_grad: list[bool] = []
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
@@ -158,14 +159,33 @@ class CapturedCallable:
     def forward_eager(self) -> list[torch.Tensor]:
         """The original forward on the static inputs (warmup and capture)."""
         args, kwargs = self.signature.rebuild(self.static_inputs)
-        flat, self.out_spec = tree_flatten(self.orig_forward(*args, **kwargs))
-        if not all(isinstance(o, torch.Tensor) for o in flat):
+        return self.flatten_outputs(self.orig_forward(*args, **kwargs))
+
+    def flatten_outputs(self, out) -> list[torch.Tensor]:
+        """The output's tensors; records its structure, ``None`` leaves included.
+
+        Megatron-Core modules return ``(output, bias)`` / ``(output, context)`` tuples whose
+        second element is often None: the graphs carry the tensors, :meth:`unflatten`
+        puts the Nones back.
+        """
+        flat, self.out_spec = tree_flatten(out)
+        self.out_none = [o is None for o in flat]
+        if not all(isinstance(o, torch.Tensor) or o is None for o in flat):
             kinds = [type(o).__name__ for o in flat]
             raise TypeError(
                 f"{self.name} returns {kinds}: a graphed module must return tensors only "
-                "(a tensor or a nested tuple/list/dict of tensors)"
+                "(a tensor, None, or a nested tuple/list/dict of them)"
             )
-        return flat
+        return [o for o in flat if o is not None]
+
+    def unflatten(self, tensors) -> object:
+        """The recorded output structure around replayed ``tensors`` (see flatten_outputs)."""
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        if self.out_spec.is_leaf():  # a single tensor: what tree_unflatten returns
+            return tensors[0]
+        it = iter(tensors)
+        return tree_unflatten([None if n else next(it) for n in self.out_none], self.out_spec)
 
     def backward_eager(self, outputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Backward of ``outputs``: returns the inputs' grads, adds the params' into ``.grad``.
@@ -203,11 +223,8 @@ class CapturedCallable:
         self.replays += 1
         with nvtx_range(f"graph_fsdp/replay/{self.name}"):
             if self.te_callable is not None:
-                return self.te_callable(*tensors, self.te_anchor)
-            outs = _Replay.apply(self, *tensors, *self.params)
-            if self.out_spec.is_leaf():  # a single tensor: what tree_unflatten returns
-                return outs[0]
-            return tree_unflatten(list(outs), self.out_spec)
+                return self.unflatten(self.te_callable(*tensors, self.te_anchor))
+            return self.unflatten(_Replay.apply(self, *tensors, *self.params))
 
 
 class _Replay(torch.autograd.Function):

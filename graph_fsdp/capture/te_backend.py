@@ -90,7 +90,9 @@ class _Positional(nn.Module):
     def forward(self, *tensors: torch.Tensor):
         cap = self._cap[0]
         args, kwargs = cap.signature.rebuild(list(tensors[:-1]))  # tensors[-1]: the anchor
-        return cap.orig_forward(*args, **kwargs)
+        # TE sees a flat tuple of tensors; the replay puts the structure (and the None
+        # leaves Megatron-Core modules return) back (CapturedCallable.unflatten).
+        return tuple(cap.flatten_outputs(cap.orig_forward(*args, **kwargs)))
 
 
 def capture_te(
