@@ -61,7 +61,7 @@ def validate_fsdp_config(
     if use_torch_fsdp2:
         problems.append(
             "use_graph_fsdp and use_torch_fsdp2 are both set: they are two FSDP engines for the "
-            "same model and exclude each other; set use_torch_fsdp2=False (--no-use-torch-fsdp2)"
+            "same model and exclude each other; set use_torch_fsdp2=False (drop --use-torch-fsdp2)"
         )
     if use_megatron_fsdp:
         problems.append(
@@ -71,7 +71,7 @@ def validate_fsdp_config(
     if use_tp_pp_dp_mapping:
         problems.append(
             "use_tp_pp_dp_mapping=True is not supported with graph_fsdp (its data-parallel "
-            "group is the default tp-cp-ep-dp-pp rank order); set use_tp_pp_dp_mapping=False"
+            "group is the default tp-cp-ep-dp-pp rank order); set use_tp_pp_dp_mapping=False (drop --use-tp-pp-dp-mapping)"
         )
     problems += _checkpoint_problems(ckpt_format, save, load)
     if cpu_offload:
@@ -114,5 +114,6 @@ def _checkpoint_problems(ckpt_format: str | None, save: str | None, load: str | 
     return [
         f"ckpt_format={ckpt_format!r} ({what}) is not supported: graph_fsdp saves and loads "
         "sharded torch.distributed.checkpoint (DCP) directories; set "
-        f"ckpt_format='fsdp_dtensor' (accepted: {', '.join(DCP_CKPT_FORMATS)})"
+        f"ckpt_format='fsdp_dtensor' (--ckpt-format fsdp_dtensor; accepted: "
+        f"{', '.join(DCP_CKPT_FORMATS)})"
     ]
