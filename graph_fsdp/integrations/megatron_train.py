@@ -85,7 +85,9 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-        torch.use_deterministic_algorithms(True)
+        # warn_only: Megatron's unfused MoE permutation has ops without a deterministic CUDA
+        # kernel; they warn instead of failing (eager and graphed runs use the same kernels).
+        torch.use_deterministic_algorithms(True, warn_only=True)
     gm.init_parallel_state(seed=cfg.model.seed)
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -156,6 +158,8 @@ def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
 
 def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
     device = _setup(cfg)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     lm, opt = build_sharded(cfg, device)
     graphs = None
     if cfg.engine == "graph_fsdp":
