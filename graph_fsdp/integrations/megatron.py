@@ -53,11 +53,14 @@ MCORE_SCOPE_MODULES: dict[str, str] = {
     "mlp": "mlp",
     "moe": "mlp",
     "moe_router": "mlp.router",
+    "moe_preprocess": "mlp.preprocess",
 }
 """Scope -> submodule of a Megatron-Core ``TransformerLayer`` (``attn`` = the attention block
 ``SelfAttention``; ``mlp`` = a dense ``MLP``; ``moe`` = the ``MoELayer``; ``moe_router`` = its
-``TopKRouter``). Until graph_fsdp's scopes take a user mapping, :func:`install_scope_aliases`
-exposes ``moe`` under the attribute name the engine looks for (``layer.moe``)."""
+``TopKRouter``; ``moe_preprocess`` = ``MoELayer.preprocess``, a method, made a module by
+:class:`MoEPreprocess`). Until graph_fsdp's scopes take a user mapping,
+:func:`install_scope_aliases` exposes these under the names the engine looks for
+(``layer.moe``, ``layer.moe.preprocess``)."""
 
 
 def require_megatron():
@@ -446,13 +449,6 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
             f"--cuda-graph-scope {what}: {host_sync}; capture the parts before the dispatch "
             "instead: --cuda-graph-scope attn moe_router"
         )
-    if "moe_preprocess" in scopes:
-        raise GraphConfigError(
-            "--cuda-graph-scope moe_preprocess is not supported for Megatron-Core MoE layers "
-            "under graph_fsdp yet: the token dispatcher keeps the preprocess results "
-            "(permutation map, tokens_per_expert) as Python attributes that a replay would not "
-            "update; use --cuda-graph-scope attn moe_router"
-        )
     if "mlp" in scopes:
         raise GraphConfigError(
             "--cuda-graph-scope mlp: every layer of this Megatron-Core MoE GPT is an MoELayer, "
@@ -461,15 +457,82 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
     return scopes
 
 
-def install_scope_aliases(lm: MCoreLM) -> None:
-    """Expose each MoELayer as ``layer.moe``, the name graph_fsdp's scopes look for.
+class MoEPreprocess(nn.Module):
+    """``MoELayer.preprocess`` as a module: the ``moe_preprocess`` scope's graph target.
 
-    Set with ``object.__setattr__``: not a registered submodule, so parameter names, state
+    The alltoall dispatcher's preprocess (token counts, the permutation map, the permuted
+    tokens and probs) keeps its results as Python attributes of the dispatcher, read later
+    by the eager dispatch/combine - a replayed graph would leave them stale. As Megatron does
+    for its own moe_preprocess graphs, the tensors among them are graph *outputs*
+    (:data:`PREPROCESS_TENSORS`) put back on the dispatcher after every call, and the
+    non-tensor ones (shapes, the dropless output size) are restored from the capture (a
+    replay only runs for calls with the captured shapes). The host copy of the token counts
+    moves from the preprocess to the (eager) dispatch: ``cuda_dtoh_point =
+    "before_ep_alltoall"``, Megatron's setting when moe_preprocess is graphed.
+    """
+
+    def __init__(self, moe: nn.Module) -> None:
+        super().__init__()
+        self._moe = [moe]  # a list: not a submodule (no second path to its parameters)
+        self._ran = False
+        self._capture_consts: dict | None = None
+
+    def forward(self, hidden_states, probs, routing_map):
+        moe = self._moe[0]
+        self._ran = True
+        hidden_states, probs = type(moe).preprocess(moe, hidden_states, probs, routing_map)
+        disp = moe.token_dispatcher
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self._capture_consts = {a: getattr(disp, a) for a in PREPROCESS_CONSTS}
+        return hidden_states, probs, tuple(getattr(disp, a) for a in PREPROCESS_TENSORS)
+
+    def __call__(self, hidden_states, probs, routing_map):
+        self._ran = False
+        out, out_probs, tensors = super().__call__(hidden_states, probs, routing_map)
+        disp = self._moe[0].token_dispatcher
+        for name, t in zip(PREPROCESS_TENSORS, tensors):
+            setattr(disp, name, t)
+        if not self._ran:  # replayed: the Python side of the preprocess did not run
+            if self._capture_consts is None:
+                raise RuntimeError("MoEPreprocess replayed before it was captured")
+            for name, value in self._capture_consts.items():
+                setattr(disp, name, value)
+            disp.probs, disp.routing_map = probs, routing_map
+        return out, out_probs
+
+
+PREPROCESS_TENSORS = (
+    "tokens_per_expert",
+    "num_global_tokens_per_local_expert",
+    "reversed_local_input_permutation_mapping",
+)
+"""Tensor attributes the alltoall dispatcher's preprocess sets and dispatch/combine read."""
+PREPROCESS_CONSTS = ("hidden_shape", "hidden_shape_before_permute", "num_out_tokens")
+"""Non-tensor attributes it sets (fixed for the captured shapes)."""
+
+
+def install_scope_aliases(lm: MCoreLM, scopes: list[str] | tuple[str, ...] = ()) -> None:
+    """Expose each MoELayer as ``layer.moe`` (and its preprocess as ``layer.moe.preprocess``,
+    a :class:`MoEPreprocess`, when ``moe_preprocess`` is asked for), the names graph_fsdp's
+    scopes look for.
+
+    Set with ``object.__setattr__``: not registered submodules, so parameter names, state
     dicts and checkpoints keep Megatron's names (``decoder.layers.N.mlp.*``).
     """
     for layer in transformer_layers(lm):
-        if _is_moe_layer(layer):
-            object.__setattr__(layer, "moe", layer.mlp)
+        if not _is_moe_layer(layer):
+            continue
+        moe = layer.mlp
+        object.__setattr__(layer, "moe", moe)
+        if "moe_preprocess" in scopes and not isinstance(moe.__dict__.get("preprocess"), nn.Module):
+            disp = moe.token_dispatcher
+            if not hasattr(disp, "cuda_dtoh_point"):
+                raise GraphConfigError(
+                    f"--cuda-graph-scope moe_preprocess supports the alltoall token dispatcher, "
+                    f"not {type(disp).__name__}; use moe_token_dispatcher_type='alltoall'"
+                )
+            disp.cuda_dtoh_point = "before_ep_alltoall"
+            object.__setattr__(moe, "preprocess", MoEPreprocess(moe))
 
 
 def make_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, *, impl: str, scopes, warmup_steps: int = 2):
@@ -486,5 +549,5 @@ def make_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, *, impl: str, scopes, warmup_s
                 "--cuda-graph-impl torch"
             )
         return FullIterationGraphs(lm, warmup_steps=warmup_steps)
-    install_scope_aliases(lm)
+    install_scope_aliases(lm, scopes)
     return LayerwiseGraphs(lm, impl=impl, scopes=scopes, warmup_steps=warmup_steps)

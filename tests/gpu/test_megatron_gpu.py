@@ -66,7 +66,7 @@ def _diff(name: str, ref: list[float], got: list[float], offset: int = 0) -> str
     return None
 
 
-def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple) -> dict:
+def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | None) -> dict:
     from graph_fsdp.integrations.megatron_train import run
 
     out = {"eager": run(rank, world, _cfg(model))}
@@ -75,6 +75,8 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple) -> 
         out[label] = run(
             rank, world, _cfg(model, cuda_graph_impl=impl, cuda_graph_scope=scopes, **STATIC)
         )
+    if ckpt_scope is None:
+        return out
     impl, scopes = ckpt_scope
     path = tempfile.mkdtemp(prefix="mcore_ckpt_") if rank == 0 else None
     box = [path]
@@ -108,7 +110,7 @@ def _check(out: dict, variants: dict) -> list[str]:
         report = got.get("cuda_graphs")
         if report is not None and report["replays"] == 0:
             problems.append(f"{label}: the graphs never replayed ({report})")
-    res = out["resume"]
+    res = out.get("resume", {"first": [], "second": []})
     for name, vals, off in (
         ("resume first", res["first"], 0),
         ("resume second", res["second"], SAVE_AT),
@@ -177,3 +179,26 @@ def test_mcore_moe_graphed_bit_identical_to_eager() -> None:
     problems = _check(out, MOE_VARIANTS)
     assert not problems, "\n".join(problems)
     _check_megatron_fsdp(out)
+
+
+PREPROCESS_VARIANTS = {
+    "te moe_router moe_preprocess": ("te", ["moe_router", "moe_preprocess"]),
+    "te attn moe_router moe_preprocess": ("te", ["attn", "moe_router", "moe_preprocess"]),
+    "torch moe_router moe_preprocess": ("torch", ["moe_router", "moe_preprocess"]),
+}
+
+
+def test_mcore_moe_preprocess_graphed_bit_identical_to_eager() -> None:
+    """moe_preprocess: the dispatcher's preprocess state comes back from the graph outputs."""
+    _, moe = _models()
+    out = spawn(_family, 2, moe, PREPROCESS_VARIANTS, None, backend="nccl")[0]
+    timing = {
+        label: {
+            "median_step_ms": median(out[label]["times"][3:]) * 1e3,
+            "peak_memory_gib": out[label]["peak_memory_bytes"] / 2**30,
+        }
+        for label in ("eager", *PREPROCESS_VARIANTS)
+    }
+    print("MCORE_MOE_PREPROCESS_TIMING " + json.dumps(timing))
+    problems = _check(out, PREPROCESS_VARIANTS)
+    assert not problems, "\n".join(problems)

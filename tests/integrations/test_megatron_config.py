@@ -132,6 +132,8 @@ MOE = gm.MCoreGPTConfig(num_experts=4, moe_shared_expert_intermediate_size=64)
         (MOE, ["attn"]),
         (MOE, ["moe_router"]),
         (MOE, ["attn", "moe_router"]),
+        (MOE, ["moe_router", "moe_preprocess"]),
+        (MOE, ["attn", "moe_router", "moe_preprocess"]),
     ],
 )
 def test_capturable_scopes(cfg: gm.MCoreGPTConfig, scopes: list[str]) -> None:
@@ -145,7 +147,6 @@ def test_capturable_scopes(cfg: gm.MCoreGPTConfig, scopes: list[str]) -> None:
         (MOE, [], "the whole layer"),
         (MOE, ["moe"], "host sync"),
         (MOE, ["full_iteration"], "full_iteration"),
-        (MOE, ["moe_router", "moe_preprocess"], "moe_preprocess is not supported"),
         (MOE, ["mlp"], "no dense MLP"),
         (MOE, ["moe_preprocess"], "requires moe_router"),
     ],
@@ -161,6 +162,7 @@ def test_scope_mapping_uses_megatron_names() -> None:
         "mlp": "mlp",
         "moe": "mlp",
         "moe_router": "mlp.router",
+        "moe_preprocess": "mlp.preprocess",
     }
 
 
