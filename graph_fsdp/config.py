@@ -71,7 +71,8 @@ def validate_fsdp_config(
     if use_tp_pp_dp_mapping:
         problems.append(
             "use_tp_pp_dp_mapping=True is not supported with graph_fsdp (its data-parallel "
-            "group is the default tp-cp-ep-dp-pp rank order); set use_tp_pp_dp_mapping=False (drop --use-tp-pp-dp-mapping)"
+            "group is the default tp-cp-ep-dp-pp rank order); set use_tp_pp_dp_mapping=False "
+            "(drop --use-tp-pp-dp-mapping)"
         )
     problems += _checkpoint_problems(ckpt_format, save, load)
     if cpu_offload:

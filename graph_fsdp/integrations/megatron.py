@@ -164,7 +164,7 @@ class MCoreGPTConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def init_parallel_state(*, seed: int = 1234, expert_model_parallel_size: int = 1) -> None:
+def init_parallel_state(*, expert_model_parallel_size: int = 1) -> None:
     """Megatron's parallel_state with TP = PP = EP = 1 over the default process group."""
     require_megatron()
     from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -196,10 +196,6 @@ def init_parallel_state(*, seed: int = 1234, expert_model_parallel_size: int = 1
             pipeline_model_parallel_size=1,
             expert_model_parallel_size=1,
         )
-    if torch.cuda.is_available():
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
-
-        model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_parallel_state() -> None:
@@ -235,7 +231,9 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         bf16=cfg.bf16,
         params_dtype=torch.float32,  # fp32 init = graph_fsdp's fp32 main weights
         gradient_accumulation_fusion=cfg.gradient_accumulation_fusion,
-        use_cpu_initialization=device.type == "cpu",
+        # CPU init (torch's CPU RNG, no Megatron RNG tracker yet): identical weights on every
+        # rank, and TE attention is built without the tracker (see build_gpt).
+        use_cpu_initialization=True,
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
@@ -302,6 +300,14 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
             "moe_token_dispatcher_type='allgather' on CPU"
         )
     torch.manual_seed(cfg.seed)
+    # Built before Megatron's CUDA RNG tracker exists, so TransformerEngine's attention gets
+    # no tracker to fork in every forward: the default tracker's fork sets the CUDA
+    # generator's state, which torch refuses during graph capture, and TE's capture-safe
+    # tracker is only registered by TE's own capture (not torch.cuda.graph).
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker  # noqa: PLC0415
+
+    # no states yet; graph-safe on CUDA (a CPU build of torch lacks the graph-safe API)
+    initialize_rng_tracker(use_cudagraphable_rng=device.type == "cuda", force_reset=True)
     gpt = GPTModel(
         config=transformer_config(cfg, device),
         transformer_layer_spec=layer_spec(cfg),
@@ -310,7 +316,13 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
         position_embedding_type=cfg.position_embedding_type,
         share_embeddings_and_output_weights=False,
     )
-    return MCoreLM(gpt.to(device), cfg.seq_length)
+    gpt = gpt.to(device)
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+        # The local spec's attention forks the tracker in every forward: a graph-safe one.
+        model_parallel_cuda_manual_seed(cfg.seed, use_cudagraphable_rng=True, force_reset_rng=True)
+    return MCoreLM(gpt, cfg.seq_length)
 
 
 def transformer_layers(lm: MCoreLM) -> list[nn.Module]:
