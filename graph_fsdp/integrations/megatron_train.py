@@ -226,5 +226,6 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         result["cuda_graphs"] = graphs.report()
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    gm.destroy_parallel_state()
+    # parallel_state stays initialised: the next run in this process reuses its groups
+    # (re-creating them would build new NCCL communicators every run).
     return result

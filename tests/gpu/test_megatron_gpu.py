@@ -72,10 +72,11 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
 
     out = {"eager": run(rank, world, _cfg(model))}
     out["schedule"] = run(rank, world, _cfg(model, use_megatron_schedule=True))
-    for label, (impl, scopes) in variants.items():
-        out[label] = run(
-            rank, world, _cfg(model, cuda_graph_impl=impl, cuda_graph_scope=scopes, **STATIC)
+    for label, (impl, scopes, *extra) in variants.items():
+        kw = dict(
+            cuda_graph_impl=impl, cuda_graph_scope=scopes, **STATIC, **(extra[0] if extra else {})
         )
+        out[label] = run(rank, world, _cfg(model, **kw))
     if ckpt_scope is None:
         return out
     impl, scopes = ckpt_scope
@@ -155,12 +156,18 @@ DENSE_VARIANTS = {
     "te mlp": ("te", ["mlp"]),
     "torch attn mlp": ("torch", ["attn", "mlp"]),
     "torch full_iteration": ("torch", ["full_iteration"]),
+    "te attn, Megatron schedule": ("te", ["attn"], {"use_megatron_schedule": True}),
 }
 MOE_VARIANTS = {
     "te attn": ("te", ["attn"]),
     "te moe_router": ("te", ["moe_router"]),
     "te attn moe_router": ("te", ["attn", "moe_router"]),
     "torch attn moe_router": ("torch", ["attn", "moe_router"]),
+    "te attn moe_router, Megatron schedule": (
+        "te",
+        ["attn", "moe_router"],
+        {"use_megatron_schedule": True},
+    ),
 }
 
 
