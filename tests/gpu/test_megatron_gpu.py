@@ -2,8 +2,8 @@
 
 Per model family, one spawn trains (20 steps, eval every 5, bf16, deterministic):
 - graph_fsdp eager (graph_fsdp's loop) - the reference;
-- the same through megatron.core's get_forward_backward_func() (no_sync_func and
-  finalize_model_grads_func are graph_fsdp's): bit-identical to the reference;
+- graph_fsdp's loop vs megatron.core's get_forward_backward_func() (no_sync_func and
+  finalize_model_grads_func are graph_fsdp's), 2 microbatches each: bit-identical;
 - one graphed run per applicable --cuda-graph-scope: bit-identical losses and eval losses;
 - a graphed run saved at step 10 (graph_fsdp.checkpoint) and resumed: steps 10..19 identical;
 - megatron_fsdp eager on the same model and seed: losses within bf16 tolerance.
@@ -71,7 +71,10 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
     from graph_fsdp.integrations.megatron_train import run
 
     out = {"eager": run(rank, world, _cfg(model))}
-    out["schedule"] = run(rank, world, _cfg(model, use_megatron_schedule=True))
+    # Megatron's schedule with 2 microbatches (its no_sync_func and finalize_model_grads_func
+    # are graph_fsdp's) against graph_fsdp's own accumulation loop: bit-identical.
+    out["eager, 2 microbatches"] = run(rank, world, _cfg(model, grad_accum=2))
+    out["schedule"] = run(rank, world, _cfg(model, grad_accum=2, use_megatron_schedule=True))
     for label, (impl, scopes, *extra) in variants.items():
         kw = dict(
             cuda_graph_impl=impl, cuda_graph_scope=scopes, **STATIC, **(extra[0] if extra else {})
@@ -107,7 +110,11 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
 def _check(out: dict, variants: dict) -> list[str]:
     ref = out["eager"]
     problems = []
-    for label in ("schedule", *variants):
+    for what in ("losses", "eval_losses"):
+        d = _diff(f"schedule {what}", out["eager, 2 microbatches"][what], out["schedule"][what])
+        if d:
+            problems.append(d + " (reference: graph_fsdp's loop with 2 microbatches)")
+    for label in variants:
         got = out[label]
         for what in ("losses", "eval_losses"):
             d = _diff(f"{label} {what}", ref[what], got[what])
