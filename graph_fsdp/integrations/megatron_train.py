@@ -11,6 +11,7 @@ losses, eval losses, step times and peak memory.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -96,7 +97,8 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
 
 def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     """The sharded model, its optimizer and step function (``step(i, rank) -> loss``)."""
-    lm = gm.build_gpt(cfg.model, device)
+    # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
+    lm = gm.build_gpt(dataclasses.replace(cfg.model, bf16=cfg.bf16), device)
     if cfg.engine == "megatron_fsdp":
         return _build_megatron_fsdp(cfg, lm, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)

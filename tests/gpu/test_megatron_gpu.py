@@ -144,7 +144,11 @@ def _check_megatron_fsdp(out: dict) -> None:
     got = torch.tensor(peer["losses"])
     worst = (ref - got).abs().max().item()
     print(f"graph_fsdp vs megatron_fsdp eager: max |delta loss| {worst:.4e}")
-    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2, msg=lambda m: f"losses: {m}")
+    # bf16 compute on both sides; megatron_fsdp's fp32 main weights start from the bf16 cast
+    # of the same init, graph_fsdp's from the fp32 init itself.
+    torch.testing.assert_close(
+        got, ref, rtol=0, atol=5e-2, msg=lambda m: f"graph_fsdp vs megatron_fsdp losses: {m}"
+    )
 
 
 def _models():
