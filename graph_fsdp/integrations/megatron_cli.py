@@ -164,6 +164,16 @@ def main(args: argparse.Namespace) -> int:
                 f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
                 f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
             )
+    if "full_iteration" in scopes and allocator_of(args) == "dynamic":
+        raise CLIError(
+            "--cuda-graph-scope full_iteration replays FSDP's buffer hand-offs at fixed "
+            "addresses: add --fsdp-double-buffer (or --fsdp-trace-pool)"
+        )
+    if args.use_megatron_schedule and "full_iteration" in scopes:
+        raise CLIError(
+            "--use-megatron-schedule with --cuda-graph-scope full_iteration: the full-iteration "
+            "graph replaces the forward/backward schedule; drop one of them"
+        )
     if args.recompute_activations:
         raise CLIError("--recompute-activations is not wired for Megatron-Core models; drop it")
     if args.data_path or args.load or args.save:
@@ -202,6 +212,7 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
+        open(args.log_json, "w").close()  # overwritten, like the reference model's log
         cfg = replace(cfg, log_path=os.path.abspath(args.log_json))
     out = launch(plan, _worker, cfg)
     if out is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import traceback
 from statistics import median
@@ -227,3 +228,25 @@ def test_mcore_moe_preprocess_graphed_bit_identical_to_eager() -> None:
     print("MCORE_MOE_PREPROCESS_TIMING " + json.dumps(timing))
     problems = _check(out, PREPROCESS_VARIANTS)
     assert not problems, "\n".join(problems)
+
+
+def test_cli_trains_mcore_moe_with_graphs(tmp_path) -> None:
+    """``graph-fsdp train --model mcore-moe`` end to end (2 ranks, TE graphs attn moe_router)."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "steps.jsonl"
+    argv = [
+        sys.executable, "-m", "graph_fsdp.cli.main", "train", "--model", "mcore-moe",
+        "--moe-shared-expert-intermediate-size", "256", "--transformer-impl",
+        "transformer_engine", "--bf16", "--num-layers", "2", "--hidden-size", "128",
+        "--seq-length", "64", "--vocab-size", "512", "--train-iters", "6", "--nproc", "2",
+        "--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail",
+        "--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "moe_router",
+        "--use-megatron-schedule", "--log-json", str(log),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "final loss" in proc.stdout, proc.stdout
+    assert len(log.read_text().splitlines()) == 6

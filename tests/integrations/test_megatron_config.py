@@ -204,6 +204,29 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
         ),
         (["--model", "mcore-gpt", "--cuda-graph-scope", "attn"], ["--cuda-graph-impl is none"]),
         (["--model", "mcore-gpt", "--num-attention-heads", "3"], ["does not divide"]),
+        (
+            [
+                "--model",
+                "mcore-gpt",
+                "--cuda-graph-impl",
+                "torch",
+                "--cuda-graph-scope",
+                "full_iteration",
+            ],
+            ["full_iteration replays FSDP's buffer", "--fsdp-double-buffer"],
+        ),
+        (
+            [
+                "--model",
+                "mcore-gpt",
+                "--use-megatron-schedule",
+                "--cuda-graph-impl",
+                "torch",
+                "--cuda-graph-scope",
+                "full_iteration",
+            ],
+            ["--use-megatron-schedule with --cuda-graph-scope full_iteration"],
+        ),
         (["--model", "mcore-gpt", "--moe-layer-freq", "2", "--num-experts", "4"], ["freq 1"]),
         (
             ["--model", "mcore-gpt", "--transformer-impl", "transformer_engine"],
