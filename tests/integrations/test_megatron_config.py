@@ -224,6 +224,7 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
                 "torch",
                 "--cuda-graph-scope",
                 "full_iteration",
+                "--fsdp-double-buffer",
             ],
             ["--use-megatron-schedule with --cuda-graph-scope full_iteration"],
         ),
