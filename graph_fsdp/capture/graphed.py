@@ -364,8 +364,11 @@ class CapturedCallable:
         with nvtx_range(f"graph_fsdp/replay/{self.name}"):
             if self.te_callable is not None:
                 outs = self.te_callable(*tensors, self.te_anchor)
-                # te_backend's wrapper returns the tensors alone when there are constants.
-                return self.join_outputs(list(outs)) if self.out_has_consts else outs
+                if not self.out_has_consts:
+                    return outs
+                # te_backend's wrapper returns the tensors alone when there are constants,
+                # and TE unwraps a 1-tuple into a bare tensor.
+                return self.join_outputs([outs] if isinstance(outs, torch.Tensor) else list(outs))
             return self.join_outputs(_Replay.apply(self, *tensors, *self.params))
 
 

@@ -74,6 +74,9 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="PATH",
         help="Rank 0 writes one JSON record per step (JSON lines) to PATH (overwritten).",
     )
+    from graph_fsdp.integrations.megatron_cli import add_megatron_args  # noqa: PLC0415
+
+    add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -238,6 +241,11 @@ def _checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
 
 
 def main(args: argparse.Namespace) -> int:
+    from graph_fsdp.integrations import megatron_cli  # noqa: PLC0415
+
+    if args.model != "gpt":
+        return megatron_cli.main(args)
+    megatron_cli.validate_bridge_flags(args)
     res = resolve(args)
     start, save_at, save_iteration = _checkpoint_plan(args)
     cfg = replace(

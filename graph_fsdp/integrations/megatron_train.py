@@ -1,0 +1,238 @@
+"""Training loop for Megatron-Core GPTs under graph_fsdp (CLI ``--model mcore-gpt``, tests).
+
+``run(rank, world_size, cfg)`` builds the model (:mod:`graph_fsdp.integrations.megatron`),
+shards it, and trains ``cfg.steps`` AdamW steps on synthetic tokens, either with graph_fsdp's
+own microbatch loop (which drives layerwise / full-iteration graphs) or with Megatron's
+``get_forward_backward_func()`` schedule (``use_megatron_schedule``; eager or layerwise
+graphs, which replay inside the model's forward). ``engine="megatron_fsdp"`` trains the same
+model with megatron_fsdp instead (the comparison the GPU tests make). Returns per-step
+losses, eval losses, step times and peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.integrations import megatron as gm
+
+
+@dataclass(kw_only=True)
+class MCoreTrainConfig:
+    model: gm.MCoreGPTConfig = field(default_factory=gm.MCoreGPTConfig)
+    """Model shape."""
+    engine: str = "graph_fsdp"
+    """graph_fsdp, or megatron_fsdp (comparison runs; eager only)."""
+    strategy: str = "optim_grads_params"
+    """Data-parallel sharding strategy."""
+    micro_batch_size: int = 2
+    """Sequences per rank per microbatch."""
+    grad_accum: int = 1
+    """Microbatches per step."""
+    steps: int = 10
+    """Optimizer steps."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    bf16: bool = True
+    """bf16 compute weights, fp32 main weights and grads."""
+    allocator: str = "dynamic"
+    """dynamic | double_buffer | trace_pool."""
+    persist_on_alloc_fail: bool = False
+    """Dedicated persistent buffers for unplanned requests."""
+    eval_interval: int = 0
+    """Forward-only eval pass every N steps (0: never)."""
+    use_megatron_schedule: bool = False
+    """Run each step through megatron.core's get_forward_backward_func()."""
+    cuda_graph_impl: str = "none"
+    """none | te | torch."""
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    """Megatron scopes ([] = whole layer)."""
+    cuda_graph_warmup_steps: int = 2
+    """Eager steps before capture."""
+    save_path: str | None = None
+    """DCP checkpoint written after ``save_at`` steps (graph_fsdp.checkpoint)."""
+    save_at: int = 0
+    """Step after which to save."""
+    load_path: str | None = None
+    """DCP checkpoint to resume from."""
+    start_step: int = 0
+    """Data position of the first step (for resume)."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) plus cuBLAS / TE settings."""
+    log_path: str | None = None
+    """JSON lines, one record per step (rank 0)."""
+
+
+def batch(cfg: MCoreTrainConfig, step: int, rank: int, device, *, eval: bool = False):
+    """Synthetic ``(tokens, labels)`` addressed by (seed, step, rank): same data every run."""
+    m = cfg.model
+    g = torch.Generator().manual_seed(
+        (m.seed * 1_000_003 + step * 7919 + rank * 104729 + (1 << 20 if eval else 0)) % 2**63
+    )
+    seq = torch.randint(0, m.vocab_size, (cfg.micro_batch_size, m.seq_length + 1), generator=g)
+    return seq[:, :-1].to(device), seq[:, 1:].contiguous().to(device)
+
+
+def _setup(cfg: MCoreTrainConfig) -> torch.device:
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        # warn_only: Megatron's unfused MoE permutation has ops without a deterministic CUDA
+        # kernel; they warn instead of failing (eager and graphed runs use the same kernels).
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    gm.init_parallel_state()
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
+    """The sharded model, its optimizer and step function (``step(i, rank) -> loss``)."""
+    # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
+    lm = gm.build_gpt(dataclasses.replace(cfg.model, bf16=cfg.bf16), device)
+    if cfg.engine == "megatron_fsdp":
+        return _build_megatron_fsdp(cfg, lm, device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
+    bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
+    gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+    opt = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.load_path:
+        from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
+
+        ckpt.load(cfg.load_path, lm, opt)
+    return lm, opt
+
+
+def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
+    import megatron_fsdp  # noqa: PLC0415
+    from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    if cfg.bf16:
+        lm = lm.to(torch.bfloat16)
+    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping (see bench/peers.py): lr 0.
+    opt = torch.optim.AdamW(lm.parameters(), lr=0.0, weight_decay=0.0)
+    lm, opt = megatron_fsdp.fully_shard(
+        lm,
+        opt,
+        device_mesh=mesh,
+        dp_shard_dim="dp",
+        tp_dim="tp",
+        fsdp_unit_modules=[TransformerLayer],
+        zero_dp_strategy=cfg.strategy,
+        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
+            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
+        ),
+    )
+    for group in opt.param_groups:
+        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    for state in opt.state.values():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = step.zero_() if torch.is_tensor(step) else 0
+    return lm, opt
+
+
+def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+
+    out = get_forward_backward_func()(
+        forward_step_func=gm.forward_step,
+        data_iterator=iter(batches),
+        model=[lm],
+        num_microbatches=len(batches),
+        seq_length=cfg.model.seq_length,
+        micro_batch_size=cfg.micro_batch_size,
+        forward_only=False,
+    )
+    return torch.stack([r["lm loss"] for r in out]).sum() / len(batches)
+
+
+def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
+    device = _setup(cfg)
+    if device.type == "cuda":
+        # A previous run in this process (tests run several) leaves a model and graphs in
+        # reference cycles: collect them so this run's peak memory is its own.
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    lm, opt = build_sharded(cfg, device)
+    graphs = None
+    if cfg.engine == "graph_fsdp":
+        graphs = gm.make_graphs(
+            lm,
+            cfg.model,
+            impl=cfg.cuda_graph_impl,
+            scopes=cfg.cuda_graph_scope,
+            warmup_steps=cfg.cuda_graph_warmup_steps,
+        )
+        if cfg.use_megatron_schedule and "full_iteration" in cfg.cuda_graph_scope:
+            raise ValueError(
+                "full_iteration replaces the forward/backward schedule with one graph per "
+                "microbatch; use it without use_megatron_schedule"
+            )
+    losses, eval_losses, times = [], [], []
+    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None  # noqa: SIM115
+    for step in range(cfg.start_step, cfg.start_step + cfg.steps):
+        if graphs is not None:
+            graphs.before_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batches = [
+            batch(cfg, step * cfg.grad_accum + m, rank, device) for m in range(cfg.grad_accum)
+        ]
+        if cfg.use_megatron_schedule:
+            step_loss = _schedule_step(cfg, lm, batches)
+        else:
+            step_loss = torch.zeros((), device=device)
+            for micro, (x, y) in enumerate(batches):
+                last = micro == cfg.grad_accum - 1
+                if cfg.engine == "graph_fsdp":
+                    lm.set_requires_gradient_sync(last)
+                if graphs is not None:
+                    step_loss += graphs.forward_backward(micro, x, y, cfg.grad_accum)
+                else:
+                    step_loss += eager_forward_backward(lm, x, y, cfg.grad_accum)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_loss = step_loss.detach().float()
+        if world_size > 1:
+            dist.all_reduce(step_loss)
+            step_loss /= world_size
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(step_loss.item())
+        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+            with torch.no_grad():
+                xe, ye = batch(cfg, step, rank, device, eval=True)
+                eval_losses.append(lm(xe, ye).float().item())
+        if log is not None:
+            log.write(f'{{"step": {step}, "loss": {losses[-1]!r}, "step_time_s": {times[-1]!r}}}\n')
+            log.flush()
+        if cfg.save_path and step + 1 == cfg.start_step + cfg.save_at:
+            from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
+
+            ckpt.save(cfg.save_path, lm, opt)
+    if log is not None:
+        log.close()
+    result = {"losses": losses, "eval_losses": eval_losses, "times": times}
+    if graphs is not None:
+        result["cuda_graphs"] = graphs.report()
+    if device.type == "cuda":
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    # parallel_state stays initialised: the next run in this process reuses its groups
+    # (re-creating them would build new NCCL communicators every run).
+    return result

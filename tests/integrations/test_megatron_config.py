@@ -1,0 +1,255 @@
+"""Megatron integration on CPU: the import guard, config validation (Megatron-Bridge rules),
+Megatron-Core scope rules and the CLI's --model / Bridge flags. Pure logic: no megatron-core
+needed (it needs Python >= 3.12; the GPU tests in tests/gpu/test_megatron_gpu.py run it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from graph_fsdp.api import BufferPolicy
+from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.cli.main import main
+from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
+from graph_fsdp.integrations import megatron as gm
+
+STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
+
+
+def _megatron_imports() -> bool:
+    try:
+        gm.require_megatron()
+    except ImportError:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ import guard
+def test_importing_graph_fsdp_and_the_integration_needs_no_megatron() -> None:
+    import graph_fsdp.integrations.megatron  # noqa: F401
+    import graph_fsdp.integrations.megatron_train  # noqa: F401
+
+    assert gm.INSTALL_HINT == 'pip install -e ".[megatron]"'
+
+
+def test_require_megatron_names_the_install_command() -> None:
+    if _megatron_imports():
+        pytest.skip("megatron.core imports here; the missing-package message is not reachable")
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[megatron\]"'):
+        gm.require_megatron()
+    with pytest.raises(ImportError, match="megatron-core >= 0.19"):
+        gm.build_gpt(gm.MCoreGPTConfig(transformer_impl="local"), "cpu")
+
+
+def test_megatron_core_imports_when_installed() -> None:
+    if importlib.util.find_spec("megatron") is None or not _megatron_imports():
+        pytest.skip(
+            "megatron.core does not import here (megatron-core 0.19 needs Python >= 3.12); "
+            "the GPU tests cover the integration"
+        )
+    core = gm.require_megatron()
+    assert hasattr(core, "parallel_state")
+
+
+# ------------------------------------------------------------------ validate_fsdp_config
+def test_valid_config_passes() -> None:
+    validate_fsdp_config(ckpt_format="fsdp_dtensor", save="/tmp/x")
+    validate_fsdp_config(cpu_offload=True, pipeline_model_parallel_size=1)
+    validate_fsdp_config(cuda_graph_impl="te", cuda_graph_scope=["attn"], buffer_policy=STATIC)
+    validate_fsdp_config(use_graph_fsdp=False, use_torch_fsdp2=True)  # not ours to judge
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"use_torch_fsdp2": True}, ["use_torch_fsdp2", "exclude each other"]),
+        ({"use_megatron_fsdp": True}, ["use_megatron_fsdp", "exclude each other"]),
+        ({"use_tp_pp_dp_mapping": True}, ["use_tp_pp_dp_mapping=True is not supported"]),
+        ({"ckpt_format": "torch_dist"}, ["ckpt_format='torch_dist'", "fsdp_dtensor"]),
+        ({"ckpt_format": "zarr", "save": "d"}, ["ckpt_format='zarr'", "DCP"]),
+        ({"ckpt_format": None, "load": "d"}, ["without ckpt_format", "fsdp_dtensor"]),
+        (
+            {"cpu_offload": True, "pipeline_model_parallel_size": 2},
+            ["pipeline_model_parallel_size=1, got 2"],
+        ),
+        (
+            {"cpu_offload": True, "recompute_granularity": "full"},
+            ["activation recompute", "recompute_granularity='full'"],
+        ),
+        (
+            {"cuda_graph_impl": "te", "cuda_graph_scope": ["attn"]},
+            ["--fsdp-double-buffer", "persist_on_alloc_fail"],
+        ),
+        ({"cuda_graph_impl": "te", "cuda_graph_scope": ["bogus"]}, ["unknown scope 'bogus'"]),
+    ],
+)
+def test_each_rule_has_a_clear_error(kwargs: dict, expected: list[str]) -> None:
+    with pytest.raises(FSDPConfigError) as exc:
+        validate_fsdp_config(**kwargs)
+    for text in expected:
+        assert text in str(exc.value), (text, str(exc.value))
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    with pytest.raises(FSDPConfigError) as exc:
+        validate_fsdp_config(use_torch_fsdp2=True, use_tp_pp_dp_mapping=True, ckpt_format="torch")
+    assert str(exc.value).count("\n  - ") == 3
+
+
+def test_full_iteration_needs_no_layerwise_buffer_flags() -> None:
+    validate_fsdp_config(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"])
+
+
+# ------------------------------------------------------------------ MCoreGPTConfig and scopes
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion=False"),
+        ({"expert_model_parallel_size": 2}, "expert_model_parallel_size=1"),
+        ({"num_attention_heads": 3}, "does not divide"),
+        ({"num_experts": 1}, "num_experts=1 must be >= 2"),
+        ({"num_experts": 4, "moe_router_topk": 5}, "moe_router_topk=5"),
+        ({"transformer_impl": "te"}, "transformer_impl='te'"),
+    ],
+)
+def test_mcore_config_rejects(kwargs: dict, expected: str) -> None:
+    with pytest.raises(ValueError, match=expected):
+        gm.MCoreGPTConfig(**kwargs)
+
+
+DENSE = gm.MCoreGPTConfig()
+MOE = gm.MCoreGPTConfig(num_experts=4, moe_shared_expert_intermediate_size=64)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "scopes"),
+    [
+        (DENSE, []),
+        (DENSE, ["attn"]),
+        (DENSE, ["attn", "mlp"]),
+        (DENSE, ["full_iteration"]),
+        (MOE, ["attn"]),
+        (MOE, ["moe_router"]),
+        (MOE, ["attn", "moe_router"]),
+        (MOE, ["moe_router", "moe_preprocess"]),
+        (MOE, ["attn", "moe_router", "moe_preprocess"]),
+    ],
+)
+def test_capturable_scopes(cfg: gm.MCoreGPTConfig, scopes: list[str]) -> None:
+    assert gm.check_mcore_scopes(cfg, scopes) == scopes
+
+
+@pytest.mark.parametrize(
+    ("cfg", "scopes", "expected"),
+    [
+        (DENSE, ["moe_router"], "needs an MoE model"),
+        (MOE, [], "the whole layer"),
+        (MOE, ["moe"], "host sync"),
+        (MOE, ["full_iteration"], "full_iteration"),
+        (MOE, ["mlp"], "no dense MLP"),
+        (MOE, ["moe_preprocess"], "requires moe_router"),
+    ],
+)
+def test_scopes_the_model_cannot_capture(cfg, scopes, expected: str) -> None:
+    with pytest.raises(GraphConfigError, match=expected):
+        gm.check_mcore_scopes(cfg, scopes)
+
+
+def test_scope_mapping_uses_megatron_names() -> None:
+    assert gm.MCORE_SCOPE_MODULES == {
+        "attn": "self_attention",
+        "mlp": "mlp",
+        "moe": "mlp",
+        "moe_router": "mlp.router",
+        "moe_preprocess": "mlp.preprocess",
+    }
+
+
+# ------------------------------------------------------------------ CLI
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--device", "cpu", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    return err.split("error:", 1)[1].replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--use-torch-fsdp2"], ["use_torch_fsdp2", "drop --use-torch-fsdp2"]),
+        (["--use-tp-pp-dp-mapping"], ["use_tp_pp_dp_mapping=True is not supported"]),
+        (["--ckpt-format", "torch_dist", "--save", "ck"], ["torch_dist", "fsdp_dtensor"]),
+        (["--cpu-offload", "--recompute-activations"], ["activation recompute"]),
+        (["--model", "mcore-moe", "--cuda-graph-impl", "te"], ["the whole layer", "moe_router"]),
+        (
+            ["--model", "mcore-moe", "--cuda-graph-impl", "te", "--cuda-graph-scope", "moe"],
+            ["host sync", "attn moe_router"],
+        ),
+        (
+            ["--model", "mcore-gpt", "--cuda-graph-impl", "te", "--cuda-graph-scope", "attn"],
+            ["--fsdp-double-buffer"],
+        ),
+        (
+            ["--model", "mcore-gpt", "--moe-shared-expert-intermediate-size", "64"],
+            ["needs an MoE model"],
+        ),
+        (["--model", "mcore-gpt", "--cuda-graph-scope", "attn"], ["--cuda-graph-impl is none"]),
+        (["--model", "mcore-gpt", "--num-attention-heads", "3"], ["does not divide"]),
+        (
+            [
+                "--model",
+                "mcore-gpt",
+                "--cuda-graph-impl",
+                "torch",
+                "--cuda-graph-scope",
+                "full_iteration",
+            ],
+            ["full_iteration replays FSDP's buffer", "--fsdp-double-buffer"],
+        ),
+        (
+            [
+                "--model",
+                "mcore-gpt",
+                "--use-megatron-schedule",
+                "--cuda-graph-impl",
+                "torch",
+                "--cuda-graph-scope",
+                "full_iteration",
+                "--fsdp-double-buffer",
+            ],
+            ["--use-megatron-schedule with --cuda-graph-scope full_iteration"],
+        ),
+        (["--model", "mcore-gpt", "--moe-layer-freq", "2", "--num-experts", "4"], ["freq 1"]),
+        (
+            ["--model", "mcore-gpt", "--transformer-impl", "transformer_engine"],
+            ["needs CUDA", "cpu"],
+        ),
+    ],
+)
+def test_cli_rejects(capsys, argv: list[str], expected: list[str]) -> None:
+    err = error_of(capsys, *argv)
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def test_cli_model_flag_parses() -> None:
+    from graph_fsdp.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["train", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "64"]
+    )
+    assert args.model == "mcore-moe" and args.moe_shared_expert_intermediate_size == 64
+    assert args.ckpt_format == "fsdp_dtensor" and not args.use_torch_fsdp2
+    from graph_fsdp.integrations.megatron_cli import mcore_config
+
+    cfg = mcore_config(args)
+    assert cfg.num_experts == 4 and cfg.moe_shared_expert_intermediate_size == 64
