@@ -169,8 +169,7 @@ class GradState:
         for state in states:
             for g in state.groups:
                 for attr in ("main_grad", "accum") if tensors else ():
-                    t = getattr(g, attr, None)
-                    out.tensors.append((g, attr, None if t is None else t.detach().clone()))
+                    out.tensors.append((g, attr, _held(getattr(g, attr, None))))
                 out.flags.append((g, g.accum_pending))
                 out.attached.extend((ref.sharded, ref.sharded.grad) for ref in g.params)
         return out
@@ -179,6 +178,8 @@ class GradState:
         for g, attr, saved in self.tensors:
             live = getattr(g, attr, None)
             if saved is not None and live is not None:
+                if attr == "main_grad":
+                    g.ensure_main_grad()  # a forward since the save may have released it
                 live.copy_(saved)
         for g, pending in self.flags:
             g.accum_pending = pending
@@ -191,10 +192,18 @@ class GradState:
         for state in states:
             for g in state.groups:
                 for attr in ("main_grad", "accum"):
-                    t = getattr(g, attr, None)
+                    t = _held(getattr(g, attr, None))
                     if t is not None:
-                        out[f"{g.fqn or '<root>'}/{attr}"] = t.detach().clone()
+                        out[f"{g.fqn or '<root>'}/{attr}"] = t
         return out
+
+
+def _held(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A clone of ``t``; None when there is none or its storage is released (a main grad
+    between steps, param_group.py [Note: releasable main grads]: nothing reads it)."""
+    if t is None or t.untyped_storage().nbytes() == 0:
+        return None
+    return t.detach().clone()
 
 
 @dataclass
