@@ -114,6 +114,15 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return fully_shard(model, **placement, mp_policy=mp, buffer_policy=bp)
 
 
+def placement_label(cfg: TrainConfig) -> str:
+    """The strategy and, for HSDP, the mesh: for summaries and reports."""
+    if cfg.mesh_shape is None:
+        return cfg.strategy
+    r, s = cfg.mesh_shape
+    over = ", optimizer over replicas" if cfg.optim_over_replicas else ""
+    return f"{cfg.strategy} HSDP replicate {r} x shard {s}{over}"
+
+
 _MESHES: dict[tuple, tuple] = {}
 """(device type, shape) -> (the default group it was built under, mesh): runs in one process
 (compare, bench, tests) reuse one mesh instead of creating new process groups each time."""
