@@ -285,8 +285,8 @@ def format_summary(
     step_s = median(times) if times else float("nan")
     peak = out.get("peak_memory_bytes")
     lines = [
-        f"graph-fsdp train: {len(out['losses'])} steps on {where}; {placement_label(cfg)}, {graphs}; "
-        f"{model}; grad accumulation {cfg.grad_accum}",
+        f"graph-fsdp train: {len(out['losses'])} steps on {where}; {placement_label(cfg)}, "
+        f"{graphs}; {model}; grad accumulation {cfg.grad_accum}",
         f"  final loss {out['losses'][-1]:.6f} | median step {step_s * 1e3:.2f} ms | "
         f"{stats.tokens_per_step / step_s:,.0f} tokens/s | "
         f"{stats.enrich({'step_time_s': step_s}).get('tflops_per_gpu', 0.0):.3f} TFLOP/s per GPU | "
