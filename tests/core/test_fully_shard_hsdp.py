@@ -221,10 +221,39 @@ def _errors_and_meta_init(rank: int, world: int) -> dict:
         dist.all_gather_object(gathered, state)
         states[over] = all(torch.equal(g[name], state[name]) for g in gathered for name in state)
     out["meta_same_on_every_rank"] = states
+    out["grad_norms"] = _grad_norms(rank, mesh)
     return out
 
 
-def test_clear_errors_and_meta_init_over_both_dims():
+def _grad_norms(rank: int, mesh) -> dict:
+    """clip_grad_norm_'s global norm of one backward, for meshes that shard the optimizer
+    differently (it must sum each element once: over replicas only where they differ)."""
+    from graph_fsdp.models import synthetic_batch
+
+    placements = {
+        "1d": {},
+        "2x2": {"mesh": mesh},
+        "2x2+optim_over_replicas": {"mesh": mesh, "optim_over_replicas": True},
+        "2x2:optim+optim_over_replicas": {
+            "mesh": mesh,
+            "optim_over_replicas": True,
+            "strategy": "optim",
+        },
+        "2x2:no_shard": {"mesh": mesh, "strategy": "no_shard"},
+    }
+    norms = {}
+    for label, kw in placements.items():
+        model = _model()
+        for layer in model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        x, y = synthetic_batch(TINY, 1, 0, rank=rank, device=torch.device("cpu"))
+        model(x, y).backward()
+        norms[label] = model.clip_grad_norm_(1e9).item()
+    return norms
+
+
+def test_clear_errors_meta_init_and_grad_norm_over_both_dims():
     results = spawn(_errors_and_meta_init, 4)
     expected = {
         "3d": ["got a 3-D mesh", "2-D (replicate, shard)"],
@@ -242,3 +271,6 @@ def test_clear_errors_and_meta_init_over_both_dims():
             for fragment in fragments:
                 assert fragment in res[key], f"rank {rank} {key}: {fragment!r} not in {res[key]!r}"
         assert res["meta_same_on_every_rank"] == {False: True, True: True}
+        norms = res["grad_norms"]
+        for label, norm in norms.items():
+            assert norm == pytest.approx(norms["1d"], rel=1e-5), (label, norms)
