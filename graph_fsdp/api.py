@@ -2,7 +2,7 @@
 
 Strategy names become placements here and nowhere else: the engine and ``buffers/`` only
 ever see ``Placements`` (is this tensor kind sharded or replicated over the data-parallel
-group?).
+group, and - with a 2-D (replicate, shard) mesh - over which of its dimensions?).
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 @dataclass(frozen=True, kw_only=True)
 class Placements:
-    """Which tensor kinds of a unit are sharded over the data-parallel group."""
+    """Which tensor kinds of a unit are sharded over the data-parallel group.
+
+    With a 1-D mesh the group is every data-parallel rank. With a 2-D (replicate, shard)
+    mesh (HSDP) ``params``/``grads``/``optim`` mean "sharded over the shard dimension and
+    replicated over the replicate one"; ``optim_over_replicas`` shards the optimizer's part
+    over the replicate dimension as well.
+    """
 
     params: bool
     """Compute weights sharded (ZeRO-3): all-gathered before use, released after."""
@@ -25,9 +31,14 @@ class Placements:
     """Gradients reduce-scattered into a sharded main grad (ZeRO-2/3); else all-reduced."""
     optim: bool
     """Main weights and optimizer state sharded (ZeRO-1/2/3)."""
+    optim_over_replicas: bool = False
+    """HSDP only: main weights, optimizer state and (with ``grads``) main grads are sharded
+    over both mesh dimensions (Megatron-FSDP's HFSDP, ``outer_dp_sharding_strategy="optim"``):
+    gradients are reduce-scattered across replicas instead of all-reduced, and the updated
+    weights are all-gathered across replicas before the shard all-gather."""
 
 
-def placements_for(strategy: str) -> Placements:
+def placements_for(strategy: str, *, optim_over_replicas: bool = False) -> Placements:
     """Map a Megatron-FSDP strategy name to placements (the only place names are read)."""
     level = {name: i for i, name in enumerate(STRATEGIES)}.get(strategy)
     if level is None:
@@ -35,7 +46,18 @@ def placements_for(strategy: str) -> Placements:
             f"unknown strategy {strategy!r}; valid strategies are {', '.join(STRATEGIES)} "
             "(no_shard=DDP, optim=ZeRO-1, optim_grads=ZeRO-2, optim_grads_params=ZeRO-3)"
         )
-    return Placements(params=level >= 3, grads=level >= 2, optim=level >= 1)
+    if optim_over_replicas and level == 0:
+        raise ValueError(
+            "optim_over_replicas=True shards the optimizer across replicas, but strategy "
+            "'no_shard' does not shard the optimizer at all; use strategy 'optim', "
+            "'optim_grads' or 'optim_grads_params', or drop optim_over_replicas"
+        )
+    return Placements(
+        params=level >= 3,
+        grads=level >= 2,
+        optim=level >= 1,
+        optim_over_replicas=optim_over_replicas,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

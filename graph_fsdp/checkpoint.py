@@ -4,6 +4,10 @@ Each parameter is saved as a 1-D tensor of its full numel; a rank writes the con
 piece its flat shard holds (arbitrary, uneven ranges - expressed as DCP chunk metadata), so
 a checkpoint loads onto any world size or strategy: DCP reads the overlapping pieces.
 Optimizer state tensors shaped like a parameter's shard are saved the same way.
+
+The global offsets depend only on the range a rank owns, so 1-D and 2-D (HSDP) meshes share
+the format: a checkpoint loads across 1-D <-> 2-D meshes too. Replicas of one shard write
+identical pieces (same index), which DCP's planner deduplicates to one writer.
 """
 
 from __future__ import annotations
@@ -195,11 +199,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if state.root is None:
             state.lazy_init()
         for g in state.groups:
+            full = g.main_flat
+            if g.over_replicas:  # [Note: HSDP ranges]: the replicas' pieces first
+                shard = torch.empty(g.shard_numel, dtype=full.dtype, device=g.device)
+                dist.all_gather_into_tensor(shard, full, group=g.comm.replicate_group)
+                full = shard
             if g.placements.optim and g.comm.world_size > 1:
-                full = torch.empty(g.layout.total, dtype=g.main_flat.dtype, device=g.device)
-                dist.all_gather_into_tensor(full, g.main_flat, group=g.comm.group)
-            else:
-                full = g.main_flat
+                gathered = torch.empty(g.layout.total, dtype=full.dtype, device=g.device)
+                dist.all_gather_into_tensor(gathered, full, group=g.comm.group)
+                full = gathered
             for ref, offset in zip(g.params, g.layout.offsets):
                 out[ref.fqn] = full[offset : offset + ref.shape.numel()].view(ref.shape).clone()
     return out

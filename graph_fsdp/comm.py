@@ -22,22 +22,66 @@ class CommContext:
       runs while unit k computes; high priority so NCCL is not starved by compute kernels.
     - ``rs_stream``: gradient casts and reduce-scatters/all-reduces, so unit k's reduction
       runs while unit k-1's backward computes.
+    - ``rep_stream`` (HSDP, replicate size > 1 only): the reduction of the reduce-scattered
+      shards across replicas (inter-node), so it overlaps the next unit's intra-node
+      reduce-scatter instead of queueing behind it on ``rs_stream``.
     Every collective first makes its stream wait for the main stream (it reads what compute
     wrote); the main stream waits on the collective's event before using its result.
+
+    ``group`` is the shard group (the whole data-parallel group with a 1-D mesh);
+    ``replicate_group`` the replicas of this rank's shard (HSDP), or None.
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        replicate_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.device = device
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.replicate_group = replicate_group
+        self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.replicate_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.ag_stream = torch.cuda.Stream(device, priority=-1)
             self.rs_stream = torch.cuda.Stream(device, priority=-1)
         else:
             self.ag_stream = self.rs_stream = None
+        self.rep_stream = (
+            torch.cuda.Stream(device, priority=-1)
+            if self.cuda and self.replicate_size > 1
+            else None
+        )
         self._wait_event: torch.cuda.Event | None = None
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks a gradient is averaged over (shard x replicate)."""
+        return self.world_size * self.replicate_size
+
+    def same_mesh(self, other: CommContext) -> bool:
+        return self.group is other.group and self.replicate_group is other.replicate_group
+
+    def describe(self) -> str:
+        """The mesh in words, for error messages."""
+        ranks = dist.get_process_group_ranks(self.group)
+        if self.replicate_group is None:
+            return f"1-D mesh over ranks {ranks}"
+        reps = dist.get_process_group_ranks(self.replicate_group)
+        return (
+            f"2-D mesh replicate {self.replicate_size} x shard {self.world_size} (this rank's "
+            f"shard group {ranks}, replicate group {reps})"
+        )
+
+    def wait_reductions(self) -> None:
+        """The main stream waits for every queued gradient reduction (both mesh dims)."""
+        main = self.main_stream()
+        self.wait(main, self.rs_stream)
+        self.wait(main, self.rep_stream)
 
     def main_stream(self):
         """The current stream of the device (a cached handle while it stays the same)."""
@@ -106,25 +150,54 @@ class _OnStream:
         torch.cuda.set_stream(self.prev)
 
 
-def all_gather(out: torch.Tensor, shard: torch.Tensor, ctx: CommContext, fqn: str) -> None:
-    with nvtx_range(f"graph_fsdp/all_gather/{fqn}"):
-        if ctx.world_size > 1:
-            dist.all_gather_into_tensor(out, shard, group=ctx.group)
-        elif out.data_ptr() != shard.data_ptr():
+def _dim(ctx: CommContext, over_replicas: bool) -> tuple[dist.ProcessGroup | None, int]:
+    if over_replicas:
+        return ctx.replicate_group, ctx.replicate_size
+    return ctx.group, ctx.world_size
+
+
+def all_gather(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    ctx: CommContext,
+    fqn: str,
+    *,
+    over_replicas: bool = False,
+) -> None:
+    """All-gather over the shard group (or, ``over_replicas``, the replicate group)."""
+    group, size = _dim(ctx, over_replicas)
+    name = "all_gather_replicas" if over_replicas else "all_gather"
+    with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
+        if size > 1:
+            dist.all_gather_into_tensor(out, shard, group=group)
+        elif out.data_ptr() != shard.data_ptr():  # in place ([Note: copy-in all-gather])
             out.copy_(shard)
 
 
-def reduce_scatter(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:
+def reduce_scatter(
+    out: torch.Tensor,
+    full: torch.Tensor,
+    ctx: CommContext,
+    fqn: str,
+    *,
+    over_replicas: bool = False,
+) -> None:
     # SUM in both eager and graphed runs; the 1/world scaling happens in fp32 afterwards,
     # the same op on gloo and NCCL (gloo's AVG is not reliable).
-    with nvtx_range(f"graph_fsdp/reduce_scatter/{fqn}"):
-        if ctx.world_size == 1:
+    group, size = _dim(ctx, over_replicas)
+    name = "reduce_scatter_replicas" if over_replicas else "reduce_scatter"
+    with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
+        if size == 1:
             out.copy_(full)
         else:
-            dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=ctx.group)
+            dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
 
 
-def all_reduce(full: torch.Tensor, ctx: CommContext, fqn: str) -> None:
-    with nvtx_range(f"graph_fsdp/all_reduce/{fqn}"):
-        if ctx.world_size > 1:
-            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=ctx.group)
+def all_reduce(
+    full: torch.Tensor, ctx: CommContext, fqn: str, *, over_replicas: bool = False
+) -> None:
+    group, size = _dim(ctx, over_replicas)
+    name = "all_reduce_replicas" if over_replicas else "all_reduce"
+    with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
+        if size > 1:
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)

@@ -9,6 +9,12 @@
 The unit's registered parameters become 1-D views of this rank's fp32 main shard (what
 ``model.parameters()``, the optimizer and checkpoints see); during forward/backward they are
 swapped for unsharded compute-dtype views of the gathered flat buffer.
+
+HSDP (shard within a node, replicate across nodes)::
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
+    fully_shard(layer, mesh=mesh)                            # optimizer sharded per node
+    fully_shard(layer, mesh=mesh, optim_over_replicas=True)  # ... and across nodes (HFSDP)
 """
 
 from __future__ import annotations
@@ -89,8 +95,7 @@ class FSDPModule:
         state = self._fsdp_state
         if state.root is None:
             return
-        comm = state.root.comm
-        comm.wait(comm.main_stream(), comm.rs_stream)
+        state.root.comm.wait_reductions()
         for s in state.root.states:
             if s.requires_grad_sync:
                 for group in s.groups:
@@ -113,7 +118,10 @@ class FSDPModule:
         for g in grads:
             local += g.float().pow(2).sum()
         if states[0].placements.optim:
-            dist.all_reduce(local, group=states[0].comm.group)
+            comm = states[0].comm
+            dist.all_reduce(local, group=comm.group)
+            if states[0].placements.optim_over_replicas and comm.replicate_size > 1:
+                dist.all_reduce(local, group=comm.replicate_group)
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
@@ -133,6 +141,7 @@ class FSDPModule:
             for g in s.groups:
                 add("main_params", g.main_flat)
                 add("main_grads", g.main_grad)
+                add("compute_shard", g.compute_shard)
                 add("compute_full_persistent", getattr(g, "_persistent_full", None))
                 add("grad_accum", g.accum)
         root = states[0].root
@@ -205,11 +214,81 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
             m.reset_parameters()
 
 
+_SHARD_NAMES = ("shard", "dp_shard")
+_REPLICATE_NAMES = ("replicate", "dp_replicate")
+
+
+def _mesh_groups(
+    mesh, owner: str, optim_over_replicas: bool
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(shard group, replicate group or None) of ``mesh`` (None: the default group)."""
+    ndim = None if mesh is None else mesh.ndim
+    if optim_over_replicas and ndim != 2:
+        raise ValueError(
+            f"fully_shard({owner}, optim_over_replicas=True) shards the optimizer across the "
+            f"replicas of a 2-D (replicate, shard) mesh, but got "
+            f"{'no mesh' if mesh is None else f'a {ndim}-D mesh'}; pass mesh=init_device_mesh("
+            "device, (replicas, shard_size), mesh_dim_names=('replicate', 'shard'))"
+        )
+    if mesh is None:
+        return dist.group.WORLD, None
+    if ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard({owner}) takes a 1-D data-parallel mesh or a 2-D (replicate, shard) "
+            f"HSDP mesh, got a {ndim}-D mesh {mesh}: pass the data-parallel sub-mesh, e.g. "
+            "mesh['dp'] or mesh['replicate', 'shard']"
+        )
+    world = dist.get_world_size()
+    if world % mesh.size() != 0 or mesh.get_coordinate() is None:
+        raise ValueError(
+            f"fully_shard({owner}): the mesh of shape {tuple(mesh.shape)} ({mesh.size()} ranks) "
+            f"does not fit the world of {world} ranks: its size must divide {world} and it must "
+            f"contain this rank ({dist.get_rank()}); build it with init_device_mesh(device, "
+            f"(replicas, shard_size)) where replicas x shard_size = {world}"
+        )
+    if ndim == 1:
+        return mesh.get_group(), None
+    names = mesh.mesh_dim_names
+    if names is not None and (names[0] in _SHARD_NAMES or names[1] in _REPLICATE_NAMES):
+        raise ValueError(
+            f"fully_shard({owner}): HSDP meshes are (replicate, shard) - dimension 0 replicates, "
+            f"dimension 1 shards - but this mesh is named {names}: build it as "
+            f"init_device_mesh(device, ({mesh.shape[1]}, {mesh.shape[0]}), "
+            "mesh_dim_names=('replicate', 'shard'))"
+        )
+    replicas = mesh.shape[0]
+    if optim_over_replicas and replicas == 1:
+        raise ValueError(
+            f"fully_shard({owner}, optim_over_replicas=True): the mesh {tuple(mesh.shape)} has "
+            "replicate size 1, so there are no replicas to shard the optimizer across: use a "
+            f"1-D mesh (or None) for plain FSDP over {mesh.shape[1]} ranks, or a replicate "
+            "size > 1"
+        )
+    return mesh.get_group(1), mesh.get_group(0)
+
+
+def _check_same_mesh(module: nn.Module, comm: CommContext) -> None:
+    """Every already-sharded descendant must use this unit's mesh (one comm per root)."""
+    names = {id(m): name for name, m in module.named_modules()}
+    for child in module.modules():
+        if child is module or not isinstance(child, FSDPModule):
+            continue
+        other = child._fsdp_state.comm
+        if not other.same_mesh(comm):
+            raise ValueError(
+                f"{type(module).__name__} is being sharded on a {comm.describe()}, but its "
+                f"already-sharded submodule {names[id(child)]!r} was sharded on a "
+                f"{other.describe()}: pass the same DeviceMesh object to every fully_shard call "
+                "of one model"
+            )
+
+
 def fully_shard(
     module: nn.Module,
     *,
     mesh=None,
     strategy: str = "optim_grads_params",
+    optim_over_replicas: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     buffer_policy: BufferPolicy | None = None,
     reshard_after_forward: bool = True,
@@ -217,8 +296,13 @@ def fully_shard(
     """Shard ``module``'s parameters over the data-parallel group (see module docstring).
 
     Args:
-        mesh: a 1-D ``DeviceMesh`` (or None: the default process group).
+        mesh: a 1-D ``DeviceMesh`` (or None: the default process group), or a 2-D
+            (replicate, shard) ``DeviceMesh`` for HSDP: parameters and gradients sharded over
+            dimension 1 (within a node), replicated over dimension 0 (across nodes).
         strategy: ``no_shard`` | ``optim`` | ``optim_grads`` | ``optim_grads_params``.
+        optim_over_replicas: HSDP only: also shard the optimizer state, main weights and
+            main gradients across the replicas (Megatron-FSDP's ``outer_dp_sharding_strategy
+            ="optim"``); gradients are then reduce-scattered, not all-reduced, across replicas.
         mp_policy: dtypes; default keeps the parameters' dtype with fp32 main weights.
         buffer_policy: where unsharded buffers live; read from the root's call.
         reshard_after_forward: ZeRO-3 only; False keeps weights gathered until backward.
@@ -226,7 +310,7 @@ def fully_shard(
     global _STEP_HOOK
     if _STEP_HOOK is None:
         _STEP_HOOK = register_optimizer_step_post_hook(_mark_updated)
-    placements = placements_for(strategy)
+    placements = placements_for(strategy, optim_over_replicas=optim_over_replicas)
     mp = mp_policy or MixedPrecisionPolicy()
     buffer_policy = buffer_policy or BufferPolicy()
     if isinstance(module, FSDPModule):
@@ -238,11 +322,7 @@ def fully_shard(
             "fully_shard needs torch.distributed: call dist.init_process_group('nccl' or 'gloo') "
             "first (torchrun sets the environment), even for a single process"
         )
-    if mesh is not None and getattr(mesh, "ndim", 1) != 1:
-        raise ValueError(
-            f"fully_shard takes a 1-D data-parallel mesh, got a {mesh.ndim}-D mesh {mesh}"
-        )
-    group = mesh.get_group() if mesh is not None else dist.group.WORLD
+    group, replicate_group = _mesh_groups(mesh, type(module).__name__, optim_over_replicas)
     entries = _managed_params(module)
     if not entries:
         raise ValueError(
@@ -274,10 +354,12 @@ def fully_shard(
         )
     if mesh is not None and mesh.device_type != device.type:
         raise ValueError(
-            f"mesh device type {mesh.device_type!r} does not match the module's device {device}"
+            f"mesh device type {mesh.device_type!r} does not match the module's device {device}: "
+            f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module"
         )
 
-    comm = CommContext(device, group)
+    comm = CommContext(device, group, replicate_group)
+    _check_same_mesh(module, comm)
     by_dtype: dict[torch.dtype, list] = {}
     for entry in entries:
         by_dtype.setdefault(mp.compute_dtype(entry[2].dtype), []).append(entry)

@@ -1,7 +1,7 @@
 """One unit's parameters of one compute dtype: flat buffers, unshard/reshard, reduction.
 
 Tensors per group (W = data-parallel world size, "owned" = this rank's shard when the
-optimizer is sharded, else the whole flat buffer):
+optimizer is sharded, else the whole flat buffer; see [Note: HSDP ranges] for 2-D meshes):
 
 ============== ===================== =====================================================
 name           size, dtype            lifetime
@@ -9,6 +9,8 @@ name           size, dtype            lifetime
 main_flat      owned, main dtype      persistent; the optimizer's parameters are 1-D views
 main_grad      owned|full, main grad  storage freed between steps (see release_main_grad);
                                       sharded ``param.grad`` views
+compute_shard  shard, compute dtype   HSDP ``optim_over_replicas`` only: the shard-group range,
+                                      refreshed (cast + gather across replicas) when stale
 full           total, compute dtype   allocator key ``(fqn, "param", dtype)`` (ZeRO-3) or
                                       persistent (ZeRO-0/1/2); unsharded params are views
 grad_full      total, compute dtype   allocator key ``(fqn, "grad", dtype)``; the unsharded
@@ -24,10 +26,21 @@ does. The cast is 1/W of the unit per gather and gives the same values as a cach
 The unsharded parameters' ``.grad`` is preset to views of ``grad_full`` and zeroed before
 backward, so autograd's AccumulateGrad writes gradients in place - inside a captured graph
 too - and the reduction reads them from a fixed address without a copy.
+
+[Note: HSDP ranges] With a 2-D (replicate R, shard S) mesh the layout is cut into R*S equal
+pieces of ``e`` elements in shard-major order: shard rank s holds (params, grads) the
+contiguous range ``[s*R*e, (s+1)*R*e)``, its ``R*e`` compute shard, replicated over the R
+replicas; with ``optim_over_replicas`` replica r owns (main weights, optimizer state, main
+grads) only ``[(s*R + r)*e, (s*R + r + 1)*e)`` of it. Gradients are reduce-scattered over the
+shard group into the ``R*e`` range, then all-reduced (or reduce-scattered down to the owned
+piece) over the replicate group on ``rep_stream``; updated weights are all-gathered across
+replicas into the compute shard, then over the shard group. With R == 1 every range is the
+1-D one and no replicate collective runs.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -75,29 +88,38 @@ class FlatParamGroup:
         )
         originals = [p for _, _, p in entries]
         self.compute_dtype = mp.compute_dtype(originals[0].dtype)
-        self.layout = FlatLayout(tuple(p.numel() for p in originals), comm.world_size)
-        W, rank = comm.world_size, comm.rank
-        lo, hi = self.layout.shard_range(rank) if placements.optim else (0, self.layout.total)
+        R = comm.replicate_size
+        self.layout = FlatLayout(tuple(p.numel() for p in originals), comm.world_size * R)
+        self.over_replicas = placements.optim_over_replicas and R > 1
+        # [Note: HSDP ranges]; with R == 1 both are the 1-D shard range.
+        piece = self.layout.shard_numel
+        slo, shi = comm.rank * R * piece, (comm.rank + 1) * R * piece
+        if not placements.optim:
+            lo, hi = 0, self.layout.total
+        elif self.over_replicas:
+            lo = slo + comm.replicate_rank * piece
+            hi = lo + piece
+        else:
+            lo, hi = slo, shi
         self.owned = (lo, hi)
+        self.shard_numel = shi - slo
+        """Elements of the shard-group range (compute shard, reduce-scatter output)."""
 
         full = torch.zeros(self.layout.total, dtype=mp.main_params_dtype, device=device)
         for offset, p in zip(self.layout.offsets, originals):
             full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-        if broadcast_from_rank0 and W > 1:
-            torch.distributed.broadcast(
-                full, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group
-            )
+        if broadcast_from_rank0:
+            _broadcast_from_first(full, comm)
         self.main_flat = full[lo:hi].clone()
-        grad_numel = self.layout.shard_numel if placements.grads else self.layout.total
+        grad_numel = hi - lo if placements.grads else self.layout.total
         self.main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
         grad_lo = lo if placements.grads else 0
 
         self.params: list[ParamRef] = []
         for index, (pfqn, owners, p) in enumerate(entries):
             offset = self.layout.offsets[index]
-            start, end = (
-                self.layout.local_range(index, rank) if placements.optim else (0, p.numel())
-            )
+            start = min(max(lo - offset, 0), p.numel())
+            end = max(min(hi - offset, p.numel()), start)
             view = self.main_flat[offset + start - lo : offset + end - lo]
             sharded = nn.Parameter(view, requires_grad=p.requires_grad)
             ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
@@ -111,6 +133,13 @@ class FlatParamGroup:
             self._persistent_full = torch.empty(
                 self.layout.total, dtype=self.compute_dtype, device=device
             )
+        self.shard_range = (slo, shi)
+        # Kept between gathers so the gather across replicas runs once per refresh.
+        self.compute_shard = (
+            torch.empty(self.shard_numel, dtype=self.compute_dtype, device=device)
+            if self.over_replicas
+            else None
+        )
         self._synced_version = -1
         self.full: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
@@ -144,6 +173,10 @@ class FlatParamGroup:
     def rs_key(self):
         return (self.fqn, "rs_out", self.mp.comm_dtype())
 
+    @property
+    def rep_key(self):
+        return (self.fqn, "rep_out", self.mp.comm_dtype())
+
     # ---------------------------------------------------------------- registration
     def register_buffers(self, allocator: BufferAllocator) -> None:
         total, dt = self.layout.total, self.compute_dtype
@@ -152,9 +185,11 @@ class FlatParamGroup:
         allocator.register(self.grad_key, total, dt, self.device)
         if self.mp.comm_dtype() != dt:
             allocator.register(self.comm_key, total, self.mp.comm_dtype(), self.device)
-        if self.placements.grads and not self._rs_direct():
+        if self.placements.grads and (not self._rs_direct() or self.over_replicas):
+            allocator.register(self.rs_key, self.shard_numel, self.mp.comm_dtype(), self.device)
+        if self.placements.grads and self.over_replicas and not self._rs_direct():
             allocator.register(
-                self.rs_key, self.layout.shard_numel, self.mp.comm_dtype(), self.device
+                self.rep_key, self.owned[1] - self.owned[0], self.mp.comm_dtype(), self.device
             )
 
     def _rs_direct(self) -> bool:
@@ -190,18 +225,34 @@ class FlatParamGroup:
                     )
                 else:
                     full = self._persistent_full
-                lo, hi = self.owned
-                with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):
-                    full[lo:hi].copy_(self.main_flat)  # [Note: copy-in all-gather]
-                self._synced_version = self.main_flat._version
-                self.dirty = False
+                shard = self._compute_shard_in(full)
                 if self.placements.optim:
-                    all_gather(full, full[lo:hi], comm, self.fqn)
+                    all_gather(full, shard, comm, self.fqn)
                 # One event per group, re-recorded: ``wait_unshard`` waits on the latest
                 # record, exactly what a fresh event per gather gives (see comm.wait).
                 self.ag_event = self._ag_event_obj = comm.record(comm.ag_stream, self._ag_event_obj)
         self._rebuild_unsharded(full)
         self._holds_full = True
+
+    def _compute_shard_in(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard-group range in compute dtype, the input of the shard all-gather:
+        cast straight into ``full`` ([Note: copy-in all-gather]), or with the optimizer over
+        replicas kept in ``compute_shard``, refreshed only when stale ([Note: HSDP ranges])."""
+        lo, hi = self.owned
+        slo, shi = self.shard_range
+        if self.compute_shard is None:
+            target, result = full[lo:hi], full[slo:shi]
+        elif self.stale():
+            target, result = self.compute_shard[lo - slo : hi - slo], self.compute_shard
+        else:
+            return self.compute_shard
+        with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):
+            target.copy_(self.main_flat)
+        if self.compute_shard is not None:
+            all_gather(self.compute_shard, target, self.comm, self.fqn, over_replicas=True)
+        self._synced_version = self.main_flat._version
+        self.dirty = False
+        return result
 
     def wait_unshard(self) -> None:
         if self.ag_event is not None:
@@ -342,35 +393,63 @@ class FlatParamGroup:
                 buf = allocator.allocate(self.comm_key, self.layout.total, comm_dtype, self.device)
                 buf.copy_(src)
                 src, used_comm = buf, True
-            inv_world = 1.0 / comm.world_size
+            inv_world = 1.0 / comm.dp_size
+            direct = self.placements.grads and self._rs_direct() and overwrite
+            used_rs = self.placements.grads and not (direct and not self.over_replicas)
             if self.placements.grads:
-                direct = self._rs_direct() and overwrite
                 out = (
-                    self.main_grad
-                    if direct
-                    else allocator.allocate(
-                        self.rs_key, self.layout.shard_numel, comm_dtype, self.device
-                    )
+                    allocator.allocate(self.rs_key, self.shard_numel, comm_dtype, self.device)
+                    if used_rs
+                    else self.main_grad
                 )
                 reduce_scatter(out, src, comm, self.fqn)
             else:
                 all_reduce(src, comm, self.fqn)
-                out, direct = src, False
-            if direct:
-                self.main_grad.mul_(inv_world)
-            elif overwrite:
-                self.main_grad.copy_(out).mul_(inv_world)
-            else:
-                self.main_grad.add_(out, alpha=inv_world)
+                out = src
+            # HSDP: the shard-reduced gradients are reduced across replicas on their own stream
+            # ([Note: stream roles], [Note: HSDP ranges]); the scaling follows on that stream.
+            replicas = comm.replicate_size > 1
+            if replicas:
+                comm.wait(comm.rep_stream, comm.rs_stream)
+            with comm.on(comm.rep_stream) if replicas else nullcontext():
+                if replicas:
+                    out = self._reduce_over_replicas(allocator, out, direct)
+                if direct:
+                    self.main_grad.mul_(inv_world)
+                elif overwrite:
+                    self.main_grad.copy_(out).mul_(inv_world)
+                else:
+                    self.main_grad.add_(out, alpha=inv_world)
             streams = self._rs_streams()
-            if self.placements.grads and not direct:
+            if used_rs:
                 allocator.free(self.rs_key, used_on=streams)
+            if self.over_replicas and self.placements.grads and not direct:
+                allocator.free(self.rep_key, used_on=streams)
             if used_comm:
                 allocator.free(self.comm_key, used_on=streams)
             allocator.free(self.grad_key, used_on=streams + self._main_streams())
 
+    def _reduce_over_replicas(
+        self, allocator: BufferAllocator, out: torch.Tensor, direct: bool
+    ) -> torch.Tensor:
+        """Sum ``out`` (this shard's reduced gradients) over the replicas: all-reduce, or with
+        the optimizer and gradients sharded over replicas a reduce-scatter down to the owned
+        piece (ZeRO-1 keeps full gradients: all-reduce)."""
+        if not (self.over_replicas and self.placements.grads):
+            all_reduce(out, self.comm, self.fqn, over_replicas=True)
+            return out
+        lo, hi = self.owned
+        dst = (
+            self.main_grad
+            if direct
+            else allocator.allocate(self.rep_key, hi - lo, out.dtype, self.device)
+        )
+        reduce_scatter(dst, out, self.comm, self.fqn, over_replicas=True)
+        return dst
+
     def _rs_streams(self):
-        return [self.comm.rs_stream] if self.comm.rs_stream is not None else []
+        comm = self.comm
+        return [s for s in (comm.rs_stream, comm.rep_stream) if s is not None]
 
     def grads_defined(self) -> bool:
         for p in self._nonempty_sharded:
@@ -385,3 +464,13 @@ class FlatParamGroup:
             p = ref.sharded
             if p.grad is None and p.requires_grad and p.numel():
                 p.grad = ref.grad_view
+
+
+def _broadcast_from_first(full: torch.Tensor, comm: CommContext) -> None:
+    """Meta-device init: every rank gets the values of the first rank of the mesh (first
+    across replicas, then within the shard group)."""
+    for group, size in ((comm.replicate_group, comm.replicate_size), (comm.group, comm.world_size)):
+        if size > 1:
+            torch.distributed.broadcast(
+                full, src=torch.distributed.get_global_rank(group, 0), group=group
+            )

@@ -172,7 +172,7 @@ class FSDPState:
                     f"{other.fqn} already belongs to another root's forward; call the outermost "
                     "fully_shard-ed module, or fully_shard the root last"
                 )
-            if other.comm.group is not self.comm.group:
+            if not other.comm.same_mesh(self.comm):
                 raise ValueError(
                     f"{other.fqn} was sharded on a different mesh than the root {self.fqn}; "
                     "pass the same mesh to every fully_shard call of one model"
@@ -334,8 +334,7 @@ def root_final_callback(root: RootContext):
             for state in root.states:
                 if state.is_root:
                     state.reshard()
-            comm = root.comm
-            comm.wait(comm.main_stream(), comm.rs_stream)
+            root.comm.wait_reductions()  # both mesh dims: the full_iteration capture joins them
             if not root.capturing:
                 for state in root.states:
                     if state.requires_grad_sync:

@@ -31,6 +31,11 @@ class TrainConfig:
     """fsdp: graph_fsdp; reference: unsharded single-process model on the global batch."""
     strategy: str = "optim_grads_params"
     """Data-parallel sharding strategy."""
+    mesh_shape: tuple[int, int] | None = None
+    """HSDP: (replicate, shard) sizes of a 2-D device mesh over every rank (their product is
+    the world size; e.g. (nodes, GPUs per node)). None: 1-D FSDP over every rank."""
+    optim_over_replicas: bool = False
+    """HSDP: shard the optimizer (main weights and grads) across the replicas as well."""
     micro_batch_size: int = 1
     """Sequences per rank per microbatch."""
     grad_accum: int = 1
@@ -105,9 +110,49 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         num_slots=cfg.num_slots,
         persist_on_alloc_fail=cfg.persist_on_alloc_fail,
     )
+    placement = {
+        "mesh": data_parallel_mesh(cfg),
+        "strategy": cfg.strategy,
+        "optim_over_replicas": cfg.optim_over_replicas,
+    }
     for layer in transformer_layers(model):
-        fully_shard(layer, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
-    return fully_shard(model, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+        fully_shard(layer, **placement, mp_policy=mp, buffer_policy=bp)
+    return fully_shard(model, **placement, mp_policy=mp, buffer_policy=bp)
+
+
+def placement_label(cfg: TrainConfig) -> str:
+    """The strategy and, for HSDP, the mesh: for summaries and reports."""
+    if cfg.mesh_shape is None:
+        return cfg.strategy
+    r, s = cfg.mesh_shape
+    over = ", optimizer over replicas" if cfg.optim_over_replicas else ""
+    return f"{cfg.strategy} HSDP replicate {r} x shard {s}{over}"
+
+
+_MESHES: dict[tuple, tuple] = {}
+"""(device type, shape) -> (the default group it was built under, mesh): runs in one process
+(compare, bench, tests) reuse one mesh instead of creating new process groups each time."""
+
+
+def data_parallel_mesh(cfg: TrainConfig):
+    """The 2-D (replicate, shard) DeviceMesh of ``cfg.mesh_shape`` (None: 1-D, no mesh)."""
+    if cfg.mesh_shape is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(cfg.mesh_shape)
+    world = dist.get_world_size()
+    if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
+        raise ValueError(
+            f"TrainConfig.mesh_shape={cfg.mesh_shape} must be (replicate, shard) sizes >= 1 "
+            f"whose product is the world size {world}, e.g. (2, {world // 2}) or (1, {world})"
+        )
+    key = (cfg.device, shape)
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not dist.group.WORLD:
+        mesh = init_device_mesh(cfg.device, shape, mesh_dim_names=("replicate", "shard"))
+        cached = _MESHES[key] = (dist.group.WORLD, mesh)
+    return cached[1]
 
 
 class MixedPrecisionReference:

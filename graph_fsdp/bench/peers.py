@@ -173,7 +173,8 @@ def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_for(cfg, device)
-    mesh = init_device_mesh(device.type, (world_size,))
+    # A 2-D (replicate, shard) mesh is FSDP2's HSDP (its optimizer stays replicated).
+    mesh = init_device_mesh(device.type, tuple(cfg.mesh_shape or (world_size,)))
     mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype, reduce_dtype=torch.float32)
     # FSDP2 has one sharding scheme; keeping weights gathered after forward is its ZeRO-2.
     reshard = cfg.strategy == "optim_grads_params"

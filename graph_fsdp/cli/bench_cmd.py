@@ -33,6 +33,7 @@ from graph_fsdp.cli.options import (
     resolve,
     scope_sets_from,
 )
+from graph_fsdp.train import placement_label
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
@@ -99,7 +100,7 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size}, {moe}. "
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
         f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights; strategy "
-        f"{cfg.strategy}, allocator {cfg.allocator}; {graphs}. {job.spec.warmup} warmup + "
+        f"{placement_label(cfg)}, allocator {cfg.allocator}; {graphs}. {job.spec.warmup} warmup + "
         f"{job.spec.steps} timed steps per row, seed {m.seed}."
     )
 

@@ -31,6 +31,8 @@ from graph_fsdp.train import TrainConfig
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 """Megatron's --transformer-impl: the reference torch layers or TransformerEngine layers."""
+OUTER_STRATEGIES = ("no_shard", "optim")
+"""Megatron-FSDP's --outer-dp-sharding-strategy (HSDP across distributed-optimizer instances)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,6 +157,24 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         choices=STRATEGIES,
         default="optim_grads_params",
         help="no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3).",
+    )
+    g.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        metavar="N",
+        help="HSDP: N replicas (e.g. the number of nodes) of a 2-D (replicate N, shard "
+        "world/N) mesh; parameters, gradients and the optimizer are sharded within an instance "
+        "(--data-parallel-sharding-strategy) and gradients all-reduced across instances. "
+        "1 (default): plain 1-D FSDP over every rank.",
+    )
+    g.add_argument(
+        "--outer-dp-sharding-strategy",
+        choices=OUTER_STRATEGIES,
+        default="no_shard",
+        help="HSDP, across the instances: no_shard replicates the optimizer; optim shards it "
+        "across the instances too (HFSDP: gradients reduce-scattered, not all-reduced, across "
+        "instances). Needs --num-distributed-optimizer-instances > 1.",
     )
     g.add_argument(
         "--fsdp-double-buffer",
@@ -312,6 +332,38 @@ def grad_accumulation(args: argparse.Namespace, world_size: int) -> int:
             f"(e.g. {lower} or {lower + per_step})"
         )
     return gbs // per_step
+
+
+def hsdp_mesh(args: argparse.Namespace, world_size: int) -> tuple[tuple[int, int] | None, bool]:
+    """(mesh_shape, optim_over_replicas) of the HSDP flags; (None, False) for 1-D FSDP."""
+    n = args.num_distributed_optimizer_instances
+    outer = args.outer_dp_sharding_strategy
+    if n < 1:
+        raise CLIError(f"--num-distributed-optimizer-instances {n} must be >= 1 (1: plain FSDP)")
+    if world_size % n != 0:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise CLIError(
+            f"--num-distributed-optimizer-instances {n} does not divide the data-parallel size "
+            f"{world_size} (each instance shards over world / N ranks); use one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+    if outer == "optim" and n == 1:
+        raise CLIError(
+            "--outer-dp-sharding-strategy optim shards the optimizer across distributed-"
+            "optimizer instances, but --num-distributed-optimizer-instances is 1 (replicate size "
+            "1: there are no replicas, this is plain FSDP): add "
+            "--num-distributed-optimizer-instances N with N > 1 (e.g. the number of nodes), or "
+            "drop --outer-dp-sharding-strategy"
+        )
+    if outer == "optim" and args.data_parallel_sharding_strategy == "no_shard":
+        raise CLIError(
+            "--outer-dp-sharding-strategy optim shards the optimizer across instances, but "
+            "--data-parallel-sharding-strategy no_shard does not shard it within one: use optim, "
+            "optim_grads or optim_grads_params"
+        )
+    if n == 1:
+        return None, False
+    return (n, world_size // n), outer == "optim"
 
 
 def parse_scope_set(text: str) -> list[str]:
@@ -506,6 +558,7 @@ def resolve(
         raise CLIError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps} must be >= 0")
     model = model_config(args)
     grad_accum = grad_accumulation(args, plan.world_size)
+    mesh_shape, optim_over_replicas = hsdp_mesh(args, plan.world_size)
     allocator = allocator_of(args)
     impl = args.cuda_graph_impl
     if graph_scope_sets is None:
@@ -544,6 +597,8 @@ def resolve(
     cfg = TrainConfig(
         model=model,
         strategy=args.data_parallel_sharding_strategy,
+        mesh_shape=mesh_shape,
+        optim_over_replicas=optim_over_replicas,
         micro_batch_size=args.micro_batch_size,
         grad_accum=grad_accum,
         steps=args.train_iters,

@@ -25,7 +25,7 @@ from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import add_common_args, check_positive, resolve
 from graph_fsdp.data import check_token_file
 from graph_fsdp.models import model_flops_per_token
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.train import TrainConfig, placement_label, run
 
 CHECKPOINT_META = "graph_fsdp_cli.json"
 """Written next to a --save checkpoint: the iteration it holds, so --load resumes there."""
@@ -293,8 +293,8 @@ def format_summary(
     step_s = median(times) if times else float("nan")
     peak = out.get("peak_memory_bytes")
     lines = [
-        f"graph-fsdp train: {len(out['losses'])} steps on {where}; {cfg.strategy}, {graphs}; "
-        f"{model}; grad accumulation {cfg.grad_accum}",
+        f"graph-fsdp train: {len(out['losses'])} steps on {where}; {placement_label(cfg)}, "
+        f"{graphs}; {model}; grad accumulation {cfg.grad_accum}",
         f"  final loss {out['losses'][-1]:.6f} | median step {step_s * 1e3:.2f} ms | "
         f"{stats.tokens_per_step / step_s:,.0f} tokens/s | "
         f"{stats.enrich({'step_time_s': step_s}).get('tflops_per_gpu', 0.0):.3f} TFLOP/s per GPU | "

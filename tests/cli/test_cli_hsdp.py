@@ -1,0 +1,69 @@
+"""HSDP flags: validation before any process starts, and a 4-rank CPU run end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _cli_helpers import TINY, run_cli
+
+from graph_fsdp.cli.main import main
+
+FOUR = [a if a != "2" or TINY[i - 1] != "--nproc" else "4" for i, a in enumerate(TINY)]
+"""TINY with --nproc 4."""
+
+
+def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    return err.split("error:", 1)[1].replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--num-distributed-optimizer-instances", "3"],
+            ["--num-distributed-optimizer-instances 3 does not divide", "size 4", "1, 2, 4"],
+        ),
+        (["--num-distributed-optimizer-instances", "0"], ["must be >= 1"]),
+        (
+            ["--outer-dp-sharding-strategy", "optim"],
+            ["replicate size 1", "--num-distributed-optimizer-instances N with N > 1"],
+        ),
+        (
+            [
+                "--num-distributed-optimizer-instances",
+                "2",
+                "--outer-dp-sharding-strategy",
+                "optim",
+                "--data-parallel-sharding-strategy",
+                "no_shard",
+            ],
+            ["no_shard does not shard it", "optim_grads_params"],
+        ),
+    ],
+)
+def test_hsdp_flags_rejected(capsys: pytest.CaptureFixture, argv, expected) -> None:
+    err = error_of(capsys, "train", *FOUR, *argv)
+    for fragment in expected:
+        assert fragment in err, (fragment, err)
+
+
+def test_train_hsdp_then_resume_on_a_1d_mesh(tmp_path) -> None:
+    ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
+    hsdp = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"]
+    first = run_cli("train", *FOUR, *hsdp, "--train-iters", "2", "--save", str(ckpt))
+    assert first.returncode == 0, first.stderr
+    assert "HSDP replicate 2 x shard 2, optimizer over replicas" in first.stdout
+    assert json.loads((ckpt / "graph_fsdp_cli.json").read_text()) == {"iteration": 2}
+    resumed = run_cli(
+        "train", *FOUR, "--train-iters", "3", "--load", str(ckpt), "--log-json", str(log)
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "on 4 x cpu" in resumed.stdout and "HSDP" not in resumed.stdout
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [2]
