@@ -70,19 +70,19 @@ def markdown(report: dict) -> str:
         report["setup"],
         "",
         "| row | ranks | median step ms | min step ms | host ms | host us/layer fwd, bwd | "
-        "tokens/s | TFLOP/s per GPU | peak mem GiB | final loss | step time vs ref | "
-        "tokens/s per GPU vs ref |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "tokens/s | TFLOP/s per GPU | peak mem GiB | peak reserved GiB | final loss | "
+        "step time vs ref | tokens/s per GPU vs ref |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     notes = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 10)
+            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 11)
             notes.append(f"- {r['name']}: {r['status']}: {r['reason']}")
             continue
         if r.get("note"):
             notes.append(f"- {r['name']}: note: {r['note']}")
-        peak = r.get("peak_memory_bytes")
+        peak, reserved = r.get("peak_memory_bytes"), r.get("peak_reserved_bytes")
         per_layer = "-"
         if "host_fwd_us_per_layer" in r or "host_bwd_us_per_layer" in r:
             per_layer = ", ".join(
@@ -92,7 +92,8 @@ def markdown(report: dict) -> str:
             f"| {r['name']} | {r['world_size']} | {r['median_step_ms']:.2f} | "
             f"{r['min_step_ms']:.2f} | {_fmt(r.get('median_host_ms'), '.2f')} | {per_layer} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | "
-            f"{_fmt(peak / 2**30 if peak else None, '.2f')} | {r['final_loss']:.5f} | "
+            f"{_fmt(peak / 2**30 if peak else None, '.2f')} | "
+            f"{_fmt(reserved / 2**30 if reserved else None, '.2f')} | {r['final_loss']:.5f} | "
             f"{_fmt(r.get('step_time_vs_ref'), '.2f', 'x')} | "
             f"{_fmt(r.get('tokens_per_gpu_vs_ref'), '.2f', 'x')} |"
         )
@@ -105,7 +106,9 @@ def markdown(report: dict) -> str:
             if ref is not None
             else "none (no unsharded row ran): no ratios"
         )
-        + ". peak mem: max over ranks of torch.cuda.max_memory_allocated during the row.",
+        + ". peak mem / peak reserved: max over ranks of torch.cuda.max_memory_allocated / "
+        "max_memory_reserved during the row (a captured step's replays allocate nothing: its "
+        "graph pool shows in reserved, not in allocated).",
         "",
         "host ms: host time to issue a step (close to the step time = host-bound); host "
         "us/layer: host time of the forward and backward calls per layer and microbatch "

@@ -150,7 +150,9 @@ def device_name(cfg_device: str) -> str:
     return f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
 
 
-def row_result(row: Row, world_size: int, raw: dict, peak: int | None) -> dict:
+def row_result(
+    row: Row, world_size: int, raw: dict, peak: int | None, reserved: int | None = None
+) -> dict:
     """Times -> the numbers in the report (throughput is over the row's GPUs)."""
     cfg = row.spec.cfg
     gpus = row.world_size or world_size
@@ -168,6 +170,7 @@ def row_result(row: Row, world_size: int, raw: dict, peak: int | None) -> dict:
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tokens_per_s * model_flops_per_token(cfg.model) / gpus / 1e12,
         "peak_memory_bytes": peak,
+        "peak_reserved_bytes": reserved,
         "final_loss": raw["final_loss"],
         "step_times_ms": [t * 1e3 for t in times],
         **host_numbers(raw, cfg),
@@ -227,8 +230,11 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
                 f"[rank {rank}] bench row {row.name!r} failed:\n{traceback.format_exc()}",
                 file=sys.stderr,
             )
+        # Allocated: what the caching allocator handed out (a captured step's replays add
+        # nothing to it); reserved: what the process holds, graph pools included.
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-        peak, failed = _agree([peak, status == "failed"], device, world_size)
+        reserved = torch.cuda.max_memory_reserved(device) if cuda else 0
+        peak, reserved, failed = _agree([peak, reserved, status == "failed"], device, world_size)
         if rank != 0:
             continue
         if failed and status == "ok":
@@ -239,7 +245,9 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
             )
             print(f"bench: {row.name}: {status} ({reason})", file=sys.stderr)
             continue
-        result = row_result(row, world_size, raw, int(peak) if cuda else None)
+        result = row_result(
+            row, world_size, raw, int(peak) if cuda else None, int(reserved) if cuda else None
+        )
         results.append(result)
         print(
             f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "

@@ -45,6 +45,7 @@ REPORT = {
     "rows": [
         {
             **ok("graph_fsdp eager", 12.0, 2000.0, 2, 2**30),
+            "peak_reserved_bytes": 3 * 2**29,
             "median_host_ms": 11.5,
             "host_fwd_us_per_layer": 140.2,
             "host_bwd_us_per_layer": 201.7,
@@ -106,11 +107,11 @@ def test_no_baseline_no_ratios_and_legacy_reports() -> None:
 def test_markdown_and_files(tmp_path) -> None:
     text = markdown(REPORT)
     assert (
-        "| graph_fsdp eager | 2 | 12.00 | 10.80 | 11.50 | 140, 202 | 2,000 | 1.500 | 1.00 | "
+        "| graph_fsdp eager | 2 | 12.00 | 10.80 | 11.50 | 140, 202 | 2,000 | 1.500 | 1.00 | 1.50 | "
         "4.20000 | 1.20x | 0.83x |" in text
     )
     assert "| unsharded eager (1 rank) | 1 | 10.00 | 9.00 | - | - | 1,200 |" in text
-    assert "| megatron_fsdp | skipped |" + " |" * 10 in text
+    assert "| megatron_fsdp | skipped |" + " |" * 11 in text
     assert "- megatron_fsdp: skipped: not importable" in text
     paths = write_report(REPORT, str(tmp_path / "out"))
     assert set(paths) == {"md", "json", "png"}
