@@ -82,6 +82,8 @@ class Known:
 def _known(role: str, t: torch.Tensor | None) -> Iterable[Known]:
     if t is None:
         return []
+    if hasattr(t, "to_local"):  # DTensor (FSDP2's params, grads and optimizer state)
+        t = t.to_local()
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return []
@@ -137,11 +139,8 @@ def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> lis
 def known_fsdp2(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
     out: list[Known] = []
     for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        out += _known("fsdp2:sharded_params", local)
-        if p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            out += _known("fsdp2:sharded_grads", g)
+        out += _known("fsdp2:sharded_params", p)
+        out += _known("fsdp2:sharded_grads", p.grad)
     return out + _optimizer_state(opt)
 
 
@@ -348,7 +347,12 @@ def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
     from graph_fsdp.capture.full_iteration import eager_forward_backward  # noqa: PLC0415
     from graph_fsdp.data import batch_for  # noqa: PLC0415
     from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
-    from graph_fsdp.train import build_for, make_graphs, make_optimizer, shard_model  # noqa: PLC0415
+    from graph_fsdp.train import (  # noqa: PLC0415
+        build_for,
+        make_graphs,
+        make_optimizer,
+        shard_model,
+    )
 
     model = build_for(cfg, device)
     shard_model(model, cfg)

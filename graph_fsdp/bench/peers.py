@@ -298,7 +298,12 @@ def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
     for layer in transformer_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        fused=cfg.fused_optimizer or None,
+    )
     return model, opt
 
 

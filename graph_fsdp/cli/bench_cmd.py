@@ -19,6 +19,7 @@ Writes results.md, results.json and results.png to --output-dir.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -74,6 +75,13 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         help=f"Rows to run, any of: {', '.join(ROWS)} (default: all but reference).",
     )
     g.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help="AdamW(fused=True) in the graph_fsdp and FSDP2 rows (default: foreach, whose "
+        "step keeps one fp32 temporary the size of the shard). The unsharded baselines "
+        "always use the fused step.",
+    )
+    g.add_argument(
         "--output-dir",
         default=None,
         metavar="DIR",
@@ -102,8 +110,10 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size}, {moe}. "
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
         f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights; strategy "
-        f"{cfg.strategy}, allocator {cfg.allocator}; {graphs}. {job.spec.warmup} warmup + "
-        f"{job.spec.steps} timed steps per row, seed {m.seed}. Unsharded rows: "
+        f"{cfg.strategy}, allocator {cfg.allocator}, "
+        f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
+        f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
+        "Unsharded rows: "
         f"{UNSHARDED_SCHEME if cfg.bf16 else 'fp32 weights and compute, fused AdamW'}."
     )
 
@@ -135,8 +145,9 @@ def main(args: argparse.Namespace) -> int:
     if res.plan.device == "cuda":
         for impl in impls[1:]:
             check_graph_environment(impl, res.plan)
+    cfg = dataclasses.replace(res.cfg, fused_optimizer=res.cfg.fused_optimizer or args.fused_adamw)
     job = BenchJob(
-        spec=BenchSpec(cfg=res.cfg, warmup=args.warmup_iters, steps=args.train_iters),
+        spec=BenchSpec(cfg=cfg, warmup=args.warmup_iters, steps=args.train_iters),
         rows=tuple(args.rows),
         graph_impls=tuple(impls),
         scope_sets=scope_sets,
