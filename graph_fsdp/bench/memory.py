@@ -8,7 +8,7 @@
 Each rank records the CUDA caching allocator's history from before the model is built
 (``torch.cuda.memory._record_memory_history``, Python stacks), trains ``warmup + steps``
 steps, takes a snapshot and replays the allocation trace to find the moment of the highest
-allocated bytes. Every block live at that moment is given a role:
+allocated bytes (the moment ``torch.cuda.max_memory_allocated`` reports). Every block live at that moment is given a role:
 
 1. by address: the engine's known tensors (graph_fsdp: ``main_params``, ``main_grads``,
    ``compute_shard``, the allocator's slots by role, ``accum``; FSDP2: the sharded
@@ -190,9 +190,15 @@ def tag_allocations(allocator) -> None:
 # ------------------------------------------------------------------------------------------
 
 
+FREE_ACTIONS = ("free_requested", "free_completed")
+"""A block stops counting at its ``free_requested`` (where the allocator's allocated-bytes
+statistic drops, so the replayed peak is ``max_memory_allocated``'s); a block freed with
+pending stream uses completes later, and its bytes are reusable only then."""
+
+
 def replay_peak(events: list[dict]) -> tuple[int, dict[int, dict], int]:
-    """Replay alloc/free_completed events: (peak bytes, blocks live at the peak by address,
-    index of the event that reached it)."""
+    """Replay alloc/free events: (peak bytes, blocks live at the peak by address, index of
+    the event that reached it)."""
     live: dict[int, dict] = {}
     total = peak = 0
     peak_at = -1
@@ -203,13 +209,13 @@ def replay_peak(events: list[dict]) -> tuple[int, dict[int, dict], int]:
             total += e["size"]
             if total > peak:
                 peak, peak_at = total, i
-        elif action == "free_completed" and e["addr"] in live:
+        elif action in FREE_ACTIONS and e["addr"] in live:
             total -= live.pop(e["addr"])["size"]
     live = {}
     for e in events[: peak_at + 1]:
         if e.get("action") == "alloc":
             live[e["addr"]] = e
-        elif e.get("action") == "free_completed":
+        elif e.get("action") in FREE_ACTIONS:
             live.pop(e["addr"], None)
     return peak, live, peak_at
 
