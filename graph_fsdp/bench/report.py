@@ -18,6 +18,9 @@ import json
 import os
 import re
 
+LEFTOVER_NOTE_BYTES = 64 * 2**20
+"""A row that starts with this much still allocated gets a note (its peak includes it)."""
+
 LEGACY_REFERENCE_PREFIX = "unsharded reference"
 """Reports written before rows carried ``baseline``: their one unsharded row."""
 
@@ -82,6 +85,11 @@ def markdown(report: dict) -> str:
             continue
         if r.get("note"):
             notes.append(f"- {r['name']}: note: {r['note']}")
+        if (r.get("start_allocated_bytes") or 0) >= LEFTOVER_NOTE_BYTES:
+            notes.append(
+                f"- {r['name']}: {r['start_allocated_bytes'] / 2**30:.2f} GiB were still "
+                "allocated when the row started (left by earlier rows): its peak includes them"
+            )
         peak, reserved = r.get("peak_memory_bytes"), r.get("peak_reserved_bytes")
         per_layer = "-"
         if "host_fwd_us_per_layer" in r or "host_bwd_us_per_layer" in r:

@@ -216,9 +216,12 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
             )
             continue
         gc.collect()
+        start = 0
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            # Bytes an earlier row left behind count in this row's peak: reported apart.
+            start = torch.cuda.memory_allocated(device)
         raw, status, reason = None, "ok", None
         try:
             raw = row.runner(rank, world_size, row.spec)
@@ -234,7 +237,9 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
         # nothing to it); reserved: what the process holds, graph pools included.
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
         reserved = torch.cuda.max_memory_reserved(device) if cuda else 0
-        peak, reserved, failed = _agree([peak, reserved, status == "failed"], device, world_size)
+        peak, reserved, start, failed = _agree(
+            [peak, reserved, start, status == "failed"], device, world_size
+        )
         if rank != 0:
             continue
         if failed and status == "ok":
@@ -248,6 +253,8 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
         result = row_result(
             row, world_size, raw, int(peak) if cuda else None, int(reserved) if cuda else None
         )
+        if cuda:
+            result["start_allocated_bytes"] = int(start)
         results.append(result)
         print(
             f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "

@@ -46,6 +46,7 @@ REPORT = {
         {
             **ok("graph_fsdp eager", 12.0, 2000.0, 2, 2**30),
             "peak_reserved_bytes": 3 * 2**29,
+            "start_allocated_bytes": 2**29,
             "median_host_ms": 11.5,
             "host_fwd_us_per_layer": 140.2,
             "host_bwd_us_per_layer": 201.7,
@@ -113,6 +114,8 @@ def test_markdown_and_files(tmp_path) -> None:
     assert "| unsharded eager (1 rank) | 1 | 10.00 | 9.00 | - | - | 1,200 |" in text
     assert "| megatron_fsdp | skipped |" + " |" * 11 in text
     assert "- megatron_fsdp: skipped: not importable" in text
+    assert "- graph_fsdp eager: 0.50 GiB were still allocated when the row started" in text
+    assert "unsharded eager (1 rank): " not in text.split("Notes:")[1]
     paths = write_report(REPORT, str(tmp_path / "out"))
     assert set(paths) == {"md", "json", "png"}
     data = json.loads((tmp_path / "out" / "results.json").read_text())
