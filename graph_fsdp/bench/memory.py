@@ -457,6 +457,8 @@ def write_result(result: dict, label: str, output_dir: str) -> str:
 
 def merge(paths: list[str]) -> str:
     """Side-by-side markdown table of several ``memory_<label>.json`` files."""
+    if not paths:
+        return "(no memory results: every --memory run failed or was skipped)\n"
     results = {}
     for path in paths:
         with open(path) as f:

@@ -120,6 +120,7 @@ def test_table_and_merge(tmp_path) -> None:
     paths = [write_result(a, "a", str(tmp_path)), write_result(b, "b", str(tmp_path))]
     assert json.loads((tmp_path / "memory_a.json").read_text())["label"] == "a"
     assert "| role (GiB, rank 0, at the peak) | a | b |" in merge(paths)
+    assert "no memory results" in merge([])
 
 
 def test_known_bytes_counts_each_storage_once() -> None:
