@@ -247,6 +247,34 @@ def role_from_frames(frames: list[dict]) -> str:
     return "other"
 
 
+TOP_SITES = 15
+"""Allocation sites listed per run (blocks no known tensor claims, largest first)."""
+
+
+def alloc_site(frames: list[dict]) -> str:
+    """Where a block was allocated: the innermost Python frame outside torch's own wrappers
+    (``file:line function``), or the innermost frame of any kind."""
+    python = [f for f in frames if f.get("filename", "").endswith(".py")]
+    skip = ("/torch/utils/", "/torch/_tensor.py", "/torch/autograd/", "/torch/_ops.py")
+    chosen = next(
+        (f for f in python if not any(s in f["filename"].replace("\\", "/") for s in skip)),
+        python[0] if python else (frames[0] if frames else None),
+    )
+    if chosen is None:
+        return "(no frames)"
+    path = chosen.get("filename", "?").replace("\\", "/")
+    short = "/".join(path.split("/")[-3:])
+    return f"{short}:{chosen.get('line', '?')} {chosen.get('name', '?')}"
+
+
+def format_sites(result: dict) -> str:
+    """The largest allocation sites at the peak that no known tensor claims."""
+    lines = ["| role | allocation site (innermost Python frame) | GiB |", "|---|---|--:|"]
+    for s in result.get("top_sites", []):
+        lines.append(f"| {s['role']} | `{s['site']}` | {s['bytes'] / 2**30:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def _pool_ranges(snapshot: dict, device: int) -> list[tuple[int, int, str]]:
     out = []
     for seg in snapshot.get("segments", []):
@@ -267,10 +295,13 @@ def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
     pools = _pool_ranges(snapshot, device)
     by_role: dict[str, int] = {}
     in_pool: dict[str, int] = {}
+    sites: dict[tuple[str, str], int] = {}
     for addr, block in live.items():
         role = next((r for lo, hi, r in spans if lo <= addr < hi), None)
         if role is None:
             role = role_from_frames(block.get("frames", []))
+            site = (role, alloc_site(block.get("frames", [])))
+            sites[site] = sites.get(site, 0) + block["size"]
         by_role[role] = by_role.get(role, 0) + block["size"]
         if any(lo <= addr < hi for lo, hi, _ in pools):
             in_pool[role] = in_pool.get(role, 0) + block["size"]
@@ -288,6 +319,10 @@ def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
         "in_graph_pool_by_role": in_pool,
         "reserved_by_pool": reserved,
         "known_bytes": known_bytes(known),
+        "top_sites": [
+            {"role": role, "site": site, "bytes": nbytes}
+            for (role, site), nbytes in sorted(sites.items(), key=lambda kv: -kv[1])[:TOP_SITES]
+        ],
     }
 
 
@@ -464,7 +499,12 @@ def merge(paths: list[str]) -> str:
         with open(path) as f:
             data = json.load(f)
         results[data.get("label", os.path.basename(path))] = data
-    return format_table(results)
+    text = format_table(results)
+    for label, data in results.items():
+        if data.get("top_sites"):
+            text += f"\n{label}: largest blocks at the peak that no known tensor claims\n\n"
+            text += format_sites(data)
+    return text
 
 
 if __name__ == "__main__":  # python -m graph_fsdp.bench.memory a.json b.json ... -> table

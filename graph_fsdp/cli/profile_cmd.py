@@ -28,7 +28,14 @@ import subprocess
 import sys
 from statistics import mean
 
-from graph_fsdp.bench.memory import ENGINES, MemoryJob, format_table, memory_worker, write_result
+from graph_fsdp.bench.memory import (
+    ENGINES,
+    MemoryJob,
+    format_sites,
+    format_table,
+    memory_worker,
+    write_result,
+)
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
@@ -246,6 +253,9 @@ def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
         f"{args.warmup_iters} warmup on {res.plan.describe()}"
     )
     print(format_table({label: out}), end="")
+    if out.get("top_sites"):
+        print("\nLargest blocks at the peak that no known tensor claims:\n")
+        print(format_sites(out), end="")
     if out.get("note"):
         print(f"note: {out['note']}")
     print(f"wrote {path}", file=sys.stderr)

@@ -95,6 +95,18 @@ def test_attribute_by_address_then_by_stack() -> None:
     assert out["reserved_by_pool"] == {"default": 8192, "graph pool (1, 2)": 1024}
     assert out["known_bytes"] == {"main_params": 400, "optimizer_state": 500}
     assert out["trace_events"] == len(EVENTS)
+    # Blocks no known tensor claims, largest first, with their innermost Python frame.
+    assert out["top_sites"][0] == {
+        "role": "grad_comm",
+        "site": "graph_fsdp/buffers/allocator.py:1 allocate",
+        "bytes": 800,
+    }
+    assert {s["site"] for s in out["top_sites"]} == {
+        "graph_fsdp/buffers/allocator.py:1 allocate",
+        "torch/nn/functional.py:1 linear",
+        "(no frames)",
+        "usr/lib/libc10.so:1 c10::alloc",
+    }
     # A known span claims a block inside it (a slot's view at an offset).
     out = attribute(SNAPSHOT, [Known("slot:grad", 3900, 1000)], device=1)
     assert out["by_role"]["slot:grad"] == 200 + 100
@@ -121,6 +133,8 @@ def test_table_and_merge(tmp_path) -> None:
     assert json.loads((tmp_path / "memory_a.json").read_text())["label"] == "a"
     assert "| role (GiB, rank 0, at the peak) | a | b |" in merge(paths)
     assert "no memory results" in merge([])
+    assert "a: largest blocks at the peak" in merge(paths)
+    assert "| grad_comm | `graph_fsdp/buffers/allocator.py:1 allocate` | 0.000 |" in merge(paths)
 
 
 def test_known_bytes_counts_each_storage_once() -> None:
