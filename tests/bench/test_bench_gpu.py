@@ -80,11 +80,14 @@ def test_memory_breakdown_accounts_for_the_peak(engine: str, cfg_kw: dict) -> No
     # The replayed peak is the allocator's own peak (recorded from before the model).
     assert abs(out["max_memory_allocated"] - peak) <= 0.02 * peak + 2**20, out
     persistent = "main_params" if engine == "graph_fsdp" else "fsdp2:sharded_params"
-    assert roles[persistent] == out["known_bytes"][persistent]
-    assert roles["optimizer_state"] == out["known_bytes"]["optimizer_state"]
+    checked = [persistent, "optimizer_state"]
+    if engine == "graph_fsdp" and cfg_kw["allocator"] == "double_buffer":
+        checked.append("slot:param")
+    for role in checked:
+        # Live at the peak; blocks are the tensors' bytes rounded up to 512.
+        known = out["known_bytes"][role]
+        assert known <= roles[role] <= known + 512 * 128, (role, roles, out["known_bytes"])
     if engine == "graph_fsdp" and cfg_kw["allocator"] == "dynamic":
         assert roles.get("param", 0) > 0  # tagged allocations of the gathered weights
-    if engine == "graph_fsdp" and cfg_kw["allocator"] == "double_buffer":
-        assert roles["slot:param"] == out["known_bytes"]["slot:param"]
     if cfg_kw.get("cuda_graph_scope"):
         assert any(k.startswith("graph pool") for k in out["reserved_by_pool"]), out
