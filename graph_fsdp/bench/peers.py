@@ -172,8 +172,8 @@ def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
 UNSHARDED_SCHEME = (
     "fp32 weights, bf16 autocast (cache off), fused AdamW over the fp32 weights, per-GPU batch"
 )
-"""Precision scheme of the ``unsharded eager`` / ``unsharded captured`` rows (fp32 autocast
-off when the run is not bf16)."""
+"""Precision scheme of the ``unsharded eager`` / ``unsharded captured`` rows in bf16 runs
+(without --bf16 they compute in fp32: autocast is off)."""
 
 
 def _unsharded(cfg: TrainConfig, device: torch.device):
