@@ -393,6 +393,11 @@ class FlatParamGroup:
                 buf = allocator.allocate(self.comm_key, self.layout.total, comm_dtype, self.device)
                 buf.copy_(src)
                 src, used_comm = buf, True
+            # The unsharded grads are read for the last time above (the copy, or the add into
+            # ``accum``): hand their bytes back before the reduction instead of after it.
+            grad_done = src is not self.grad_full
+            if grad_done:
+                allocator.free(self.grad_key, used_on=self._rs_streams() + self._main_streams())
             inv_world = 1.0 / comm.dp_size
             direct = self.placements.grads and self._rs_direct() and overwrite
             used_rs = self.placements.grads and not (direct and not self.over_replicas)
@@ -427,7 +432,8 @@ class FlatParamGroup:
                 allocator.free(self.rep_key, used_on=streams)
             if used_comm:
                 allocator.free(self.comm_key, used_on=streams)
-            allocator.free(self.grad_key, used_on=streams + self._main_streams())
+            if not grad_done:
+                allocator.free(self.grad_key, used_on=streams + self._main_streams())
 
     def _reduce_over_replicas(
         self, allocator: BufferAllocator, out: torch.Tensor, direct: bool

@@ -34,7 +34,10 @@ class TrainingState(enum.Enum):
 def make_allocator(policy: BufferPolicy) -> BufferAllocator:
     if policy.allocator == "double_buffer":
         return DoubleBufferAllocator(
-            num_slots=policy.num_slots, persist_on_alloc_fail=policy.persist_on_alloc_fail
+            num_slots=policy.num_slots,
+            persist_on_alloc_fail=policy.persist_on_alloc_fail,
+            # Copied into, reduced and released on the reduce-scatter stream, in order.
+            serial_roles=("grad_comm", "rs_out"),
         )
     if policy.allocator == "trace_pool":
         return TracePoolAllocator(persist_on_alloc_fail=policy.persist_on_alloc_fail)

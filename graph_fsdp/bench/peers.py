@@ -142,9 +142,11 @@ def run_graph_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 
 def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
-    """Unsharded single-GPU mixed-precision reference on rank 0 with the per-GPU batch.
+    """graph_fsdp's parity reference on rank 0 with the per-GPU batch: bf16 weights, fp32
+    master copies, grads cast to fp32 and a non-fused AdamW (``train.MixedPrecisionReference``).
 
-    The other ranks wait at a barrier; the row's world size is 1.
+    Slower than a well-written single-GPU step (see ``run_unsharded``): not a baseline for
+    ratios. The other ranks wait at a barrier; the row's world size is 1.
     """
     result = None
     if rank == 0:
@@ -161,6 +163,122 @@ def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
     if world_size > 1:
         dist.barrier()
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# Fast unsharded single-GPU steps: the baselines every row's ratio is taken against
+# --------------------------------------------------------------------------------------------
+
+UNSHARDED_SCHEME = (
+    "fp32 weights, bf16 autocast (cache off), fused AdamW over the fp32 weights, per-GPU batch"
+)
+"""Precision scheme of the ``unsharded eager`` / ``unsharded captured`` rows in bf16 runs
+(without --bf16 they compute in fp32: autocast is off)."""
+
+
+def _unsharded(cfg: TrainConfig, device: torch.device):
+    """fp32 model and fused AdamW (foreach where fused is unavailable) on this device."""
+    model = build_for(cfg, device)
+    try:
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
+        )
+    except RuntimeError:  # a device without a fused kernel
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return model, opt
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    # cache off: every weight is cast once per forward anyway, and a captured graph must not
+    # keep casts cached from outside the capture.
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16, cache_enabled=False)
+
+
+def _on_rank0(rank: int, world_size: int, fn: Callable[[], dict]) -> dict | None:
+    """Run ``fn`` on rank 0 only (a 1-GPU row); the other ranks wait at a barrier."""
+    result = fn() if rank == 0 else None
+    if world_size > 1:
+        dist.barrier()
+    return result
+
+
+def run_unsharded(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
+    """One GPU (rank 0), whole model, eager: autocast forward+backward, fused AdamW step."""
+
+    def body() -> dict:
+        cfg, device = spec.cfg, device_of(spec.cfg)
+        model, opt = _unsharded(cfg, device)
+
+        def step(i: int) -> torch.Tensor:
+            total = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                x, y = _batch(cfg, i, micro, 0, device)
+                with _autocast(cfg, device):
+                    loss = model(x, y) / cfg.grad_accum
+                loss.backward()
+                total += loss.detach().float()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return total
+
+        return _timed(spec, device, step, 1)
+
+    return _on_rank0(rank, world_size, body)
+
+
+def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
+    """One GPU (rank 0): autocast forward+backward captured in one CUDA graph, eager fused
+    AdamW step. Microbatches replay the graph, which accumulates into the fixed ``.grad``."""
+    cfg = spec.cfg
+    if cfg.device != "cuda":
+        raise Skip("CUDA graphs need a CUDA device")
+    if spec.warmup < 1:
+        raise Skip("needs at least one warmup step before capture")
+
+    def body() -> dict:
+        device = device_of(cfg)
+        model, opt = _unsharded(cfg, device)
+        x, y = _batch(cfg, 0, 0, 0, device)
+
+        def forward_backward() -> torch.Tensor:
+            with _autocast(cfg, device):
+                loss = model(x, y) / cfg.grad_accum
+            loss.backward()
+            return loss.detach()
+
+        def load(i: int, micro: int) -> None:
+            xi, yi = _batch(cfg, i, micro, 0, device)
+            x.copy_(xi)
+            y.copy_(yi)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # eager warmup steps (untimed) on the capture stream
+            for i in range(spec.warmup):
+                opt.zero_grad(set_to_none=False)
+                for micro in range(cfg.grad_accum):
+                    load(i, micro)
+                    forward_backward()
+                opt.step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=False)
+        with torch.cuda.graph(graph, stream=side):
+            static_loss = forward_backward()
+
+        def replay(i: int) -> torch.Tensor:
+            opt.zero_grad(set_to_none=False)
+            total = torch.zeros((), device=device)
+            for micro in range(cfg.grad_accum):
+                load(i, micro)
+                graph.replay()
+                total += static_loss.float()
+            opt.step()
+            return total
+
+        return _timed(spec, device, replay, 1, first_step=spec.warmup)
+
+    return _on_rank0(rank, world_size, body)
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +299,12 @@ def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
     for layer in transformer_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        fused=cfg.fused_optimizer or None,
+    )
     return model, opt
 
 

@@ -1,8 +1,9 @@
 """Benchmark report: a markdown table, the raw JSON and a PNG bar chart.
 
-Every row is also given as a ratio to the unsharded reference of the same launch: step time
-(row / reference: above 1 is slower) and tokens/s per GPU (row / reference: below 1 is
-slower per GPU).
+Every row is also given as a ratio to the *fastest* unsharded single-GPU row of the same launch
+(``unsharded eager`` or ``unsharded captured``, rows marked ``baseline``): step time (row /
+baseline: above 1 is slower) and tokens/s per GPU (row / baseline: below 1 is slower per
+GPU). A slower single-GPU row must not flatter the sharded ones.
 
 Host columns: ``host ms`` is the median host time to issue a step's work (up to the
 closing synchronize; a row whose host ms is close to its step time is host-bound), and
@@ -17,22 +18,34 @@ import json
 import os
 import re
 
-REFERENCE_PREFIX = "unsharded reference"
+LEFTOVER_NOTE_BYTES = 64 * 2**20
+"""A row that starts with this much still allocated gets a note (its peak includes it)."""
+
+LEGACY_REFERENCE_PREFIX = "unsharded reference"
+"""Reports written before rows carried ``baseline``: their one unsharded row."""
+
+
+def _is_baseline(row: dict) -> bool:
+    if "baseline" in row:
+        return bool(row["baseline"])
+    return row["name"].startswith(LEGACY_REFERENCE_PREFIX)
 
 
 def reference_row(rows: list[dict]) -> dict | None:
-    return next(
-        (r for r in rows if r["name"].startswith(REFERENCE_PREFIX) and r["status"] == "ok"), None
-    )
+    """The fastest (lowest median step time) baseline row that ran, or None."""
+    ok = [r for r in rows if _is_baseline(r) and r["status"] == "ok"]
+    return min(ok, key=lambda r: r["median_step_ms"], default=None)
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Rows with ``step_time_vs_ref`` and ``tokens_per_gpu_vs_ref`` added where computable."""
+    """Rows with ``step_time_vs_ref`` and ``tokens_per_gpu_vs_ref`` added where computable
+    (denominator: :func:`reference_row`), and ``ratio_baseline`` naming it."""
     ref = reference_row(rows)
     out = []
     for r in rows:
         r = dict(r)
         if ref is not None and r["status"] == "ok":
+            r["ratio_baseline"] = ref["name"]
             r["step_time_vs_ref"] = r["median_step_ms"] / ref["median_step_ms"]
             per_gpu = r["tokens_per_s"] / r["world_size"]
             r["tokens_per_gpu_vs_ref"] = per_gpu / (ref["tokens_per_s"] / ref["world_size"])
@@ -60,19 +73,24 @@ def markdown(report: dict) -> str:
         report["setup"],
         "",
         "| row | ranks | median step ms | min step ms | host ms | host us/layer fwd, bwd | "
-        "tokens/s | TFLOP/s per GPU | peak mem GiB | final loss | step time vs ref | "
-        "tokens/s per GPU vs ref |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "tokens/s | TFLOP/s per GPU | peak mem GiB | peak reserved GiB | final loss | "
+        "step time vs ref | tokens/s per GPU vs ref |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     notes = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 10)
+            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 11)
             notes.append(f"- {r['name']}: {r['status']}: {r['reason']}")
             continue
         if r.get("note"):
             notes.append(f"- {r['name']}: note: {r['note']}")
-        peak = r.get("peak_memory_bytes")
+        if (r.get("start_allocated_bytes") or 0) >= LEFTOVER_NOTE_BYTES:
+            notes.append(
+                f"- {r['name']}: {r['start_allocated_bytes'] / 2**30:.2f} GiB were still "
+                "allocated when the row started (left by earlier rows): its peak includes them"
+            )
+        peak, reserved = r.get("peak_memory_bytes"), r.get("peak_reserved_bytes")
         per_layer = "-"
         if "host_fwd_us_per_layer" in r or "host_bwd_us_per_layer" in r:
             per_layer = ", ".join(
@@ -82,11 +100,23 @@ def markdown(report: dict) -> str:
             f"| {r['name']} | {r['world_size']} | {r['median_step_ms']:.2f} | "
             f"{r['min_step_ms']:.2f} | {_fmt(r.get('median_host_ms'), '.2f')} | {per_layer} | "
             f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | "
-            f"{_fmt(peak / 2**30 if peak else None, '.2f')} | {r['final_loss']:.5f} | "
+            f"{_fmt(peak / 2**30 if peak else None, '.2f')} | "
+            f"{_fmt(reserved / 2**30 if reserved else None, '.2f')} | {r['final_loss']:.5f} | "
             f"{_fmt(r.get('step_time_vs_ref'), '.2f', 'x')} | "
             f"{_fmt(r.get('tokens_per_gpu_vs_ref'), '.2f', 'x')} |"
         )
+    ref = reference_row(rows)
     lines += [
+        "",
+        "ref: "
+        + (
+            f"{ref['name']}, the fastest unsharded single-GPU row of this launch"
+            if ref is not None
+            else "none (no unsharded row ran): no ratios"
+        )
+        + ". peak mem / peak reserved: max over ranks of torch.cuda.max_memory_allocated / "
+        "max_memory_reserved during the row (a captured step's replays allocate nothing: its "
+        "graph pool shows in reserved, not in allocated).",
         "",
         "host ms: host time to issue a step (close to the step time = host-bound); host "
         "us/layer: host time of the forward and backward calls per layer and microbatch "
@@ -134,7 +164,7 @@ def bar_chart(report: dict, path: str) -> None:
         axes[0].text(0.5, 0.5, "no row ran", ha="center", va="center", transform=axes[0].transAxes)
     fig.suptitle(
         f"graph_fsdp bench: {report['world_size']} x {report['device_name']} "
-        "(ratios vs unsharded reference)",
+        "(ratios vs the fastest unsharded 1-GPU row)",
         fontsize=10,
     )
     fig.tight_layout()

@@ -1,7 +1,8 @@
 """One benchmark launch: every requested row, side by side, in the same processes.
 
 These machines are noisy, so the rows run back to back in one process group and the report
-gives each as a ratio to the unsharded reference measured in the same launch.
+gives each as a ratio to the faster of the two unsharded single-GPU rows (eager and captured)
+measured in the same launch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from graph_fsdp.bench.peers import (
     run_graph_fsdp,
     run_megatron_fsdp,
     run_reference,
+    run_unsharded,
+    run_unsharded_captured,
 )
 from graph_fsdp.models import model_flops_per_token
 
@@ -35,16 +38,22 @@ ROWS = (
     "fsdp2",
     "fsdp2_cuda_graph",
     "megatron_fsdp",
+    "unsharded",
+    "unsharded_captured",
     "reference",
 )
 """Row kinds, in report order: graph_fsdp eager, graph_fsdp graphed (one row per scope set),
-torch FSDP2, FSDP2 with fwd+bwd in one CUDA graph, Megatron-FSDP, unsharded reference."""
+torch FSDP2, FSDP2 with fwd+bwd in one CUDA graph, Megatron-FSDP, the unsharded single-GPU
+baselines (eager; fwd+bwd captured) and graph_fsdp's slower parity reference."""
+
+DEFAULT_ROWS = tuple(r for r in ROWS if r != "reference")
+"""The parity reference (grad casts, non-fused AdamW) runs only when asked for."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchJob:
     spec: BenchSpec
-    rows: tuple[str, ...] = ROWS
+    rows: tuple[str, ...] = DEFAULT_ROWS
     graph_impls: tuple[str, ...] = ("none",)
     """Layerwise capture backends: one graphed row per backend and scope set."""
     scope_sets: list[list[str]] = field(default_factory=list)
@@ -63,6 +72,8 @@ class Row:
     """GPUs the row uses (None: all ranks)."""
     skip: str | None = None
     """Known up front not to run here, and why."""
+    baseline: bool = False
+    """An unsharded single-GPU step: the fastest such row is the ratios' denominator."""
 
 
 def plan_rows(job: BenchJob) -> list[Row]:
@@ -100,9 +111,35 @@ def plan_rows(job: BenchJob) -> list[Row]:
         )
     if "megatron_fsdp" in job.rows:
         rows.append(Row(name="megatron_fsdp", runner=run_megatron_fsdp, spec=eager))
+    if "unsharded" in job.rows:
+        rows.append(
+            Row(
+                name="unsharded eager (1 rank)",
+                runner=run_unsharded,
+                spec=eager,
+                world_size=1,
+                baseline=True,
+            )
+        )
+    if "unsharded_captured" in job.rows:
+        rows.append(
+            Row(
+                name="unsharded captured (1 rank)",
+                runner=run_unsharded_captured,
+                spec=eager,
+                world_size=1,
+                baseline=True,
+                skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
+            )
+        )
     if "reference" in job.rows:
         rows.append(
-            Row(name="unsharded reference (1 rank)", runner=run_reference, spec=eager, world_size=1)
+            Row(
+                name="parity reference, bf16 weights + fp32 master, unfused AdamW (1 rank)",
+                runner=run_reference,
+                spec=eager,
+                world_size=1,
+            )
         )
     return rows
 
@@ -113,7 +150,9 @@ def device_name(cfg_device: str) -> str:
     return f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
 
 
-def row_result(row: Row, world_size: int, raw: dict, peak: int | None) -> dict:
+def row_result(
+    row: Row, world_size: int, raw: dict, peak: int | None, reserved: int | None = None
+) -> dict:
     """Times -> the numbers in the report (throughput is over the row's GPUs)."""
     cfg = row.spec.cfg
     gpus = row.world_size or world_size
@@ -124,12 +163,14 @@ def row_result(row: Row, world_size: int, raw: dict, peak: int | None) -> dict:
     return {
         "name": row.name,
         "status": "ok",
+        "baseline": row.baseline,
         "world_size": gpus,
         "median_step_ms": step_s * 1e3,
         "min_step_ms": min(times) * 1e3,
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tokens_per_s * model_flops_per_token(cfg.model) / gpus / 1e12,
         "peak_memory_bytes": peak,
+        "peak_reserved_bytes": reserved,
         "final_loss": raw["final_loss"],
         "step_times_ms": [t * 1e3 for t in times],
         **host_numbers(raw, cfg),
@@ -165,12 +206,22 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
     results = []
     for row in plan_rows(job):
         if row.skip is not None:
-            results.append({"name": row.name, "status": "skipped", "reason": row.skip})
+            results.append(
+                {
+                    "name": row.name,
+                    "status": "skipped",
+                    "reason": row.skip,
+                    "baseline": row.baseline,
+                }
+            )
             continue
         gc.collect()
+        start = 0
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            # Bytes an earlier row left behind count in this row's peak: reported apart.
+            start = torch.cuda.memory_allocated(device)
         raw, status, reason = None, "ok", None
         try:
             raw = row.runner(rank, world_size, row.spec)
@@ -182,17 +233,28 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
                 f"[rank {rank}] bench row {row.name!r} failed:\n{traceback.format_exc()}",
                 file=sys.stderr,
             )
+        # Allocated: what the caching allocator handed out (a captured step's replays add
+        # nothing to it); reserved: what the process holds, graph pools included.
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-        peak, failed = _agree([peak, status == "failed"], device, world_size)
+        reserved = torch.cuda.max_memory_reserved(device) if cuda else 0
+        peak, reserved, start, failed = _agree(
+            [peak, reserved, start, status == "failed"], device, world_size
+        )
         if rank != 0:
             continue
         if failed and status == "ok":
             status, reason = "failed", "failed on another rank (see its traceback)"
         if status != "ok":
-            results.append({"name": row.name, "status": status, "reason": reason})
+            results.append(
+                {"name": row.name, "status": status, "reason": reason, "baseline": row.baseline}
+            )
             print(f"bench: {row.name}: {status} ({reason})", file=sys.stderr)
             continue
-        result = row_result(row, world_size, raw, int(peak) if cuda else None)
+        result = row_result(
+            row, world_size, raw, int(peak) if cuda else None, int(reserved) if cuda else None
+        )
+        if cuda:
+            result["start_allocated_bytes"] = int(start)
         results.append(result)
         print(
             f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "

@@ -6,6 +6,12 @@ Keys are grouped into size classes by (role, numel, dtype, device) in registrati
 different slots, letting the all-gather of unit k+1 overlap the compute of unit k. Classes
 with fewer members than N get one slot per member: asymmetric models (dense and MoE
 layers, a large root unit) cost ``min(N, members) x size`` per class, never a max-size pool.
+
+``serial_roles`` names roles whose buffers are allocated, used and freed by work queued on one
+stream, in order (the engine's gradient-communication copies and reduce-scatter outputs, all
+on the reduce-scatter stream): a later key cannot start before the earlier one is done with
+its bytes, so a second slot buys no overlap. Each such role gets one slot per (dtype, device),
+sized for its largest key, shared by every size class.
 """
 
 from __future__ import annotations
@@ -16,11 +22,18 @@ from graph_fsdp.buffers.allocator import Key, Slot, SlotAllocator
 
 
 class DoubleBufferAllocator(SlotAllocator):
-    def __init__(self, *, num_slots: int = 2, persist_on_alloc_fail: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        num_slots: int = 2,
+        persist_on_alloc_fail: bool = False,
+        serial_roles: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(persist_on_alloc_fail=persist_on_alloc_fail)
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots} must be >= 1")
         self.num_slots = num_slots
+        self.serial_roles = frozenset(serial_roles)
         self._registered: dict[Key, tuple[int, torch.dtype, torch.device]] = {}
 
     def register(self, key, numel, dtype, device):
@@ -31,9 +44,18 @@ class DoubleBufferAllocator(SlotAllocator):
 
     def _plan(self) -> None:
         classes: dict[tuple, list[Key]] = {}
+        serial: dict[tuple, list[Key]] = {}
         for key, (numel, dtype, device) in self._registered.items():
             role = key[1] if isinstance(key, tuple) and len(key) > 1 else "other"
-            classes.setdefault((role, numel, dtype, device), []).append(key)
+            if role in self.serial_roles:
+                serial.setdefault((role, dtype, device), []).append(key)
+            else:
+                classes.setdefault((role, numel, dtype, device), []).append(key)
+        for (role, dtype, device), keys in serial.items():
+            numel = max(self._registered[k][0] for k in keys)
+            slot = Slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#serial")
+            for key in keys:
+                self._assignment[key] = slot
         for (role, numel, dtype, device), keys in classes.items():
             ring = [
                 Slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#{i}")

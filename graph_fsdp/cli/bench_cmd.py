@@ -8,21 +8,25 @@
 
 One launch runs every row back to back on the same model, seeds and shapes: graph_fsdp eager,
 graph_fsdp graphed (one row per --scopes), torch FSDP2, torch FSDP2 with forward+backward in
-one CUDA graph, megatron_fsdp (when importable) and the unsharded single-GPU reference (rank
-0, per-GPU batch). Rows that cannot run here are reported as skipped with the reason.
+one CUDA graph, megatron_fsdp (when importable) and two unsharded single-GPU baselines on rank 0
+with the per-GPU batch (fp32 weights, bf16 autocast, fused AdamW; eager, and forward+backward
+captured in one CUDA graph). Every ratio is taken against the faster of the two. ``--rows
+reference`` adds graph_fsdp's slower parity reference (bf16 weights + fp32 master, unfused
+AdamW). Rows that cannot run here are reported as skipped with the reason.
 Writes results.md, results.json and results.png to --output-dir.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
 
-from graph_fsdp.bench.peers import BenchSpec
+from graph_fsdp.bench.peers import UNSHARDED_SCHEME, BenchSpec
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
-from graph_fsdp.bench.runner import ROWS, BenchJob, bench_worker
+from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
@@ -67,9 +71,16 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         "--rows",
         nargs="+",
         choices=ROWS,
-        default=list(ROWS),
+        default=list(DEFAULT_ROWS),
         metavar="ROW",
-        help=f"Rows to run, any of: {', '.join(ROWS)}.",
+        help=f"Rows to run, any of: {', '.join(ROWS)} (default: all but reference).",
+    )
+    g.add_argument(
+        "--fused-adamw",
+        action="store_true",
+        help="AdamW(fused=True) in the graph_fsdp and FSDP2 rows (default: foreach, whose "
+        "step keeps one fp32 temporary the size of the shard). The unsharded baselines "
+        "always use the fused step.",
     )
     g.add_argument(
         "--output-dir",
@@ -100,8 +111,11 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size}, {moe}. "
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
         f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights; strategy "
-        f"{placement_label(cfg)}, allocator {cfg.allocator}; {graphs}. {job.spec.warmup} warmup + "
-        f"{job.spec.steps} timed steps per row, seed {m.seed}."
+        f"{placement_label(cfg)}, allocator {cfg.allocator}, "
+        f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
+        f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
+        "Unsharded rows: "
+        f"{UNSHARDED_SCHEME if cfg.bf16 else 'fp32 weights and compute, fused AdamW'}."
     )
 
 
@@ -132,8 +146,9 @@ def main(args: argparse.Namespace) -> int:
     if res.plan.device == "cuda":
         for impl in impls[1:]:
             check_graph_environment(impl, res.plan)
+    cfg = dataclasses.replace(res.cfg, fused_optimizer=res.cfg.fused_optimizer or args.fused_adamw)
     job = BenchJob(
-        spec=BenchSpec(cfg=res.cfg, warmup=args.warmup_iters, steps=args.train_iters),
+        spec=BenchSpec(cfg=cfg, warmup=args.warmup_iters, steps=args.train_iters),
         rows=tuple(args.rows),
         graph_impls=tuple(impls),
         scope_sets=scope_sets,

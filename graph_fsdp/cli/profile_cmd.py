@@ -10,6 +10,12 @@ Otherwise the torch profiler writes one Chrome trace per rank (open in Perfetto 
 chrome://tracing) and the command prints, per step, wall time, GPU busy % (CPU op busy % on
 CPU), time in collectives and exposed communication (collective time not overlapped by
 compute), then host time per ``graph_fsdp/<phase>/<fqn>`` range and per collective.
+
+``--memory ENGINE`` (graph_fsdp or fsdp2) instead attributes the bytes live at the peak of
+allocated CUDA memory to roles (main params, main grads, optimizer state, compute shard,
+unsharded param/grad/grad-comm slots, activations, ...) and writes ``memory_<label>.json``;
+see :mod:`graph_fsdp.bench.memory`. ``python -m graph_fsdp.bench.memory A.json B.json``
+prints several side by side.
 """
 
 from __future__ import annotations
@@ -22,6 +28,14 @@ import subprocess
 import sys
 from statistics import mean
 
+from graph_fsdp.bench.memory import (
+    ENGINES,
+    MemoryJob,
+    format_sites,
+    format_table,
+    memory_worker,
+    write_result,
+)
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
@@ -59,6 +73,33 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="Where traces go (default: bench/profiles/<date>_<cpu-or-cuda>).",
+    )
+    g.add_argument(
+        "--memory",
+        choices=ENGINES,
+        default=None,
+        metavar="ENGINE",
+        help="Memory breakdown instead of a time profile: run graph_fsdp (as the other flags "
+        "say: allocator, graphs) or fsdp2 (torch FSDP2, same model, bf16 params, fp32 "
+        "reduction) and attribute the bytes live at the allocated-memory peak to roles.",
+    )
+    g.add_argument(
+        "--memory-label",
+        default=None,
+        metavar="NAME",
+        help="--memory: the run's name in memory_<NAME>.json (default: the engine and mode).",
+    )
+    g.add_argument(
+        "--memory-max-entries",
+        type=int,
+        default=2_000_000,
+        metavar="N",
+        help="--memory: allocator trace entries kept (older ones are dropped).",
+    )
+    g.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="--memory: also write rank 0's raw snapshot pickle (pytorch.org/memory_viz).",
     )
     p.set_defaults(handler=main, subparser=p)
     return p
@@ -136,10 +177,12 @@ def main(args: argparse.Namespace) -> int:
             f"{args.cuda_graph_warmup_steps}, so that capture is not among the profiled steps"
         )
     res = resolve(args, graph_steps=args.warmup_iters + args.train_iters)
-    profiler = _choose_profiler(args, res.plan)
     output_dir = args.output_dir or os.path.join(
         "bench", "profiles", f"{datetime.datetime.now():%Y-%m-%d_%H%M%S}_{res.plan.device}"
     )
+    if args.memory is not None:
+        return _memory(args, res, output_dir)
+    profiler = _choose_profiler(args, res.plan)
     os.makedirs(output_dir, exist_ok=True)
     if profiler == "nsys":
         return _reexec_under_nsys(args, res.plan, output_dir)
@@ -174,4 +217,46 @@ def main(args: argparse.Namespace) -> int:
                 f"{s['comm_ms_per_step']:.2f} ms/step, exposed {s['exposed_comm_ms_per_step']:.2f} "
                 f"ms/step (trace: {r['trace']})"
             )
+    return 0
+
+
+def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
+    if args.memory_max_entries < 1000:
+        raise CLIError(f"--memory-max-entries {args.memory_max_entries} must be >= 1000")
+    cfg = res.cfg
+    if args.memory == "fsdp2" and cfg.cuda_graph_impl != "none":
+        raise CLIError(
+            "--memory fsdp2 runs torch FSDP2 eagerly: drop --cuda-graph-impl/--cuda-graph-scope"
+        )
+    mode = (
+        "eager"
+        if cfg.cuda_graph_impl == "none"
+        else f"{cfg.cuda_graph_impl}_{'_'.join(cfg.cuda_graph_scope) or 'layer'}"
+    )
+    label = args.memory_label or f"{args.memory}_{mode}"
+    if not label.replace("_", "").replace("-", "").isalnum():
+        raise CLIError(f"--memory-label {label!r}: use letters, digits, '-' and '_' only")
+    job = MemoryJob(
+        cfg=cfg,
+        engine=args.memory,
+        warmup=args.warmup_iters,
+        output_dir=output_dir,
+        max_entries=args.memory_max_entries,
+        save_snapshot=args.memory_snapshot,
+    )
+    out = launch(res.plan, memory_worker, job)
+    if out is None:
+        return 0
+    path = write_result(out, label, output_dir)
+    print(
+        f"graph-fsdp profile --memory {args.memory}: {label}, {args.train_iters} steps after "
+        f"{args.warmup_iters} warmup on {res.plan.describe()}"
+    )
+    print(format_table({label: out}), end="")
+    if out.get("top_sites"):
+        print("\nLargest blocks at the peak that no known tensor claims:\n")
+        print(format_sites(out), end="")
+    if out.get("note"):
+        print(f"note: {out['note']}")
+    print(f"wrote {path}", file=sys.stderr)
     return 0

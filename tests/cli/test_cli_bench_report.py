@@ -12,10 +12,19 @@ from graph_fsdp.models import GPTConfig
 from graph_fsdp.train import TrainConfig
 
 
-def ok(name: str, ms: float, tokens: float, world: int, peak: int | None = None) -> dict:
+def ok(
+    name: str,
+    ms: float,
+    tokens: float,
+    world: int,
+    peak: int | None = None,
+    *,
+    baseline: bool = False,
+) -> dict:
     return {
         "name": name,
         "status": "ok",
+        "baseline": baseline,
         "world_size": world,
         "median_step_ms": ms,
         "min_step_ms": ms * 0.9,
@@ -36,12 +45,14 @@ REPORT = {
     "rows": [
         {
             **ok("graph_fsdp eager", 12.0, 2000.0, 2, 2**30),
+            "peak_reserved_bytes": 3 * 2**29,
+            "start_allocated_bytes": 2**29,
             "median_host_ms": 11.5,
             "host_fwd_us_per_layer": 140.2,
             "host_bwd_us_per_layer": 201.7,
         },
         {"name": "megatron_fsdp", "status": "skipped", "reason": "not importable"},
-        ok("unsharded reference (1 rank)", 10.0, 1200.0, 1, 2**31),
+        ok("unsharded eager (1 rank)", 10.0, 1200.0, 1, 2**31, baseline=True),
     ],
 }
 
@@ -50,19 +61,61 @@ def test_ratios_to_the_reference() -> None:
     rows = with_ratios(REPORT["rows"])
     assert rows[0]["step_time_vs_ref"] == pytest.approx(1.2)
     assert rows[0]["tokens_per_gpu_vs_ref"] == pytest.approx(1000 / 1200)
+    assert rows[0]["ratio_baseline"] == "unsharded eager (1 rank)"
     assert "step_time_vs_ref" not in rows[1]
     assert rows[2]["step_time_vs_ref"] == 1.0
+
+
+def test_ratios_are_taken_against_the_fastest_baseline() -> None:
+    rows = [
+        ok("graph_fsdp torch [full_iteration]", 13.0, 2 * 820.0, 2),
+        # A slower non-baseline single-GPU row never becomes the denominator, even when the
+        # baselines are slower than it.
+        ok("parity reference (1 rank)", 8.0, 1300.0, 1),
+        ok("unsharded eager (1 rank)", 15.5, 660.0, 1, baseline=True),
+        ok("unsharded captured (1 rank)", 10.0, 1024.0, 1, baseline=True),
+    ]
+    out = with_ratios(rows)
+    assert [r["ratio_baseline"] for r in out] == ["unsharded captured (1 rank)"] * 4
+    assert out[0]["step_time_vs_ref"] == pytest.approx(1.3)
+    assert out[0]["tokens_per_gpu_vs_ref"] == pytest.approx(820.0 / 1024.0)
+    assert out[2]["step_time_vs_ref"] == pytest.approx(1.55)
+    assert out[3]["step_time_vs_ref"] == 1.0
+    # The faster baseline skipped or failed: the other one is the denominator.
+    rows[3] = {"name": rows[3]["name"], "status": "failed", "reason": "x", "baseline": True}
+    out = with_ratios(rows)
+    assert out[0]["step_time_vs_ref"] == pytest.approx(13.0 / 15.5)
+    assert "step_time_vs_ref" not in out[3]
+    assert "ref: unsharded eager (1 rank), the fastest" in markdown({**REPORT, "rows": rows})
+
+
+def test_no_baseline_no_ratios_and_legacy_reports() -> None:
+    rows = [ok("graph_fsdp eager", 12.0, 2000.0, 2), ok("torch FSDP2", 11.0, 2100.0, 2)]
+    assert all("step_time_vs_ref" not in r for r in with_ratios(rows))
+    assert "ref: none (no unsharded row ran): no ratios" in markdown({**REPORT, "rows": rows})
+    # Reports written before rows carried "baseline": the one "unsharded reference" row.
+    legacy = [{k: v for k, v in r.items() if k != "baseline"} for r in rows]
+    legacy.append(
+        {
+            k: v
+            for k, v in ok("unsharded reference (1 rank)", 10.0, 1200.0, 1).items()
+            if k != "baseline"
+        }
+    )
+    assert with_ratios(legacy)[0]["step_time_vs_ref"] == pytest.approx(1.2)
 
 
 def test_markdown_and_files(tmp_path) -> None:
     text = markdown(REPORT)
     assert (
-        "| graph_fsdp eager | 2 | 12.00 | 10.80 | 11.50 | 140, 202 | 2,000 | 1.500 | 1.00 | "
+        "| graph_fsdp eager | 2 | 12.00 | 10.80 | 11.50 | 140, 202 | 2,000 | 1.500 | 1.00 | 1.50 | "
         "4.20000 | 1.20x | 0.83x |" in text
     )
-    assert "| unsharded reference (1 rank) | 1 | 10.00 | 9.00 | - | - | 1,200 |" in text
-    assert "| megatron_fsdp | skipped |" + " |" * 10 in text
+    assert "| unsharded eager (1 rank) | 1 | 10.00 | 9.00 | - | - | 1,200 |" in text
+    assert "| megatron_fsdp | skipped |" + " |" * 11 in text
     assert "- megatron_fsdp: skipped: not importable" in text
+    assert "- graph_fsdp eager: 0.50 GiB were still allocated when the row started" in text
+    assert "unsharded eager (1 rank): " not in text.split("Notes:")[1]
     paths = write_report(REPORT, str(tmp_path / "out"))
     assert set(paths) == {"md", "json", "png"}
     data = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -1,0 +1,513 @@
+"""Where the bytes are at the peak: ``graph-fsdp profile --memory ENGINE``.
+
+    graph-fsdp profile --memory graph_fsdp --bf16 --fsdp-double-buffer \\
+        --fsdp-db-use-persist-buf-on-alloc-fail --cuda-graph-impl torch \\
+        --cuda-graph-scope full_iteration --warmup-iters 3 --train-iters 2 ...
+    graph-fsdp profile --memory fsdp2 --bf16 ...        # torch FSDP2, same model and data
+
+Each rank records the CUDA caching allocator's history from before the model is built
+(``torch.cuda.memory._record_memory_history``, Python stacks), trains ``warmup + steps``
+steps, takes a snapshot and replays the allocation trace to find the moment of the highest
+allocated bytes (the moment ``torch.cuda.max_memory_allocated`` reports). Every block live at that moment is given a role:
+
+1. by address: the engine's known tensors (graph_fsdp: ``main_params``, ``main_grads``,
+   ``compute_shard``, the allocator's slots by role, ``accum``; FSDP2: the sharded
+   parameters and gradients; both: ``optimizer_state``);
+2. by stack: allocations made through graph_fsdp's allocator carry a frame
+   ``alloc__<role>`` (the tool wraps the allocator's ``allocate``: the dynamic allocator's
+   buffers change address); FSDP2's all-gather and reduce-scatter buffers by their
+   functions; optimizer temporaries under ``torch/optim``; the model's forward
+   (activations); no Python frame at all: autograd's backward thread (gradients and
+   backward temporaries).
+
+A captured step allocates nothing when it replays: its memory is the graph pool, reported
+as reserved bytes per pool at the end (``reserved_by_pool``), next to the peak attribution
+(which, for a captured run, is the peak of the capture itself). On CPU there is no
+allocator history: only the known tensors' bytes are reported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROLE_ORDER = (
+    "main_params",
+    "main_grads",
+    "optimizer_state",
+    "compute_shard",
+    "compute_full_persistent",
+    "slot:param",
+    "slot:grad",
+    "slot:grad_comm",
+    "slot:rs_out",
+    "param",
+    "grad",
+    "grad_comm",
+    "rs_out",
+    "accum",
+    "fsdp2:sharded_params",
+    "fsdp2:sharded_grads",
+    "fsdp2:all_gather",
+    "fsdp2:reduce_scatter",
+    "optimizer_temporaries",
+    "activations (forward)",
+    "autograd backward (no Python frame)",
+    "other",
+)
+"""Report order; roles not listed (e.g. ``slot:grad+rs_out`` from a trace pool) go last."""
+
+TAG_PREFIX = "alloc__"
+
+
+# ------------------------------------------------------------------------------------------
+# Known tensors
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Known:
+    role: str
+    ptr: int
+    nbytes: int
+
+
+def _known(role: str, t: torch.Tensor | None) -> Iterable[Known]:
+    if t is None:
+        return []
+    if hasattr(t, "to_local"):  # DTensor (FSDP2's params, grads and optimizer state)
+        t = t.to_local()
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return []
+    return [Known(role, storage.data_ptr(), storage.nbytes())]
+
+
+def _optimizer_state(opt: torch.optim.Optimizer | None) -> list[Known]:
+    out = []
+    for state in opt.state.values() if opt is not None else []:
+        for value in state.values():
+            if torch.is_tensor(value) and value.numel() > 1:
+                out += _known("optimizer_state", value)
+    return out
+
+
+def slot_roles(allocator) -> list[tuple[str, torch.Tensor]]:
+    """(role, tensor) of every materialised slot of a slot allocator (else empty)."""
+    from graph_fsdp.buffers.allocator import SlotAllocator, key_role  # noqa: PLC0415
+
+    if not isinstance(allocator, SlotAllocator):
+        return []
+    roles: dict[int, set[str]] = {}
+    for key, slot in allocator._assignment.items():
+        roles.setdefault(id(slot), set()).add(key_role(key))
+    for key, slot in allocator._dedicated.items():
+        roles.setdefault(id(slot), set()).add(key_role(key) + " (dedicated)")
+    out = []
+    for slot in allocator.slots():
+        if slot.tensor is not None:
+            out.append(("slot:" + "+".join(sorted(roles.get(id(slot), {"?"}))), slot.tensor))
+    return out
+
+
+def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
+    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
+
+    states = collect_states(model)
+    out: list[Known] = []
+    for s in states:
+        for g in s.groups:
+            out += _known("main_params", g.main_flat)
+            out += _known("main_grads", g.main_grad)
+            out += _known("compute_shard", g.compute_shard)
+            out += _known("compute_full_persistent", getattr(g, "_persistent_full", None))
+            out += _known("accum", g.accum)
+    root = states[0].root if states else None
+    if root is not None:
+        for role, tensor in slot_roles(root.allocator):
+            out += _known(role, tensor)
+    return out + _optimizer_state(opt)
+
+
+def known_fsdp2(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
+    out: list[Known] = []
+    for p in model.parameters():
+        out += _known("fsdp2:sharded_params", p)
+        out += _known("fsdp2:sharded_grads", p.grad)
+    return out + _optimizer_state(opt)
+
+
+def known_bytes(known: Iterable[Known]) -> dict[str, int]:
+    """Bytes per role, each storage counted once."""
+    seen, out = set(), {}
+    for k in known:
+        if k.ptr not in seen:
+            seen.add(k.ptr)
+            out[k.role] = out.get(k.role, 0) + k.nbytes
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Role tags on graph_fsdp's allocator
+# ------------------------------------------------------------------------------------------
+
+_TAGGERS: dict[str, Callable] = {}
+
+
+def _tagger(role: str) -> Callable:
+    """A pass-through function named ``alloc__<role>``: the name shows in the stack."""
+    fn = _TAGGERS.get(role)
+    if fn is None:
+        name = TAG_PREFIX + "".join(c if c.isalnum() else "_" for c in role)
+        namespace: dict = {}
+        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)  # noqa: S102
+        fn = _TAGGERS[role] = namespace[name]
+    return fn
+
+
+def tag_allocations(allocator) -> None:
+    """Wrap ``allocator.allocate`` so that every allocation it makes carries its key's role
+    in the Python stack (see module docstring)."""
+    from graph_fsdp.buffers.allocator import key_role  # noqa: PLC0415
+
+    inner = allocator.allocate
+
+    def allocate(key, numel, dtype, device):
+        return _tagger(key_role(key))(inner, key, numel, dtype, device)
+
+    allocator.allocate = allocate
+
+
+# ------------------------------------------------------------------------------------------
+# Snapshot attribution (pure: tested on CPU with a fake snapshot)
+# ------------------------------------------------------------------------------------------
+
+
+FREE_ACTIONS = ("free_requested", "free_completed")
+"""A block stops counting at its ``free_requested`` (where the allocator's allocated-bytes
+statistic drops, so the replayed peak is ``max_memory_allocated``'s); a block freed with
+pending stream uses completes later, and its bytes are reusable only then."""
+
+
+def replay_peak(events: list[dict]) -> tuple[int, dict[int, dict], int]:
+    """Replay alloc/free events: (peak bytes, blocks live at the peak by address, index of
+    the event that reached it)."""
+    live: dict[int, dict] = {}
+    total = peak = 0
+    peak_at = -1
+    for i, e in enumerate(events):
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif action in FREE_ACTIONS and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    live = {}
+    for e in events[: peak_at + 1]:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+        elif e.get("action") in FREE_ACTIONS:
+            live.pop(e["addr"], None)
+    return peak, live, peak_at
+
+
+def role_from_frames(frames: list[dict]) -> str:
+    """A role for an allocation no known tensor claims, from its Python stack."""
+    if not frames:
+        return "autograd backward (no Python frame)"
+    for f in frames:
+        name = f.get("name", "")
+        if name.startswith(TAG_PREFIX):
+            return name[len(TAG_PREFIX) :]
+    for f in frames:
+        path, name = f.get("filename", "").replace("\\", "/"), f.get("name", "")
+        if "fsdp/_fully_shard/" in path:
+            if "reduce" in name:
+                return "fsdp2:reduce_scatter"
+            if "all_gather" in name or "unshard" in name or "alloc" in name:
+                return "fsdp2:all_gather"
+        if "/torch/optim/" in path:
+            return "optimizer_temporaries"
+    python = [f for f in frames if f.get("filename", "").endswith(".py")]
+    if not python:
+        return "autograd backward (no Python frame)"
+    for f in python:
+        path = f["filename"].replace("\\", "/")
+        if "graph_fsdp/models/" in path or "/torch/nn/" in path or "transformer_engine" in path:
+            return "activations (forward)"
+    return "other"
+
+
+TOP_SITES = 15
+"""Allocation sites listed per run (blocks no known tensor claims, largest first)."""
+
+
+def alloc_site(frames: list[dict]) -> str:
+    """Where a block was allocated: the innermost Python frame outside torch's own wrappers
+    (``file:line function``), or the innermost frame of any kind."""
+    python = [f for f in frames if f.get("filename", "").endswith(".py")]
+    skip = ("/torch/utils/", "/torch/_tensor.py", "/torch/autograd/", "/torch/_ops.py")
+    chosen = next(
+        (f for f in python if not any(s in f["filename"].replace("\\", "/") for s in skip)),
+        python[0] if python else (frames[0] if frames else None),
+    )
+    if chosen is None:
+        return "(no frames)"
+    path = chosen.get("filename", "?").replace("\\", "/")
+    short = "/".join(path.split("/")[-3:])
+    return f"{short}:{chosen.get('line', '?')} {chosen.get('name', '?')}"
+
+
+def format_sites(result: dict) -> str:
+    """The largest allocation sites at the peak that no known tensor claims."""
+    lines = ["| role | allocation site (innermost Python frame) | GiB |", "|---|---|--:|"]
+    for s in result.get("top_sites", []):
+        lines.append(f"| {s['role']} | `{s['site']}` | {s['bytes'] / 2**30:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pool_ranges(snapshot: dict, device: int) -> list[tuple[int, int, str]]:
+    out = []
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pool != (0, 0):
+            out.append((seg["address"], seg["address"] + seg["total_size"], str(pool)))
+    return out
+
+
+def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
+    """Bytes per role of the blocks live at the allocated-bytes peak of ``snapshot``."""
+    traces = snapshot.get("device_traces", [])
+    events = traces[device] if device < len(traces) else []
+    peak, live, peak_at = replay_peak(events)
+    spans = sorted(((k.ptr, k.ptr + k.nbytes, k.role) for k in known), key=lambda s: s[0])
+    pools = _pool_ranges(snapshot, device)
+    by_role: dict[str, int] = {}
+    in_pool: dict[str, int] = {}
+    sites: dict[tuple[str, str], int] = {}
+    for addr, block in live.items():
+        role = next((r for lo, hi, r in spans if lo <= addr < hi), None)
+        if role is None:
+            role = role_from_frames(block.get("frames", []))
+            site = (role, alloc_site(block.get("frames", [])))
+            sites[site] = sites.get(site, 0) + block["size"]
+        by_role[role] = by_role.get(role, 0) + block["size"]
+        if any(lo <= addr < hi for lo, hi, _ in pools):
+            in_pool[role] = in_pool.get(role, 0) + block["size"]
+    reserved: dict[str, int] = {}
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) == device:
+            pool = tuple(seg.get("segment_pool_id", (0, 0)))
+            name = "default" if pool == (0, 0) else f"graph pool {pool}"
+            reserved[name] = reserved.get(name, 0) + seg["total_size"]
+    return {
+        "peak_allocated_bytes": peak,
+        "peak_event_index": peak_at,
+        "trace_events": len(events),
+        "by_role": dict(sorted(by_role.items(), key=lambda kv: _role_rank(kv[0]))),
+        "in_graph_pool_by_role": in_pool,
+        "reserved_by_pool": reserved,
+        "known_bytes": known_bytes(known),
+        "top_sites": [
+            {"role": role, "site": site, "bytes": nbytes}
+            for (role, site), nbytes in sorted(sites.items(), key=lambda kv: -kv[1])[:TOP_SITES]
+        ],
+    }
+
+
+def _role_rank(role: str) -> tuple[int, str]:
+    return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), role)
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """Markdown: one column per run (GiB), one row per role, peak and reserved last."""
+    names = list(results)
+    roles: list[str] = []
+    for r in results.values():
+        for role in r.get("by_role") or r.get("known_bytes", {}):
+            if role not in roles:
+                roles.append(role)
+    roles.sort(key=_role_rank)
+
+    def gib(v: int | None) -> str:
+        return "-" if not v else f"{v / 2**30:.3f}"
+
+    lines = [
+        "| role (GiB, rank 0, at the peak) | " + " | ".join(names) + " |",
+        "|---|" + "--:|" * len(names),
+    ]
+    for role in roles:
+        cells = [
+            gib((r.get("by_role") or r.get("known_bytes", {})).get(role)) for r in results.values()
+        ]
+        lines.append(f"| {role} | " + " | ".join(cells) + " |")
+    for label, fn in (
+        ("**peak allocated (trace)**", lambda r: r.get("peak_allocated_bytes")),
+        ("max_memory_allocated", lambda r: r.get("max_memory_allocated")),
+        ("reserved at end, all pools", lambda r: sum(r.get("reserved_by_pool", {}).values())),
+        (
+            "of which graph pools",
+            lambda r: sum(v for k, v in r.get("reserved_by_pool", {}).items() if k != "default"),
+        ),
+    ):
+        lines.append(f"| {label} | " + " | ".join(gib(fn(r)) for r in results.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------
+# The measured run (one engine per launch)
+# ------------------------------------------------------------------------------------------
+
+ENGINES = ("graph_fsdp", "fsdp2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryJob:
+    cfg: object
+    """A ``TrainConfig``: ``cfg.steps`` measured steps after ``warmup``."""
+    engine: str
+    warmup: int
+    output_dir: str
+    max_entries: int = 2_000_000
+    save_snapshot: bool = False
+    """Also write rank 0's raw snapshot pickle (for pytorch.org/memory_viz)."""
+
+
+def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
+    from graph_fsdp.capture.full_iteration import eager_forward_backward  # noqa: PLC0415
+    from graph_fsdp.data import batch_for  # noqa: PLC0415
+    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
+    from graph_fsdp.train import (  # noqa: PLC0415
+        build_for,
+        make_graphs,
+        make_optimizer,
+        shard_model,
+    )
+
+    model = build_for(cfg, device)
+    shard_model(model, cfg)
+    opt = make_optimizer(model.parameters(), cfg)
+    graphs = make_graphs(model, cfg)
+    root = collect_states(model)[0]
+    root.lazy_init()  # what the first forward does first: creates the root's allocator
+    tag_allocations(root.root.allocator)
+
+    def step(i: int) -> None:
+        if graphs is not None:
+            graphs.before_step()
+        for micro in range(cfg.grad_accum):
+            model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+            x, y = batch_for(cfg, i * cfg.grad_accum + micro, rank, device, world_size=world_size)
+            if graphs is not None:
+                graphs.forward_backward(micro, x, y, cfg.grad_accum)
+            else:
+                eager_forward_backward(model, x, y, cfg.grad_accum)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step, known_graph_fsdp
+
+
+def _fsdp2_run(cfg, device: torch.device, rank: int, world_size: int):
+    from graph_fsdp.bench.peers import _accumulating_step, _fsdp2  # noqa: PLC0415
+
+    model, opt = _fsdp2(cfg, world_size, device)
+    step = _accumulating_step(cfg, model, opt, rank, device, model.set_requires_gradient_sync)
+    return model, opt, step, known_fsdp2
+
+
+def _start_history(max_entries: int) -> None:
+    kwargs = {"max_entries": max_entries, "stacks": "python"}
+    if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+        kwargs["clear_history"] = True
+    torch.cuda.memory._record_memory_history("all", **kwargs)
+
+
+def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
+    from graph_fsdp.train import device_of  # noqa: PLC0415
+
+    if job.engine not in ENGINES:
+        raise ValueError(f"memory engine {job.engine!r}: choose one of {', '.join(ENGINES)}")
+    cfg = replace(job.cfg, steps=job.warmup + job.cfg.steps)
+    device = device_of(cfg)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        _start_history(job.max_entries)
+    build = _graph_fsdp_run if job.engine == "graph_fsdp" else _fsdp2_run
+    model, opt, step, known_fn = build(cfg, device, rank, world_size)
+    for i in range(cfg.steps):
+        step(i)
+    known = known_fn(model, opt)
+    result: dict = {"engine": job.engine, "rank": rank, "world_size": world_size}
+    if cuda:
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(None)
+        result.update(attribute(snapshot, known, device.index or 0))
+        result["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        if job.save_snapshot and rank == 0:
+            import pickle  # noqa: PLC0415
+
+            os.makedirs(job.output_dir, exist_ok=True)
+            with open(os.path.join(job.output_dir, f"snapshot_{job.engine}.pickle"), "wb") as f:
+                pickle.dump(snapshot, f)
+        if result["trace_events"] >= job.max_entries:
+            result["note"] = (
+                f"the allocation trace hit max_entries={job.max_entries}: its start was dropped, "
+                "so the peak is approximate; raise --memory-max-entries or use fewer steps"
+            )
+    else:
+        result["known_bytes"] = known_bytes(known)
+        result["note"] = "CPU: no allocator history; known tensors' bytes only"
+    peaks = torch.tensor(
+        [result.get("peak_allocated_bytes", 0)], dtype=torch.float64, device=device
+    )
+    if world_size > 1:
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    result["peak_allocated_bytes_max_over_ranks"] = int(peaks.item())
+    return result if rank == 0 else None
+
+
+def write_result(result: dict, label: str, output_dir: str) -> str:
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, f"memory_{label}.json")
+    with open(path, "w") as f:
+        json.dump({"label": label, **result}, f, indent=2)
+    return path
+
+
+def merge(paths: list[str]) -> str:
+    """Side-by-side markdown table of several ``memory_<label>.json`` files."""
+    if not paths:
+        return "(no memory results: every --memory run failed or was skipped)\n"
+    results = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        results[data.get("label", os.path.basename(path))] = data
+    text = format_table(results)
+    for label, data in results.items():
+        if data.get("top_sites"):
+            text += f"\n{label}: largest blocks at the peak that no known tensor claims\n\n"
+            text += format_sites(data)
+    return text
+
+
+if __name__ == "__main__":  # python -m graph_fsdp.bench.memory a.json b.json ... -> table
+    import sys
+
+    print(merge(sys.argv[1:]), end="")

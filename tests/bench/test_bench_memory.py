@@ -1,0 +1,183 @@
+"""Memory breakdown: snapshot attribution (fake snapshots) and the bytes-per-role model
+checked against a real 2-rank gloo run."""
+
+from __future__ import annotations
+
+import json
+
+from graph_fsdp.bench.memory import (
+    Known,
+    MemoryJob,
+    attribute,
+    format_table,
+    known_bytes,
+    memory_worker,
+    merge,
+    replay_peak,
+    role_from_frames,
+    write_result,
+)
+from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
+from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import spawn
+from graph_fsdp.train import TrainConfig
+
+GPT = "/src/graph_fsdp/models/gpt.py"
+OPTIM = "/site-packages/torch/optim/adamw.py"
+FSDP2 = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+
+
+def frame(filename: str, name: str, line: int = 1) -> dict:
+    return {"filename": filename, "name": name, "line": line}
+
+
+def alloc(addr: int, size: int, *frames: dict) -> dict:
+    return {"action": "alloc", "addr": addr, "size": size, "frames": list(frames)}
+
+
+def free(addr: int) -> list[dict]:
+    return [
+        {"action": "free_requested", "addr": addr, "size": 0, "frames": []},
+        {"action": "free_completed", "addr": addr, "size": 0, "frames": []},
+    ]
+
+
+EVENTS = [
+    alloc(1000, 400, frame("/x/graph_fsdp/param_group.py", "__init__")),  # main_params
+    alloc(
+        2000,
+        800,
+        frame("/x/graph_fsdp/buffers/allocator.py", "allocate"),
+        frame("<string>", "alloc__grad_comm"),
+    ),
+    alloc(3000, 300, frame("/x/torch/nn/functional.py", "linear"), frame(GPT, "forward")),
+    alloc(4000, 200),  # autograd's backward thread: no Python frame
+    alloc(4400, 100, frame("/usr/lib/libc10.so", "c10::alloc")),  # C++ frames only
+    *free(2000),  # peak (1800) was just before this
+    alloc(5000, 500, frame(OPTIM, "_multi_tensor_adamw")),
+    alloc(6000, 50, frame(FSDP2, "foreach_reduce")),
+]
+
+SNAPSHOT = {
+    "device_traces": [[], EVENTS],
+    "segments": [
+        {"device": 1, "address": 0, "total_size": 8192, "segment_pool_id": (0, 0)},
+        {"device": 1, "address": 2900, "total_size": 1024, "segment_pool_id": (1, 2)},
+        {"device": 0, "address": 0, "total_size": 99, "segment_pool_id": (0, 0)},
+    ],
+}
+
+
+def test_replay_peak_finds_the_live_set_at_the_highest_total() -> None:
+    peak, live, at = replay_peak(EVENTS)
+    assert peak == 400 + 800 + 300 + 200 + 100
+    assert sorted(live) == [1000, 2000, 3000, 4000, 4400]
+    assert at == 4
+    # A block stops counting at free_requested (as max_memory_allocated does), also when
+    # its free completes later (pending stream uses).
+    late = [alloc(1, 10), free(1)[0], alloc(2, 5), free(1)[1], alloc(3, 7)]
+    peak2, live2, at2 = replay_peak(late)
+    assert peak2 == 12 and sorted(live2) == [2, 3] and at2 == 4
+
+
+def test_attribute_by_address_then_by_stack() -> None:
+    known = [Known("main_params", 1000, 400), Known("optimizer_state", 5000, 500)]
+    out = attribute(SNAPSHOT, known, device=1)
+    assert out["peak_allocated_bytes"] == 1800
+    assert out["by_role"] == {
+        "main_params": 400,
+        "grad_comm": 800,
+        "activations (forward)": 300,
+        "autograd backward (no Python frame)": 300,
+    }
+    assert list(out["by_role"])[0] == "main_params"  # report order
+    assert out["in_graph_pool_by_role"] == {"activations (forward)": 300}
+    assert out["reserved_by_pool"] == {"default": 8192, "graph pool (1, 2)": 1024}
+    assert out["known_bytes"] == {"main_params": 400, "optimizer_state": 500}
+    assert out["trace_events"] == len(EVENTS)
+    # Blocks no known tensor claims, largest first, with their innermost Python frame.
+    assert out["top_sites"][0] == {
+        "role": "grad_comm",
+        "site": "graph_fsdp/buffers/allocator.py:1 allocate",
+        "bytes": 800,
+    }
+    assert {s["site"] for s in out["top_sites"]} == {
+        "graph_fsdp/buffers/allocator.py:1 allocate",
+        "torch/nn/functional.py:1 linear",
+        "(no frames)",
+        "usr/lib/libc10.so:1 c10::alloc",
+    }
+    # A known span claims a block inside it (a slot's view at an offset).
+    out = attribute(SNAPSHOT, [Known("slot:grad", 3900, 1000)], device=1)
+    assert out["by_role"]["slot:grad"] == 200 + 100
+    assert out["by_role"]["activations (forward)"] == 300
+
+
+def test_roles_from_frames() -> None:
+    assert role_from_frames([frame(OPTIM, "_multi_tensor_adamw")]) == "optimizer_temporaries"
+    assert role_from_frames([frame(FSDP2, "foreach_reduce")]) == "fsdp2:reduce_scatter"
+    assert role_from_frames([frame(FSDP2, "foreach_all_gather")]) == "fsdp2:all_gather"
+    assert role_from_frames([frame("<s>", "alloc__rs_out"), frame(GPT, "x")]) == "rs_out"
+    assert role_from_frames([frame("/x/train.py", "run")]) == "other"
+    assert role_from_frames([]) == "autograd backward (no Python frame)"
+
+
+def test_table_and_merge(tmp_path) -> None:
+    a = attribute(SNAPSHOT, [Known("main_params", 1000, 400)], device=1)
+    b = {"known_bytes": {"main_params": 2**30, "compute_shard": 2**29}}
+    text = format_table({"graph_fsdp_eager": a, "cpu": b})
+    assert "| role (GiB, rank 0, at the peak) | graph_fsdp_eager | cpu |" in text
+    assert "| compute_shard | - | 0.500 |" in text
+    assert "| main_params | 0.000 | 1.000 |" in text
+    paths = [write_result(a, "a", str(tmp_path)), write_result(b, "b", str(tmp_path))]
+    assert json.loads((tmp_path / "memory_a.json").read_text())["label"] == "a"
+    assert "| role (GiB, rank 0, at the peak) | a | b |" in merge(paths)
+    assert "no memory results" in merge([])
+    assert "a: largest blocks at the peak" in merge(paths)
+    assert "| grad_comm | `graph_fsdp/buffers/allocator.py:1 allocate` | 0.000 |" in merge(paths)
+
+
+def test_known_bytes_counts_each_storage_once() -> None:
+    k = [Known("main_params", 1, 8), Known("main_params", 1, 8), Known("x", 2, 4)]
+    assert known_bytes(k) == {"main_params": 8, "x": 4}
+
+
+TINY = GPTConfig(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=200)
+
+
+def test_unit_numels_follow_the_model() -> None:
+    units = unit_numels(TINY)
+    assert [n for n, _ in units] == ["layers.0", "layers.1", "layers.2", "root"]
+    h, v, s = 64, 200, 16
+    assert sum(units[0][1]) == 12 * h * h + 2 * h
+    assert units[-1][1] == [v * h, s * h, h, v * h]
+
+
+def test_model_matches_a_real_run() -> None:
+    """The bytes-per-role model equals what a 2-rank gloo run holds on rank 0."""
+    cfg = TrainConfig(model=TINY, bf16=True, allocator="double_buffer", steps=1, micro_batch_size=2)
+    job = MemoryJob(cfg=cfg, engine="graph_fsdp", warmup=1, output_dir="unused")
+    result = spawn(memory_worker, 2, job)[0]
+    assert result["known_bytes"] == graph_fsdp_roles(Shape(model=TINY, world_size=2))
+    assert "CPU" in result["note"]
+
+
+def test_serial_grad_comm_slot_saves_the_per_class_slots() -> None:
+    shape = Shape(model=TINY, world_size=2)
+    per_class = graph_fsdp_roles(Shape(model=TINY, world_size=2, serial_comm=False))
+    serial = graph_fsdp_roles(shape)
+    totals = {name: sum(n) for name, n in unit_numels(TINY)}
+    # fp32 copies of whole (padded) units: two layer slots + the root slot before, one
+    # slot of the largest unit after. Every other role is unchanged.
+    assert per_class["slot:grad_comm"] > serial["slot:grad_comm"] >= max(totals.values()) * 4
+    assert {k: v for k, v in per_class.items() if k != "slot:grad_comm"} == {
+        k: v for k, v in serial.items() if k != "slot:grad_comm"
+    }
+
+
+def test_fsdp2_model_roles() -> None:
+    roles = fsdp2_roles(Shape(model=TINY, world_size=2))
+    n = sum(sum(u) for _, u in unit_numels(TINY))
+    # Every TINY parameter has an even first dim: exact halves.
+    assert roles["main_params"] == n // 2 * 4
+    assert roles["optimizer_state"] == 2 * roles["main_params"]

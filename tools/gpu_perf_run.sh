@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# One GPU measurement run for issue 12 (speed and memory at realistic scale), ~6-8 min on
+# 2x H200 (torch backend; TransformerEngine not needed), never more than BUDGET=540 s:
+#
+#   1. graph-fsdp bench at h1024 (16 layers, seq 1024, mbs 1, vocab 32768) and h2048
+#      (seq 2048, mbs 2): unsharded eager, unsharded captured (the ratios' denominator is the
+#      faster of the two), graph_fsdp eager, layerwise torch graphs, full_iteration, torch
+#      FSDP2, FSDP2 + captured fwd/bwd, megatron_fsdp (skipped when not importable); bf16
+#      compute, fp32 main weights and fp32 gradient reduction; 5 warmup + 20 timed steps.
+#   2. graph-fsdp profile --memory at h2048: graph_fsdp eager (double buffer and dynamic
+#      allocator), graph_fsdp full_iteration, torch FSDP2 eager; bytes at the peak by role.
+#
+# Usage (repo root; results go to $OUT, default ./gpu_perf_out):
+#   OUT=/some/dir bash tools/gpu_perf_run.sh
+#   DRY=1 bash tools/gpu_perf_run.sh      # tiny shapes on CPU (gloo): checks the plumbing
+#
+# $OUT ends up with at most 6 files: summary.md (both bench tables + the memory table),
+# bench_h1024.md, bench_h2048.md, memory_h2048.md, log.txt and results.tar.gz (every
+# JSON/MD/PNG).
+set -u -o pipefail
+shopt -s nullglob
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONWARNINGS="ignore::FutureWarning"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+OUT="${OUT:-$PWD/gpu_perf_out}"
+WORK="$OUT/work"
+mkdir -p "$WORK"
+LOG="$OUT/log.txt"
+: >"$LOG"
+CLI=(python -m graph_fsdp.cli.main)
+
+if [[ "${DRY:-0}" == "1" ]]; then
+  DEV=(--device cpu --nproc 2)
+  H1=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --vocab-size 128
+      --micro-batch-size 1)
+  H2=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 128
+      --micro-batch-size 2)
+  STEPS=(--train-iters 2 --warmup-iters 3)
+  LIMIT=300
+  BUDGET="${BUDGET:-100000}"
+else
+  DEV=(--device cuda)
+  H1=(--num-layers 16 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+      --vocab-size 32768 --micro-batch-size 1)
+  H2=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
+      --vocab-size 32768 --micro-batch-size 2)
+  STEPS=(--train-iters 20 --warmup-iters 5)
+  LIMIT=200
+fi
+COMMON=(--bf16 --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail "${DEV[@]}")
+ROWS=(--rows unsharded unsharded_captured graph_fsdp graph_fsdp_graphed fsdp2 fsdp2_cuda_graph
+      megatron_fsdp)
+
+# The device tool stops a command at 600 s: every step gets at most LIMIT seconds and what
+# is left of BUDGET (bundling the results at the end needs a few seconds), so the summary
+# and the tarball are always written.
+BUDGET="${BUDGET:-540}"
+step() {  # step NAME CMD...: run with a time limit, log everything, never stop the script
+  local name="$1"
+  shift
+  local left=$((BUDGET - SECONDS))
+  local limit=$((left < LIMIT ? left : LIMIT))
+  if ((limit < 30)); then
+    echo "=== $name: rc=skipped (only ${left} s of the ${BUDGET} s budget left)" | tee -a "$LOG"
+    return
+  fi
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+}
+
+python - >>"$LOG" 2>&1 <<'EOF'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+for i in range(torch.cuda.device_count()):
+    print(" ", i, torch.cuda.get_device_name(i))
+try:
+    import megatron_fsdp
+    print("megatron_fsdp", getattr(megatron_fsdp, "__version__", "?"))
+except Exception as err:
+    print("megatron_fsdp not importable:", err)
+EOF
+
+for shape in h1024 h2048; do
+  if [[ $shape == h1024 ]]; then S=("${H1[@]}"); else S=("${H2[@]}"); fi
+  step "bench $shape" "${CLI[@]}" bench "${COMMON[@]}" "${S[@]}" "${STEPS[@]}" \
+    --graph-impls torch --scopes "" --scopes full_iteration "${ROWS[@]}" \
+    --output-dir "$WORK/bench_$shape"
+  cp "$WORK/bench_$shape/results.md" "$OUT/bench_$shape.md" 2>/dev/null
+done
+
+MEM_STEPS=(--warmup-iters 3 --train-iters 2 --output-dir "$WORK/memory_h2048")
+step "memory graph_fsdp eager (double buffer)" "${CLI[@]}" profile --memory graph_fsdp \
+  "${COMMON[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --memory-label graph_fsdp_eager_db
+step "memory torch FSDP2 eager" "${CLI[@]}" profile --memory fsdp2 --bf16 "${DEV[@]}" \
+  "${H2[@]}" "${MEM_STEPS[@]}" --memory-label fsdp2_eager
+if [[ "${DRY:-0}" != "1" ]]; then  # CUDA graphs need CUDA
+  step "memory graph_fsdp full_iteration" "${CLI[@]}" profile --memory graph_fsdp \
+    "${COMMON[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --cuda-graph-impl torch \
+    --cuda-graph-scope full_iteration --memory-label graph_fsdp_full_iteration
+fi
+step "memory graph_fsdp eager (dynamic allocator)" "${CLI[@]}" profile --memory graph_fsdp \
+  --bf16 "${DEV[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --memory-label graph_fsdp_eager_dynamic
+python -m graph_fsdp.bench.memory "$WORK"/memory_h2048/memory_*.json >"$OUT/memory_h2048.md" \
+  2>>"$LOG"
+python -m graph_fsdp.bench.memory_model >"$WORK/memory_model.md" 2>>"$LOG"
+
+{
+  echo "# issue 12 GPU run ($(date -u +%FT%TZ))"
+  for f in "$OUT/bench_h1024.md" "$OUT/bench_h2048.md"; do
+    [[ -f $f ]] && { echo; cat "$f"; }
+  done
+  echo
+  echo "## Memory at the peak by role, h2048 (graph-fsdp profile --memory, rank 0)"
+  echo
+  cat "$OUT/memory_h2048.md"
+  echo
+  echo "## Step results (rc per step)"
+  grep '^=== .*rc=' "$LOG" | sed 's/$/  /'
+
+} >"$OUT/summary.md"
+
+tar -czf "$OUT/results.tar.gz" -C "$WORK" . && rm -rf "$WORK"
+ls -la "$OUT" | tee -a "$LOG"
