@@ -16,6 +16,14 @@ from graph_fsdp.capture.scopes import (
     scope_label,
     select_targets,
 )
+from graph_fsdp.capture.shutdown import (
+    close_live_runners,
+    install_shutdown_guard,
+    live_runners,
+)
+
+# Live graphs keep NCCL communicators alive: destroy_process_group closes them first.
+install_shutdown_guard()
 
 __all__ = [
     "GRAPH_IMPLS",
@@ -27,7 +35,10 @@ __all__ = [
     "LayerwiseGraphs",
     "check_scopes",
     "check_static_buffers",
+    "close_live_runners",
     "eager_forward_backward",
+    "install_shutdown_guard",
+    "live_runners",
     "scope_label",
     "select_targets",
 ]

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
+from graph_fsdp.capture.shutdown import RunnerLifecycle, reset_graphs
 
 
 @dataclass
@@ -73,7 +74,7 @@ def eager_forward_backward(
     return loss.detach()
 
 
-class FullIterationGraphs:
+class FullIterationGraphs(RunnerLifecycle):
     def __init__(self, model: nn.Module, *, warmup_steps: int = 2) -> None:
         from graph_fsdp.capture.runner import check_capturable  # noqa: PLC0415 (cycle)
         from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
@@ -104,6 +105,7 @@ class FullIterationGraphs:
 
     def before_step(self) -> None:
         """Call at the start of every training step."""
+        self._check_open()
         alloc = self._allocator
         if self.graphs and alloc is not None and alloc.generation != self.captured_generation:
             self.drop()  # release() moved the buffers the graphs address
@@ -121,6 +123,23 @@ class FullIterationGraphs:
         self.denoms.clear()
         self.captured_generation = None
         self._pool = None
+
+    # ------------------------------------------------------------------ teardown
+    def _free_graphs(self) -> None:
+        """close(): reset every graph (NCCL lets go of the communicator), free the pool,
+        leave every unit resharded and idle (see [Note: graphs and process-group teardown])."""
+        reset_graphs(graph for graph, _, _ in self.graphs.values())
+        self.drop()
+        self._phase = "eager"
+        for state in self.states:
+            if state.root is not None and state.training_state.value == "idle":
+                state.reshard()
+
+    def suspend(self) -> None:
+        """Free the graphs and their pool now; the next step captures again (for offload:
+        the buffers the graphs address are about to move)."""
+        reset_graphs(graph for graph, _, _ in self.graphs.values())
+        self.drop()
 
     def report(self) -> dict:
         return {
