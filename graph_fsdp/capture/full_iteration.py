@@ -140,6 +140,8 @@ class FullIterationGraphs(RunnerLifecycle):
         the buffers the graphs address are about to move)."""
         reset_graphs(graph for graph, _, _ in self.graphs.values())
         self.drop()
+        # Warm up again: released slots must be re-made by eager steps, not inside a capture.
+        self.steps_seen = 0
 
     def report(self) -> dict:
         return {
