@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -133,7 +134,13 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     if rank0 and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by an interrupted save
     dist.barrier()
-    dcp.save(sd, checkpoint_id=tmp, planner=_SavePlanner())
+    try:
+        dcp.save(sd, checkpoint_id=tmp, planner=_SavePlanner())
+    except CheckpointException as exc:  # a BaseException: reported on every rank
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = "the previous checkpoint there is untouched" if os.path.exists(path) else ""
+        raise CheckpointError(f"saving checkpoint {path!r} failed; {kept}: {exc}") from exc
     dist.barrier()
     if rank0:
         if os.path.exists(path):
@@ -244,7 +251,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         ]
     try:
         dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner())
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(
             f"loading checkpoint {path!r} failed; the model and optimizer are unchanged: "
             f"{type(exc).__name__}: {exc}"

@@ -143,7 +143,6 @@ class FSDPModule:
             report["allocator"] = type(root.allocator).__name__
         return report
 
-
     # ------------------------------------------------------------------ lifecycle (RL)
     # See graph_fsdp/lifecycle.py: each returns the bytes it freed (or allocated) by kind.
     def offload_params(self) -> dict[str, int]:
