@@ -10,8 +10,8 @@ operation timeout: WorkNCCL(SeqNum=..., OpType=...)``) and tears the process dow
 job exits with an error instead of waiting forever (the graphs and side streams of FSDP
 never block the host, so a host-side exception could not be raised). gloo raises in the
 calling rank: a closed peer connection at once, a silent peer after ``timeout_s``. Raise
-``timeout_s`` for steps or checkpoint writes longer than it (every rank waits at most that
-long for the slowest one).
+``timeout_s`` (or set ``GRAPH_FSDP_PG_TIMEOUT_S``) for steps or checkpoint writes longer than
+it (every rank waits at most that long for the slowest one).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 60.0
 """Seconds a collective may wait for its peers before the ranks fail (see the note)."""
 
+TIMEOUT_ENV = "GRAPH_FSDP_PG_TIMEOUT_S"
+"""Environment variable overriding the default timeout (the CLI and spawn read it too)."""
+
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 """Set (unless already set) before an NCCL group is created: see [Note: failure bounds]."""
 
@@ -32,16 +35,19 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 def init_distributed(
     backend: str | None = None,
     *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     rank: int | None = None,
     world_size: int | None = None,
 ) -> dist.ProcessGroup:
     """``dist.init_process_group`` with bounded failure (see [Note: failure bounds]).
 
+    ``timeout_s``: None reads ``GRAPH_FSDP_PG_TIMEOUT_S`` (default 60 s).
     ``backend``: None picks NCCL when CUDA is available, else gloo. Rank and world size
     default to the launcher's ``RANK``/``WORLD_SIZE``; NCCL ranks use the GPU ``LOCAL_RANK``
     names (``torch.cuda.set_device`` and the group's ``device_id``).
     """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     if timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s} must be > 0 (seconds a collective may wait)")
     if dist.is_initialized():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graph_fsdp.distributed import DEFAULT_TIMEOUT_S, init_distributed
+from graph_fsdp.distributed import init_distributed
 
 
 def free_port() -> int:
@@ -32,7 +32,7 @@ def _entry(
     backend: str,
     args: tuple,
     conn,
-    pg_timeout_s: float,
+    pg_timeout_s: float | None,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -79,12 +79,12 @@ def spawn(
     *args,
     backend: str = "gloo",
     timeout: float | None = None,
-    pg_timeout_s: float = DEFAULT_TIMEOUT_S,
+    pg_timeout_s: float | None = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return results.
 
     ``fn`` must be importable (module level). The groups are made by
-    :func:`graph_fsdp.init_distributed` with ``pg_timeout_s``. Never hangs: a rank that exits
+    :func:`graph_fsdp.init_distributed` with ``pg_timeout_s`` (None: its default, 60 s). Never hangs: a rank that exits
     without reporting, or a run past ``timeout`` seconds (None: no bound), fails the call. Raises with every
     failing rank's traceback (and the ranks that died or were terminated).
     """
