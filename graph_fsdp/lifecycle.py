@@ -114,7 +114,7 @@ def _suspend_graphs(states: list[FSDPState]) -> int:
     except ImportError:  # pragma: no cover - capture is part of the package
         return 0
     mine = {id(s) for s in states}
-    runners = [r for r in live_runners() if any(id(s) in mine for s in r.states)]
+    runners = [r for r in live_runners() if any(id(s) in mine for s in r.states or ())]
     if not runners:
         return 0
     before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
@@ -175,7 +175,7 @@ def offload_params(model: nn.Module) -> dict[str, int]:
         raise RuntimeError("offload_params: the parameters are already offloaded")
     freed = {"graph_pools": _suspend_graphs(states)}
     root = states[0].root
-    slots = root.allocator.memory_report().get("total_reserved_bytes", {}).get("all", 0)
+    slots = _slot_bytes(root.allocator)
     device = states[0].groups[0].device
     for state in states:
         state.reshard()
@@ -195,10 +195,18 @@ def offload_params(model: nn.Module) -> dict[str, int]:
         for group in state.groups:
             _repoint_params(group)
     root.allocator.release()  # slots (and graphs that read them) must be re-made
-    freed["allocator_slots"] = slots if root.allocator.static_addresses else 0
+    freed["allocator_slots"] = slots
     offloaded.add("params")
     freed["total"] = sum(freed.values())
     return freed
+
+
+def _slot_bytes(allocator) -> int:
+    """Bytes of the static allocator's slots that exist now (``release`` frees them)."""
+    slots = getattr(allocator, "slots", None)
+    if slots is None:
+        return 0
+    return sum(slot.nbytes for slot in slots() if slot.tensor is not None)
 
 
 def _drop_unsharded(group: FlatParamGroup) -> None:

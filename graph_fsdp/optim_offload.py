@@ -183,13 +183,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self.device_optimizer is not None:
             self._sync_hparams(self.device_optimizer)
             self.device_optimizer.step()
+        if cuda:
+            h2d.wait_stream(main)  # writes into main_flat after the device part's step
         for b in self.buckets:
             if b.event is not None:
                 b.event.synchronize()
             self._sync_hparams(b.optimizer)
             b.optimizer.step()
-            if cuda:
-                h2d.wait_stream(main)  # the device params are free to overwrite
             with _on(h2d):
                 for p, m in zip(b.params, b.masters):
                     if m.grad is not None:

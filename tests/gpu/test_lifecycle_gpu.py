@@ -12,12 +12,14 @@ This file is also the user script the shutdown test runs in a fresh interpreter:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -168,7 +170,10 @@ def _graphed_cycle(rank: int, world_size: int, mode: str) -> dict:
         runs[label] = [loss.item() for loss in losses]
         report[f"{label}_report"] = graphs.report()
         graphs.close()
+        alive = weakref.ref(model)
         del model, opt, graphs
+        gc.collect()
+        report[f"{label}_collected"] = alive() is None
     report["losses"] = runs
     return report
 
@@ -197,6 +202,7 @@ def test_graphs_replay_bit_identically_after_offload_cycle(mode):
         )
     )
     assert cycled == plain, f"losses differ after the offload cycle:\n{plain}\n{cycled}"
+    assert result["plain_collected"] and result["cycled_collected"], "model not freed"
     assert result["cycled_report"]["captures"] == result["plain_report"]["captures"] + 1
     assert result["cycled_report"]["replays"] > 0
     dropped = result["allocated_before"] - result["allocated_offloaded"]
