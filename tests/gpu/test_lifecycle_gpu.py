@@ -170,6 +170,15 @@ def _graphed_cycle(rank: int, world_size: int, mode: str) -> dict:
         runs[label] = [loss.item() for loss in losses]
         report[f"{label}_report"] = graphs.report()
         graphs.close()
+        graphs.close()  # idempotent
+        try:
+            graphs.before_step()
+            report[f"{label}_reuse_refused"] = False
+        except RuntimeError:
+            report[f"{label}_reuse_refused"] = True
+        # Closed: original forwards back, and the model trains eagerly.
+        report[f"{label}_restored"] = all("forward" not in m.__dict__ for m in model.modules())
+        report[f"{label}_eager_after_close"] = _step(model, opt, None, steps, rank).item()
         alive = weakref.ref(model)
         del model, opt, graphs
         gc.collect()
@@ -203,6 +212,9 @@ def test_graphs_replay_bit_identically_after_offload_cycle(mode):
     )
     assert cycled == plain, f"losses differ after the offload cycle:\n{plain}\n{cycled}"
     assert result["plain_collected"] and result["cycled_collected"], "model not freed"
+    for label in ("plain", "cycled"):
+        assert result[f"{label}_reuse_refused"] and result[f"{label}_restored"]
+    assert result["plain_eager_after_close"] == result["cycled_eager_after_close"]
     assert result["cycled_report"]["captures"] == result["plain_report"]["captures"] + 1
     assert result["cycled_report"]["replays"] > 0
     dropped = result["allocated_before"] - result["allocated_offloaded"]
