@@ -176,23 +176,23 @@ class LayerwiseGraphs(RunnerLifecycle):
     def _free_graphs(self) -> None:
         """close(): reset every graph (torch backend: each callable's two; TE: those its
         callables hold), free the pool, give the targets their original forwards back."""
-        for cap in self.caps:
-            reset_graphs((cap.fwd_graph, cap.bwd_graph))
-            if cap.te_callable is not None:
-                reset_graphs(find_graphs(cap.te_callable))
+        self._reset_graphs()
         self.remove()
         for state in self.states:
             if state.root is not None and state.training_state.value == "idle":
                 state.reshard()
 
+    def _reset_graphs(self) -> None:
+        for cap in self.caps:
+            reset_graphs((cap.fwd_graph, cap.bwd_graph))
+            if cap.te_callable is not None:
+                reset_graphs(find_graphs(cap.te_callable))
+
     def suspend(self) -> None:
         """Free the graphs and their pool now and recapture at the next ``before_step`` (for
         offload: the buffers the graphs address are about to move)."""
         if self.captured:
-            for cap in self.caps:
-                reset_graphs((cap.fwd_graph, cap.bwd_graph))
-                if cap.te_callable is not None:
-                    reset_graphs(find_graphs(cap.te_callable))
+            self._reset_graphs()
             self.drop()
             self.captured_generation = -1  # never an allocator generation: recapture
 
