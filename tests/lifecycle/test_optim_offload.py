@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -162,3 +163,15 @@ def test_offload_config_rule():
         check_offload_config(recompute=False, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match=r"offload_fraction=1.5"):
         CPUOffloadOptimizer([torch.zeros(2, requires_grad=True)], offload_fraction=1.5)
+
+
+def test_train_run_with_optimizer_offload_matches_and_checks_recompute():
+    from graph_fsdp.train import run
+
+    base = TrainConfig(model=TINY, steps=3)
+    plain = spawn(run, 2, base)[0]
+    offloaded = spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5))[0]
+    assert offloaded["losses"] == plain["losses"]
+    assert all(torch.equal(offloaded["params"][k], v) for k, v in plain["params"].items())
+    with pytest.raises(RuntimeError, match="activation recompute"):
+        spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5, recompute=True))
