@@ -200,6 +200,10 @@ def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
         for state in collect_states(module):
             if state.root is None:
                 state.lazy_init()
+            if "params" in state.root.offloaded:
+                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
+
+                refuse_offloaded(state.root)
             for group in state.groups:
                 if group.stale():
                     group.unshard(state.allocator)

@@ -102,6 +102,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._partition(num_buckets)
 
     # ------------------------------------------------------------------ construction
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "buckets", None) is not None:
+            raise RuntimeError(
+                "CPUOffloadOptimizer places its parameters at construction: pass every param "
+                "group to the constructor (add_param_group after it is not supported)"
+            )
+        super().add_param_group(param_group)
+
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
