@@ -203,7 +203,7 @@ def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
             if "params" in state.root.offloaded:
                 from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
 
-                refuse_offloaded(state.root)
+                refuse_offloaded(state.root, "synchronize_param_gather")
             for group in state.groups:
                 if group.stale():
                     group.unshard(state.allocator)

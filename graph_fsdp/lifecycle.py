@@ -312,12 +312,12 @@ def onload_grads(model: nn.Module) -> dict[str, int]:
     return moved
 
 
-def refuse_offloaded(root) -> None:
-    """Called by the root's pre-forward while something is offloaded: a clear error."""
+def refuse_offloaded(root, action: str = "forward") -> None:
+    """Called by the root's pre-forward (and others) while something is offloaded."""
     kinds = sorted(root.offloaded)
     calls = " and ".join(f"onload_{k}()" for k in kinds)
     raise RuntimeError(
-        f"forward with offloaded {', '.join(kinds)}: call model.{calls} before training or "
+        f"{action} with offloaded {', '.join(kinds)}: call model.{calls} before training or "
         "evaluating again"
     )
 
