@@ -1,7 +1,9 @@
 """graph_fsdp: a CUDA-graph-compatible FSDP engine (ZeRO-1/2/3) for PyTorch."""
 
 from graph_fsdp.api import STRATEGIES, BufferPolicy, MixedPrecisionPolicy, placements_for
+from graph_fsdp.distributed import init_distributed
 from graph_fsdp.fully_shard import FSDPModule, fully_shard, synchronize_param_gather
+from graph_fsdp.lifecycle import iter_full_params
 from graph_fsdp.state import TrainingState
 
 __all__ = [
@@ -11,6 +13,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "TrainingState",
     "fully_shard",
+    "init_distributed",
+    "iter_full_params",
     "placements_for",
     "synchronize_param_gather",
 ]

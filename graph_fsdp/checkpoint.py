@@ -12,11 +12,15 @@ identical pieces (same index), which DCP's planner deduplicates to one writer.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -122,8 +126,89 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write a sharded DCP checkpoint of the model's main weights (and optimizer state)."""
-    dcp.save(sharded_state_dict(model, optimizer), checkpoint_id=path, planner=_SavePlanner())
+    """Write a sharded DCP checkpoint of the model's main weights (and optimizer state).
+
+    Atomic for readers: the checkpoint is written to ``<path>.tmp`` and renamed to ``path``
+    once every rank finished, so a failed save leaves the previous checkpoint at ``path``
+    untouched (the ranks must share the file system, as DCP requires).
+    """
+    sd = sharded_state_dict(model, optimizer)
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    rank0 = dist.get_rank() == 0
+    if rank0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # left by an interrupted save
+    dist.barrier()
+    try:
+        dcp.save(sd, checkpoint_id=tmp, planner=_SavePlanner())
+    except CheckpointException as exc:  # a BaseException: reported on every rank
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = "the previous checkpoint there is untouched" if os.path.exists(path) else ""
+        raise CheckpointError(f"saving checkpoint {path!r} failed; {kept}: {exc}") from exc
+    dist.barrier()
+    if rank0:
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)  # the previous checkpoint stays whole until tmp is in place
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this model (the model is left unchanged)."""
+
+
+def _read_metadata(path: str):
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        raise CheckpointError(
+            f"no checkpoint at {path!r}: {meta_file} does not exist (was the save completed? "
+            "graph_fsdp.checkpoint.save writes <path>.tmp first and renames it at the end)"
+        )
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(
+            f"checkpoint metadata {meta_file} is truncated or corrupt ({type(exc).__name__}: "
+            f"{exc}); restore it from a copy or load an older checkpoint"
+        ) from exc
+
+
+def validate_checkpoint(path: str, refs: list[ParamRef], metadata) -> None:
+    """Refuse a checkpoint of another model shape, or one whose files are truncated, naming
+    the parameter and the file, before anything is loaded."""
+    meta = metadata.state_dict_metadata
+    wanted = {f"model.{ref.fqn}": ref for ref in refs}
+    missing = [k[len("model.") :] for k in wanted if k not in meta]
+    extra = [k[len("model.") :] for k in meta if k.startswith("model.") and k not in wanted]
+    if missing or extra:
+        raise CheckpointError(
+            f"checkpoint {path!r} is from another model: parameters missing from it "
+            f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, parameters only in it "
+            f"{extra[:4]}{' ...' if len(extra) > 4 else ''}"
+        )
+    for key, ref in wanted.items():
+        size = tuple(meta[key].size)
+        if size != (ref.shape.numel(),):
+            raise CheckpointError(
+                f"parameter {ref.fqn}: checkpoint {path!r} holds {size[0] if size else size} "
+                f"elements, the model's {tuple(ref.shape)} has {ref.shape.numel()}: the "
+                "checkpoint is from another model shape"
+            )
+    sizes: dict[str, int] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        file = os.path.join(path, info.relative_path)
+        if file not in sizes:
+            sizes[file] = os.path.getsize(file) if os.path.exists(file) else -1
+        if sizes[file] < info.offset + info.length:
+            have = "is missing" if sizes[file] < 0 else f"has {sizes[file]} bytes"
+            raise CheckpointError(
+                f"checkpoint file {file} {have} but {index.fqn} (at offset "
+                f"{tuple(index.offset) if index.offset is not None else ()}) needs bytes "
+                f"[{info.offset}, {info.offset + info.length}): the file is truncated; load an "
+                "older checkpoint"
+            )
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -134,15 +219,16 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     optimizer was constructed with; set them after loading to change them.
     """
     refs = _refs(model)
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata().state_dict_metadata
+    metadata = _read_metadata(path)
+    validate_checkpoint(path, refs, metadata)
+    meta = metadata.state_dict_metadata
     sd: dict = {}
+    staged: list[tuple[ParamRef, torch.Tensor]] = []
     for ref in refs:
-        # detach(), not .data: the view shares main_flat's version counter, so the in-place
-        # load is visible to FlatParamGroup.stale() (the groups are also marked dirty below).
-        sd[f"model.{ref.fqn}"] = FlatPiece(
-            ref.sharded.detach(), ref.global_offset, ref.shape.numel()
-        )
+        # Loaded into copies first: a load that fails half-way leaves the model unchanged.
+        buf = torch.empty_like(ref.sharded.detach())
+        staged.append((ref, buf))
+        sd[f"model.{ref.fqn}"] = FlatPiece(buf, ref.global_offset, ref.shape.numel())
     optim_values: dict = {}
     if optimizer is not None:
         by_fqn = {ref.fqn: ref for ref in refs}
@@ -167,7 +253,18 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         sd["optim.param_groups"] = [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ]
-    dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner())
+    try:
+        dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner())
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(
+            f"loading checkpoint {path!r} failed; the model and optimizer are unchanged: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    with torch.no_grad():
+        for ref, buf in staged:
+            # detach(), not .data: the view shares main_flat's version counter, so the
+            # in-place load is visible to FlatParamGroup.stale() (groups are marked dirty too).
+            ref.sharded.detach().copy_(buf)
     # The main weights changed in place: compute weights gathered (ZeRO-3) or kept
     # (ZeRO-0/1/2) before the load must be refreshed by the next unshard.
     for state in collect_states(model):

@@ -64,6 +64,8 @@ class RootContext:
     backward_done: set[int] = field(default_factory=set)
     order_positions: dict[int, int] = field(default_factory=dict)
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
+    offloaded: set[str] = field(default_factory=set)
+    """State kinds moved off the device by graph_fsdp.lifecycle (forward is refused)."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -210,6 +212,10 @@ class FSDPState:
             return
         root = self.root
         if self.is_root:
+            if root.offloaded:
+                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
+
+                refuse_offloaded(root)
             root.backward_done.clear()
             root.callback_queued = False
             for s in root.states:

@@ -6,12 +6,16 @@ import gc
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection as mp_connection
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from graph_fsdp.distributed import init_distributed
 
 
 def free_port() -> int:
@@ -21,7 +25,14 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple, queue
+    rank: int,
+    fn: Callable,
+    world_size: int,
+    port: int,
+    backend: str,
+    args: tuple,
+    conn,
+    pg_timeout_s: float | None,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -30,61 +41,115 @@ def _entry(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
+    ok = False
     try:
         if backend == "nccl":
             from graph_fsdp.capture.te_backend import preload_te  # noqa: PLC0415
 
             preload_te()
-            torch.cuda.set_device(rank)
-            dist.init_process_group(
-                backend, rank=rank, world_size=world_size, device_id=torch.device("cuda", rank)
-            )
-        else:
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        init_distributed(backend, timeout_s=pg_timeout_s, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()  # plain bytes: shared-memory tensors die with the child
         torch.save(result, buf)
-        queue.put((rank, "ok", buf.getvalue()))
+        conn.send(("ok", buf.getvalue()))
+        ok = True
     except BaseException:  # noqa: BLE001 - report any failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        conn.send(("error", traceback.format_exc()))
         raise
     finally:
-        if dist.is_initialized():
+        conn.close()
+        if ok and dist.is_initialized():
             # Collect cycles that keep the engine (and its group) alive first, so that the group
             # really is destroyed here, not by a gloo thread during interpreter shutdown.
             gc.collect()
             dist.destroy_process_group()
 
 
+DEAD_GRACE_S = 3.0
+"""A rank that exited this long ago without reporting died (killed, os._exit, a crash)."""
+FAIL_GRACE_S = 90.0
+"""After a failure, how long the other ranks get to report (their errors) before they are
+terminated: longer than the default process-group timeout, so a rank waiting on a dead peer
+fails on its own first."""
+
+
 def spawn(
-    fn: Callable, world_size: int = 2, *args, backend: str = "gloo", timeout: float = 300
+    fn: Callable,
+    world_size: int = 2,
+    *args,
+    backend: str = "gloo",
+    timeout: float | None = None,
+    pg_timeout_s: float | None = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return results.
 
-    ``fn`` must be importable (module level). Raises with the first failing rank's traceback.
+    ``fn`` must be importable (module level). The groups are made by
+    :func:`graph_fsdp.init_distributed` with ``pg_timeout_s`` (None: its default, 60 s). Never hangs: a rank that exits
+    without reporting, or a run past ``timeout`` seconds (None: no bound), fails the call. Raises with every
+    failing rank's traceback (and the ranks that died or were terminated).
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     port = free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
-        ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, args, queue))
+        ctx.Process(
+            target=_entry,
+            args=(r, fn, world_size, port, backend, args, pipes[r][1], pg_timeout_s),
+        )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    results: dict[int, object] = {}
-    errors = []
-    for _ in range(world_size):
-        rank, status, payload = queue.get()
-        if status == "ok":
-            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-        else:
-            errors.append(f"rank {rank} failed:\n{payload}")
-            break
+    for _, child_end in pipes:
+        child_end.close()
+    outcome = _collect(procs, [parent for parent, _ in pipes], timeout)
     for p in procs:
-        p.join(timeout=timeout if not errors else 5)
+        p.join(timeout=5)
         if p.is_alive():
             p.terminate()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+            p.join(timeout=5)
+    failures = [
+        f"rank {r} failed:\n{payload}" for r, (status, payload) in outcome.items() if status != "ok"
+    ]
+    missing = [r for r in range(world_size) if r not in outcome]
+    if missing:
+        failures.append(f"ranks {missing} did not finish in time and were terminated")
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+
+
+def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple[str, object]]:
+    """Each rank's ``(status, payload)`` as it arrives; stops when every rank is accounted
+    for, ``FAIL_GRACE_S`` after the first failure, or at ``timeout``."""
+    start = time.monotonic()
+    outcome: dict[int, tuple[str, object]] = {}
+    exited_at: dict[int, float] = {}
+    first_failure: float | None = None
+    while len(outcome) < len(procs):
+        now = time.monotonic()
+        if (timeout is not None and now - start > timeout) or (
+            first_failure and now - first_failure > FAIL_GRACE_S
+        ):
+            break
+        pending = {conns[r]: r for r in range(len(procs)) if r not in outcome}
+        for conn in mp_connection.wait(list(pending), timeout=0.5):
+            r = pending[conn]
+            try:
+                outcome[r] = conn.recv()
+            except EOFError:  # closed without a message: the rank died
+                continue
+            if outcome[r][0] != "ok" and first_failure is None:
+                first_failure = time.monotonic()
+        for r, p in enumerate(procs):
+            if r in outcome or p.is_alive():
+                continue
+            exited_at.setdefault(r, time.monotonic())
+            if time.monotonic() - exited_at[r] > DEAD_GRACE_S:
+                outcome[r] = (
+                    "died",
+                    f"exited with code {p.exitcode} without reporting (killed, os._exit or a "
+                    "crash); the other ranks' collectives with it fail (see their errors)",
+                )
+                first_failure = first_failure or time.monotonic()
+    return outcome

@@ -73,6 +73,9 @@ class TrainConfig:
     (``np.array(ids, dtype=np.uint16).tofile(path)``); None = synthetic tokens."""
     fused_optimizer: bool = False
     """AdamW(fused=True)."""
+    optimizer_offload_fraction: float = 0.0
+    """Share of the local shards (by elements) whose AdamW state lives and steps on the CPU
+    (graph_fsdp.optim_offload); 0 keeps it on the device. Needs recompute off."""
     device: str = "cpu"
     """cpu or cuda."""
     deterministic: bool = False
@@ -207,10 +210,19 @@ def build_for(cfg: TrainConfig, device: torch.device) -> nn.Module:
     return model
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_optimizer or None
-    )
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": cfg.fused_optimizer or None}
+    if cfg.optimizer_offload_fraction > 0:
+        from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
+
+        check_offload_config(recompute=cfg.recompute)
+        return CPUOffloadOptimizer(
+            params,
+            torch.optim.AdamW,
+            offload_fraction=cfg.optimizer_offload_fraction,
+            **kwargs,
+        )
+    return torch.optim.AdamW(params, **kwargs)
 
 
 def make_graphs(model: nn.Module, cfg: TrainConfig):

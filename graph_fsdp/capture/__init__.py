@@ -22,8 +22,16 @@ from graph_fsdp.capture.scopes import (
     scope_paths,
     select_targets,
 )
+from graph_fsdp.capture.shutdown import (
+    close_live_runners,
+    install_shutdown_guard,
+    live_runners,
+)
 from graph_fsdp.capture.tracker import CaptureFailedError
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
+
+# Live graphs keep NCCL communicators alive: destroy_process_group closes them first.
+install_shutdown_guard()
 
 __all__ = [
     "GRAPH_IMPLS",
@@ -41,9 +49,12 @@ __all__ = [
     "VerifyResult",
     "check_scopes",
     "check_static_buffers",
+    "close_live_runners",
     "eager_forward_backward",
     "normalize_scope_modules",
     "parse_scope_modules",
+    "install_shutdown_guard",
+    "live_runners",
     "scope_label",
     "scope_paths",
     "select_targets",

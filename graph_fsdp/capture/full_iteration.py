@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
 from graph_fsdp.capture.graphed import CallSignature
 from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.capture.shutdown import RunnerLifecycle, reset_graphs
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
@@ -180,7 +181,7 @@ def _onoff(sync: tuple) -> str:
     return "on" if all(sync) else "off" if not any(sync) else f"mixed {sync}"
 
 
-class FullIterationGraphs:
+class FullIterationGraphs(RunnerLifecycle):
     """Forward+backward of a ``fully_shard``-ed model, one CUDA graph per microbatch position.
 
     ``eager=True`` runs the same step logic without graphs (signature checks, positions,
@@ -238,6 +239,7 @@ class FullIterationGraphs:
 
     def before_step(self) -> None:
         """Call at the start of every training step."""
+        self._check_open()
         alloc = self._allocator
         if self.graphs and alloc is not None and alloc.generation != self.captured_generation:
             self.drop()  # release() moved the buffers the graphs address
@@ -256,6 +258,25 @@ class FullIterationGraphs:
             pos.graph, pos.static_inputs, pos.static_flat = None, [], []
         self.captured_generation = None
         self._pool = None
+
+    # ------------------------------------------------------------------ teardown
+    def _free_graphs(self) -> None:
+        """close(): reset every graph (NCCL lets go of the communicator), free the pool,
+        leave every unit resharded and idle (see [Note: graphs and process-group teardown])."""
+        reset_graphs(self.graphs.values())
+        self.drop()
+        self._phase = "eager"
+        for state in self.states:
+            if state.root is not None and state.training_state.value == "idle":
+                state.reshard()
+
+    def suspend(self) -> None:
+        """Free the graphs and their pool now; the next step captures again (for offload:
+        the buffers the graphs address are about to move)."""
+        reset_graphs(self.graphs.values())
+        self.drop()
+        # Warm up again: released slots must be re-made by eager steps, not inside a capture.
+        self.steps_seen = 0
 
     def report(self) -> dict:
         return {

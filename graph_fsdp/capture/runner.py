@@ -54,6 +54,7 @@ from graph_fsdp.capture.scopes import (
     scope_label,
     select_targets,
 )
+from graph_fsdp.capture.shutdown import RunnerLifecycle, find_graphs, reset_graphs
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
@@ -107,7 +108,7 @@ def check_capturable(
     return root
 
 
-class LayerwiseGraphs:
+class LayerwiseGraphs(RunnerLifecycle):
     """Captures the modules ``scopes`` name after ``warmup_steps`` eager steps."""
 
     def __init__(
@@ -167,6 +168,7 @@ class LayerwiseGraphs:
 
     def before_step(self) -> None:
         """Call at the start of every training step (before its first forward)."""
+        self._check_open()
         allocator = self.states[0].root.allocator if self.states[0].root else None
         if self.captured and allocator is not None:
             if allocator.generation != self.captured_generation:
@@ -241,6 +243,30 @@ class LayerwiseGraphs:
         for cap in self.caps:
             if "forward" in cap.module.__dict__:
                 del cap.module.forward
+
+    # ------------------------------------------------------------------ teardown
+    def _free_graphs(self) -> None:
+        """close(): reset every graph (torch backend: each callable's two; TE: those its
+        callables hold), free the pool, give the targets their original forwards back."""
+        self._reset_graphs()
+        self.remove()
+        for state in self.states:
+            if state.root is not None and state.training_state.value == "idle":
+                state.reshard()
+
+    def _reset_graphs(self) -> None:
+        for cap in self.caps:
+            reset_graphs((cap.fwd_graph, cap.bwd_graph))
+            if cap.te_callable is not None:
+                reset_graphs(find_graphs(cap.te_callable))
+
+    def suspend(self) -> None:
+        """Free the graphs and their pool now and recapture at the next ``before_step`` (for
+        offload: the buffers the graphs address are about to move)."""
+        if self.captured:
+            self._reset_graphs()
+            self.drop()
+            self.captured_generation = -1  # never an allocator generation: recapture
 
     def report(self) -> dict:
         return {

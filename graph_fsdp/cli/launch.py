@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.distributed import init_distributed
 from graph_fsdp.testing import spawn
 
 DEFAULT_CPU_NPROC = 2
@@ -147,10 +148,8 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
             from graph_fsdp.capture.te_backend import preload_te  # noqa: PLC0415
 
             preload_te()
-            torch.cuda.set_device(plan.local_rank)
-            dist.init_process_group(plan.backend, device_id=torch.device("cuda", plan.local_rank))
-        else:
-            dist.init_process_group(plan.backend)
+        # Bounded collective timeout and NCCL watchdog settings (graph_fsdp/distributed.py).
+        init_distributed(plan.backend)
     try:
         result = fn(plan.rank, plan.world_size, *args)
         _finish_together(plan.world_size)

@@ -1,0 +1,177 @@
+"""CPU optimizer offload: bit-identical to the plain optimizer, checkpoints in and out of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from graph_fsdp import checkpoint as ckpt
+from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config, offloaded_bytes
+from graph_fsdp.testing import spawn
+from graph_fsdp.train import TrainConfig, shard_model
+
+TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+CPU = torch.device("cpu")
+HPARAMS = {"lr": 1e-2, "weight_decay": 0.01, "betas": (0.9, 0.95)}
+
+
+def _model(strategy: str = "optim_grads_params"):
+    torch.manual_seed(0)
+    return shard_model(build_model(TINY, device=CPU), TrainConfig(model=TINY, strategy=strategy))
+
+
+def _optimizer(model, fraction: float | None):
+    if fraction is None:
+        return torch.optim.AdamW(model.parameters(), **HPARAMS)
+    return CPUOffloadOptimizer(
+        model.parameters(), torch.optim.AdamW, offload_fraction=fraction, num_buckets=3, **HPARAMS
+    )
+
+
+def _step(model, opt, step: int, rank: int) -> float:
+    x, y = synthetic_batch(TINY, 1, step, rank=rank, device=CPU)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _full_optimizer_state(model, opt) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor at full size, gathered on every rank (NaN = a gap)."""
+    pieces = []
+    for ref in ckpt._refs(model):
+        for name, value in opt.state.get(ref.sharded, {}).items():
+            per_element = value.dim() == 1 and value.shape == ref.sharded.shape
+            offset = ref.global_offset if per_element else None
+            pieces.append((f"{ref.fqn}.{name}", offset, ref.shape.numel(), value.detach().clone()))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
+    out: dict[str, torch.Tensor] = {}
+    for rank_pieces in gathered:
+        for key, offset, numel, value in rank_pieces:
+            if offset is None:
+                out[key] = value
+            else:
+                full = out.setdefault(key, torch.full((numel,), math.nan, dtype=value.dtype))
+                full[offset : offset + value.numel()] = value
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _versus_plain(rank: int, world_size: int, fraction: float) -> dict:
+    plain, offl = _model(), _model()
+    opt_plain, opt_off = _optimizer(plain, None), _optimizer(offl, fraction)
+    sched = torch.optim.lr_scheduler.StepLR(opt_off, step_size=2, gamma=0.5)
+    sched_plain = torch.optim.lr_scheduler.StepLR(opt_plain, step_size=2, gamma=0.5)
+    losses = [[], []]
+    for step in range(5):
+        losses[0].append(_step(plain, opt_plain, step, rank))
+        losses[1].append(_step(offl, opt_off, step, rank))
+        sched.step()
+        sched_plain.step()
+    split = offloaded_bytes(opt_off)
+    return {
+        "losses": losses,
+        "params": _equal(ckpt.full_state_dict(plain), ckpt.full_state_dict(offl)),
+        "state": _equal(
+            _full_optimizer_state(plain, opt_plain), _full_optimizer_state(offl, opt_off)
+        ),
+        "cpu_params": sum(len(b.params) for b in opt_off.buckets),
+        "device_params": len(opt_off.device_params),
+        "split": split,
+    }
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
+def test_offloaded_optimizer_equals_plain_bit_for_bit(fraction):
+    for r in spawn(_versus_plain, 2, fraction):
+        assert r["losses"][0] == r["losses"][1]
+        assert r["params"] and r["state"]
+        if fraction == 1.0:
+            assert r["device_params"] == 0 and r["cpu_params"] > 0
+        elif fraction == 0.0:
+            assert r["cpu_params"] == 0 and r["device_params"] > 0
+        else:
+            assert r["cpu_params"] > 0 and r["device_params"] > 0
+
+
+def _save(rank: int, world_size: int, fraction: float | None, path: str) -> dict:
+    model = _model()
+    opt = _optimizer(model, fraction)
+    for step in range(3):
+        _step(model, opt, step, rank)
+    ckpt.save(path, model, opt)
+    return {
+        "params": ckpt.full_state_dict(model),
+        "optim": _full_optimizer_state(model, opt),
+        "loss": _step(model, opt, 3, rank),
+        "after": ckpt.full_state_dict(model),
+    }
+
+
+def _load_both(rank: int, world_size: int, fractions: list, path: str) -> dict:
+    out = []
+    for fraction in fractions:
+        model = _model("optim_grads")  # another strategy too
+        opt = _optimizer(model, fraction)
+        ckpt.load(path, model, opt)
+        loaded = {
+            "params": ckpt.full_state_dict(model),
+            "optim": _full_optimizer_state(model, opt),
+        }
+        loaded["loss"] = _step(model, opt, 3, rank)
+        loaded["after"] = ckpt.full_state_dict(model)
+        out.append(loaded)
+    return out
+
+
+@pytest.mark.parametrize(("save_world", "save_fraction", "load_world"), [(2, 0.5, 4), (4, None, 2)])
+def test_checkpoint_round_trip_with_and_without_offload(
+    tmp_path, save_world, save_fraction, load_world
+):
+    path = str(tmp_path / "ckpt")
+    saved = spawn(_save, save_world, save_fraction, path)[0]
+    fractions = [None, 1.0, 0.3]  # plain, all offloaded, another split
+    loaded = spawn(_load_both, load_world, fractions, path)
+    for rank_result in loaded:
+        for variant in rank_result:
+            assert _equal(variant["params"], saved["params"])
+            assert _equal(variant["optim"], saved["optim"])
+        # The next step is the same whichever side holds the state.
+        plain = rank_result[0]
+        for variant in rank_result[1:]:
+            assert variant["loss"] == plain["loss"]
+            assert _equal(variant["after"], plain["after"])
+    if save_world == load_world:  # same data split: continues the saving run exactly
+        assert _equal(loaded[0][0]["after"], saved["after"])
+
+
+def test_offload_config_rule():
+    check_offload_config(recompute=False, pipeline_parallel_size=1)
+    with pytest.raises(ValueError, match="recompute"):
+        check_offload_config(recompute=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        check_offload_config(recompute=False, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"offload_fraction=1.5"):
+        CPUOffloadOptimizer([torch.zeros(2, requires_grad=True)], offload_fraction=1.5)
+
+
+def test_train_run_with_optimizer_offload_matches_and_checks_recompute():
+    from graph_fsdp.train import run
+
+    base = TrainConfig(model=TINY, steps=3)
+    plain = spawn(run, 2, base)[0]
+    offloaded = spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5))[0]
+    assert offloaded["losses"] == plain["losses"]
+    assert all(torch.equal(offloaded["params"][k], v) for k, v in plain["params"].items())
+    with pytest.raises(RuntimeError, match="activation recompute"):
+        spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5, recompute=True))
