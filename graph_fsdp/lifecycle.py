@@ -44,12 +44,16 @@ def _pin() -> bool:
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    """Bytes the tensor's storage holds (a released main grad holds none)."""
+    return 0 if t is None else t.untyped_storage().nbytes()
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_pin() and t.is_cuda)
-    host.copy_(t, non_blocking=t.is_cuda)
+    # A released main grad (param_group.py [Note: releasable main grads]) has no values
+    # anyone can read: the next reduction overwrites it.
+    if t.untyped_storage().nbytes():
+        host.copy_(t, non_blocking=t.is_cuda)
     return host
 
 
@@ -183,8 +187,11 @@ def offload_params(model: nn.Module) -> dict[str, int]:
             _detach_grads(group)
             freed["main_params"] = freed.get("main_params", 0) + _nbytes(group.main_flat)
             group.main_flat.data = _to_host(group.main_flat)
-            freed["compute_shard"] = freed.get("compute_shard", 0) + _nbytes(group.compute_shard)
-            group.compute_shard = torch.empty(0, dtype=group.compute_dtype, device=device)
+            if group.compute_shard is not None:  # HSDP optim_over_replicas only
+                freed["compute_shard"] = freed.get("compute_shard", 0) + _nbytes(
+                    group.compute_shard
+                )
+                group.compute_shard = torch.empty(0, dtype=group.compute_dtype, device=device)
             persistent = getattr(group, "_persistent_full", None)
             if persistent is not None:
                 freed["compute_full"] = freed.get("compute_full", 0) + _nbytes(persistent)
@@ -236,10 +243,13 @@ def onload_params(model: nn.Module) -> dict[str, int]:
         for group in state.groups:
             group.main_flat.data = _to_device(group.main_flat, device)
             moved["main_params"] = moved.get("main_params", 0) + _nbytes(group.main_flat)
-            lo, hi = group.owned
-            numel = group.layout.shard_numel if group.placements.params else hi - lo
-            group.compute_shard = torch.empty(numel, dtype=group.compute_dtype, device=device)
-            moved["compute_shard"] = moved.get("compute_shard", 0) + _nbytes(group.compute_shard)
+            if group.compute_shard is not None:  # HSDP optim_over_replicas only
+                group.compute_shard = torch.empty(
+                    group.shard_numel, dtype=group.compute_dtype, device=device
+                )
+                moved["compute_shard"] = moved.get("compute_shard", 0) + _nbytes(
+                    group.compute_shard
+                )
             if not group.placements.params:
                 group._persistent_full = torch.empty(
                     group.layout.total, dtype=group.compute_dtype, device=device
