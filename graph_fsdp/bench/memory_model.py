@@ -7,9 +7,11 @@ the graph_fsdp numbers against a real 2-rank gloo run (``graph-fsdp profile --me
 
 What each role is (see ``param_group.py``'s table):
 
-- persistent for the whole run: ``main_params`` (fp32 shard), ``main_grads`` (fp32 shard),
-  ``optimizer_state`` (AdamW: two fp32 tensors per owned element), ``compute_shard`` (the
-  compute-dtype cast of the shard, the all-gather input);
+- persistent for the whole run: ``main_params`` (fp32 shard), ``optimizer_state`` (AdamW:
+  two fp32 tensors per owned element); ``main_grads`` (fp32 shard) from the reduction until
+  the next forward after ``zero_grad(set_to_none=True)`` (pinned under full_iteration
+  graphs), as FSDP2 holds its sharded grads. No compute-dtype shard: each gather casts
+  straight into the param slot (``param_group.py`` [Note: copy-in all-gather]);
 - double-buffer slots, persistent too: ``slot:param`` / ``slot:grad`` (unsharded compute-dtype
   weights and gradients, ``min(num_slots, units of that size)`` per size class),
   ``slot:grad_comm`` (the fp32 copy of the gradients that feeds an fp32 reduce-scatter:
@@ -68,7 +70,6 @@ def graph_fsdp_roles(shape: Shape) -> dict[str, int]:
         layout = FlatLayout(tuple(numels), W)
         add("main_params", layout.shard_numel * 4)
         add("main_grads", layout.shard_numel * 4)
-        add("compute_shard", layout.shard_numel * shape.compute_bytes)
         owned = sum(e - s for s, e in (layout.local_range(i, 0) for i in range(len(numels))))
         add("optimizer_state", 2 * owned * 4)
         for role, nbytes in (("param", shape.compute_bytes), ("grad", shape.compute_bytes)):
