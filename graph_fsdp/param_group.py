@@ -382,7 +382,7 @@ class FlatParamGroup:
                 else:
                     self.accum.copy_(src)
                 self.accum_pending = True
-                allocator.free(self.grad_key, used_on=self._rs_streams())
+                allocator.free(self.grad_key, used_on=self._grad_streams())
                 return
             if self.accum_pending:
                 src = self.accum.add_(src)
@@ -397,7 +397,7 @@ class FlatParamGroup:
             # ``accum``): hand their bytes back before the reduction instead of after it.
             grad_done = src is not self.grad_full
             if grad_done:
-                allocator.free(self.grad_key, used_on=self._rs_streams() + self._main_streams())
+                allocator.free(self.grad_key, used_on=self._grad_streams() + self._main_streams())
             inv_world = 1.0 / comm.dp_size
             direct = self.placements.grads and self._rs_direct() and overwrite
             used_rs = self.placements.grads and not (direct and not self.over_replicas)
@@ -452,6 +452,11 @@ class FlatParamGroup:
         )
         reduce_scatter(dst, out, self.comm, self.fqn, over_replicas=True)
         return dst
+
+    def _grad_streams(self):
+        """The side stream that reads the unsharded grads (the replica stream never does: an
+        event recorded on it before it joins a full_iteration capture is uncaptured work)."""
+        return [self.comm.rs_stream] if self.comm.rs_stream is not None else []
 
     def _rs_streams(self):
         comm = self.comm

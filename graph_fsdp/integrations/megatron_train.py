@@ -129,6 +129,9 @@ def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
         device_mesh=mesh,
         dp_shard_dim="dp",
         tp_dim="tp",
+        # Expert params (EP = 1) are sharded over the data-parallel mesh too; megatron_fsdp
+        # needs it named as the expert mesh or it has no group for them.
+        expt_device_mesh=mesh,
         fsdp_unit_modules=[TransformerLayer],
         zero_dp_strategy=cfg.strategy,
         mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
