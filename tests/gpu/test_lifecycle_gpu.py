@@ -237,13 +237,25 @@ def _offload_cost(rank: int, world_size: int) -> dict:
 
     out = {}
     device = torch.device("cuda", rank)
-    for label, fraction in (("device", None), ("offload_1.0", 1.0), ("offload_0.5", 0.5)):
+    variants = (
+        ("device", None, None),
+        ("offload_1.0", 1.0, None),
+        ("offload_0.5", 0.5, None),
+        ("offload_1.0_cpu_fused", 1.0, {"fused": True}),
+    )
+    for label, fraction, cpu_kwargs in variants:
         model, _ = _build(rank, REFERENCE)
         params = list(model.parameters())
         if fraction is None:
             opt = torch.optim.AdamW(params, lr=1e-4)
         else:
-            opt = CPUOffloadOptimizer(params, torch.optim.AdamW, offload_fraction=fraction, lr=1e-4)
+            opt = CPUOffloadOptimizer(
+                params,
+                torch.optim.AdamW,
+                offload_fraction=fraction,
+                cpu_kwargs=cpu_kwargs,
+                lr=1e-4,
+            )
         times, losses = [], []
         for step in range(13):
             x, y = synthetic_batch(REFERENCE, 1, step, rank=rank, device=device)
@@ -282,7 +294,7 @@ def test_optimizer_offload_step_time():
     }
     print(json.dumps(record))
     device_losses = result["device"]["losses"]
-    for label in ("offload_1.0", "offload_0.5"):
+    for label in ("offload_1.0", "offload_0.5", "offload_1.0_cpu_fused"):
         losses = result[label]["losses"]
         assert losses[0] == device_losses[0]  # same weights before the first update
         # CPU and GPU AdamW kernels round differently; the trajectories stay together.

@@ -175,3 +175,28 @@ def test_train_run_with_optimizer_offload_matches_and_checks_recompute():
     assert all(torch.equal(offloaded["params"][k], v) for k, v in plain["params"].items())
     with pytest.raises(RuntimeError, match="activation recompute"):
         spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5, recompute=True))
+
+
+def test_cpu_kwargs_reach_only_the_cpu_buckets_and_survive_lr_changes():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64)) for _ in range(4)]
+    opt = CPUOffloadOptimizer(
+        params, torch.optim.AdamW, offload_fraction=0.5, cpu_kwargs={"fused": True}, lr=1e-3
+    )
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
+    for step in range(3):
+        for p, q in zip(params, ref_params):
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+            q.grad = p.grad.clone()
+        opt.param_groups[0]["lr"] = ref.param_groups[0]["lr"] = 1e-3 / (step + 1)
+        opt.step()
+        ref.step()
+    assert all(g["fused"] for b in opt.buckets for g in b.optimizer.param_groups)
+    assert not any(g["fused"] for g in opt.device_optimizer.param_groups)
+    # Offloaded params follow fused AdamW exactly (CPU here, so the device half runs the
+    # default CPU kernels: equal to within rounding).
+    for p, q in zip(params[:2], ref_params[:2]):
+        assert torch.equal(p, q)
+    for p, q in zip(params[2:], ref_params[2:]):
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)
