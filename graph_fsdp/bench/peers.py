@@ -369,13 +369,44 @@ def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def megatron_fsdp_shard(model, mesh, dp_dim: str, unit_cls: type, cfg, **extra):
+    """``megatron_fsdp.fully_shard`` of ``model`` (units ``unit_cls``, fp32 main params and
+    grads) with an AdamW at ``cfg.lr`` / ``cfg.weight_decay``; ``extra`` goes to fully_shard
+    (e.g. ``expt_device_mesh``). Returns (model, optimizer)."""
+    import megatron_fsdp
+
+    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
+    # no decay), then restore the hyperparameters and the step counters.
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    model, opt = megatron_fsdp.fully_shard(
+        model,
+        opt,
+        device_mesh=mesh,
+        dp_shard_dim=dp_dim,
+        tp_dim="tp",
+        fsdp_unit_modules=[unit_cls],
+        zero_dp_strategy=cfg.strategy,
+        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
+            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
+        ),
+        **extra,
+    )
+    for group in opt.param_groups:
+        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+    for state in opt.state.values():
+        if "step" in state:
+            step = state["step"]
+            state["step"] = step.zero_() if torch.is_tensor(step) else 0
+    return model, opt
+
+
 def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """``megatron_fsdp.fully_shard`` with TransformerLayer units and fp32 main params/grads."""
     cfg = spec.cfg
     if cfg.device != "cuda":
         raise Skip("megatron_fsdp needs a CUDA device")
     try:
-        import megatron_fsdp
+        import megatron_fsdp  # noqa: F401 - availability check
     except ImportError as err:
         raise Skip(f"megatron_fsdp is not importable ({err.__class__.__name__}: {err})") from None
     if not cfg.bf16:
@@ -390,27 +421,7 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     device = device_of(cfg)
     mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
     model = build_for(cfg, device).to(torch.bfloat16)
-    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
-    # no decay), then restore the hyperparameters and the step counters.
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
-    model, opt = megatron_fsdp.fully_shard(
-        model,
-        opt,
-        device_mesh=mesh,
-        dp_shard_dim="dp_shard",
-        tp_dim="tp",
-        fsdp_unit_modules=[TransformerLayer],
-        zero_dp_strategy=cfg.strategy,
-        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
-        ),
-    )
-    for group in opt.param_groups:
-        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-    for state in opt.state.values():
-        if "step" in state:
-            step = state["step"]
-            state["step"] = step.zero_() if torch.is_tensor(step) else 0
+    model, opt = megatron_fsdp_shard(model, mesh, "dp_shard", TransformerLayer, cfg)
 
     def step(i: int) -> torch.Tensor:
         x, y = _batch(cfg, i, 0, rank, device)

@@ -114,37 +114,17 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
 
 
 def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
-    import megatron_fsdp  # noqa: PLC0415
     from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    from graph_fsdp.bench.peers import megatron_fsdp_shard  # noqa: PLC0415
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     if cfg.bf16:
         lm = lm.to(torch.bfloat16)
-    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping (see bench/peers.py): lr 0.
-    opt = torch.optim.AdamW(lm.parameters(), lr=0.0, weight_decay=0.0)
-    lm, opt = megatron_fsdp.fully_shard(
-        lm,
-        opt,
-        device_mesh=mesh,
-        dp_shard_dim="dp",
-        tp_dim="tp",
-        # Expert params (EP = 1) are sharded over the data-parallel mesh too; megatron_fsdp
-        # needs it named as the expert mesh or it has no group for them.
-        expt_device_mesh=mesh,
-        fsdp_unit_modules=[TransformerLayer],
-        zero_dp_strategy=cfg.strategy,
-        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
-        ),
-    )
-    for group in opt.param_groups:
-        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-    for state in opt.state.values():
-        if "step" in state:
-            step = state["step"]
-            state["step"] = step.zero_() if torch.is_tensor(step) else 0
-    return lm, opt
+    # Expert params (EP = 1) are sharded over the data-parallel mesh too; megatron_fsdp needs
+    # it named as the expert mesh or it has no group for them.
+    return megatron_fsdp_shard(lm, mesh, "dp", TransformerLayer, cfg, expt_device_mesh=mesh)
 
 
 def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
