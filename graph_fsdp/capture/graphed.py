@@ -412,6 +412,38 @@ def _run(hooks: CaptureHooks, key: str, module: nn.Module) -> None:
         fn(module)
 
 
+def forward_step(
+    cap: CapturedCallable,
+    hooks: CaptureHooks,
+    tracker: ModuleTracker | None,
+    capture=None,
+) -> list[torch.Tensor]:
+    """One warmup or capture forward of ``cap``: FSDP's capture-time hooks around the
+    original forward, which runs in the tracker's phase (it bypasses the module's
+    ``__call__``, so the tracker's module hooks do not see it) inside ``capture`` (a
+    ``torch.cuda.graph`` context, or None for a warmup)."""
+    _run(hooks, "forward_pre_hooks", cap.module)
+    with _phase(tracker, cap.name, "forward"), capture or nullcontext():
+        out = cap.forward_eager()
+    _run(hooks, "forward_hooks", cap.module)
+    return out
+
+
+def backward_step(
+    cap: CapturedCallable,
+    hooks: CaptureHooks,
+    outputs: list[torch.Tensor],
+    tracker: ModuleTracker | None,
+    capture=None,
+) -> list[torch.Tensor | None]:
+    """One warmup or capture backward of ``cap`` (see :func:`forward_step`)."""
+    _run(hooks, "backward_pre_hooks", cap.module)
+    with _phase(tracker, cap.name, "backward"), capture or nullcontext():
+        grads = cap.backward_eager(outputs)
+    _run(hooks, "backward_hooks", cap.module)
+    return grads
+
+
 def capture_torch(
     caps: list[CapturedCallable],
     hooks: list[CaptureHooks],
@@ -429,36 +461,22 @@ def capture_torch(
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup_iters):
-            outs = []
-            for cap, h in zip(caps, hooks):
-                _run(h, "forward_pre_hooks", cap.module)
-                with _phase(tracker, cap.name, "forward"):
-                    outs.append(cap.forward_eager())
-                _run(h, "forward_hooks", cap.module)
+            outs = [forward_step(cap, h, tracker) for cap, h in zip(caps, hooks)]
             for cap, h, out in reversed(list(zip(caps, hooks, outs))):
-                _run(h, "backward_pre_hooks", cap.module)
-                with _phase(tracker, cap.name, "backward"):
-                    cap.backward_eager(out)
-                _run(h, "backward_hooks", cap.module)
+                backward_step(cap, h, out, tracker)
             del outs
         for cap, h in zip(caps, hooks):
-            _run(h, "forward_pre_hooks", cap.module)
             cap.fwd_graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream)
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
-                with _phase(tracker, cap.name, "forward"):
-                    with torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream):
-                        cap.static_outputs = cap.forward_eager()
+                cap.static_outputs = forward_step(cap, h, tracker, graph)
             cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
-            _run(h, "forward_hooks", cap.module)
         for cap, h in reversed(list(zip(caps, hooks))):
-            _run(h, "backward_pre_hooks", cap.module)
             cap.bwd_graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream)
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):
-                with _phase(tracker, cap.name, "backward"):
-                    with torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream):
-                        cap.static_grad_inputs = cap.backward_eager(cap.static_outputs)
+                cap.static_grad_inputs = backward_step(cap, h, cap.static_outputs, tracker, graph)
             # Drop the capture forward's autograd graph: only its buffers, owned by the
             # pool, remain (the backward graph reads them).
             cap.static_outputs = [o.detach() for o in cap.static_outputs]
-            _run(h, "backward_hooks", cap.module)
     torch.cuda.current_stream().wait_stream(stream)

@@ -5,7 +5,10 @@ that broke it ("operation not permitted when stream is capturing", "Cannot copy 
 and CUDA tensors during CUDA graph capture", ...) and nothing about the model. While a
 capture runs, :class:`ModuleTracker` keeps the stack of module forwards in flight (global
 forward pre/post hooks, filtered to the captured model) and, for the backward, the last
-module whose backward began (a pre-hook on the ``grad_fn`` of each module output). Both are
+module whose backward began (a pre-hook on the ``grad_fn`` of each module output). A layerwise
+capture calls the captured module's original forward directly (no ``__call__``, no hooks):
+it marks that call with :meth:`ModuleTracker.phase`, which keeps the place an exception left
+it (the diagnosis runs after the capture code unwound). Both hooks are
 installed only for the capture and removed in ``finally``; they do host bookkeeping only,
 so nothing of them enters a graph. :func:`explain_capture_failure` turns the exception
 into a :class:`CaptureFailedError` naming that module and the fix for the kind of failure.
@@ -48,6 +51,8 @@ class ModuleTracker:
         self.stack: list[str] = []
         self.last_backward: str | None = None
         self.context: list[tuple[str, str]] = []
+        self.failure: tuple[str | None, str | None] | None = None
+        """Where an exception left a :meth:`phase` (kept: unwinding pops the phase)."""
         self._handles: list = []
         self._active = False
 
@@ -57,6 +62,8 @@ class ModuleTracker:
 
     @contextmanager
     def active(self) -> Iterator[ModuleTracker]:
+        # Nothing from an earlier capture (a failed one leaves its stack behind).
+        self.stack, self.context, self.last_backward, self.failure = [], [], None, None
         self._handles = [
             register_module_forward_pre_hook(self._pre_forward),
             register_module_forward_hook(self._post_forward),
@@ -73,11 +80,21 @@ class ModuleTracker:
     @contextmanager
     def phase(self, name: str, kind: str) -> Iterator[None]:
         """What the capture code itself runs (a layerwise callable's forward or backward),
-        for modules whose ``__call__`` is bypassed (hooks do not see them)."""
+        for modules whose ``__call__`` is bypassed (hooks do not see them).
+
+        An exception leaving the phase records where it happened (:attr:`failure`) before
+        the phase is popped: the diagnosis runs after the capture code unwound, when the
+        phase alone no longer says which module was running.
+        """
         self.context.append((name, kind))
         self.last_backward = None  # a backward begun in an earlier phase is not this one's
+        self.failure = None  # a new phase began: an earlier exception was handled
         try:
             yield
+        except BaseException:
+            if self.failure is None:  # the innermost phase the exception left
+                self.failure = self._current()
+            raise
         finally:
             self.context.pop()
 
@@ -109,7 +126,13 @@ class ModuleTracker:
         return hook
 
     def running(self) -> tuple[str | None, str | None]:
-        """``(module fqn, "forward" | "backward")`` of what ran last, innermost first."""
+        """``(module fqn, "forward" | "backward")`` of what ran last, innermost first; after
+        an exception left a phase, where it was raised."""
+        if self.failure is not None:
+            return self.failure
+        return self._current()
+
+    def _current(self) -> tuple[str | None, str | None]:
         if self.stack:
             return self.stack[-1], "forward"
         if self.last_backward is not None and self.context and self.context[-1][1] == "backward":

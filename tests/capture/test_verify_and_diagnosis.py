@@ -9,6 +9,13 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.graphed import (
+    CallSignature,
+    CapturedCallable,
+    backward_step,
+    forward_step,
+)
+from graph_fsdp.capture.scopes import Target
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
@@ -68,6 +75,26 @@ def test_first_differing_module_is_the_perturbed_one():
     assert (name, call) == ("layers.1.mlp.fc2", 0), (name, detail)
     assert "eager vs" in detail
     assert not module_globals._global_forward_hooks  # the recorder's hook is gone
+
+
+def test_a_perturbation_below_half_a_bf16_ulp_is_no_difference():
+    """The GPU test's module perturbed under capture must change bf16 values: ``* 1.001``
+    rounds back to the same bf16 value (half an ulp is >= 2**-9), so graphed == eager is the
+    right verdict for it; a power of two changes every nonzero value."""
+    torch.manual_seed(0)
+    model = build_model(TINY).to(torch.bfloat16)
+    recorder = ChecksumRecorder(model)
+    x = torch.randint(0, 64, (2, 8))
+    order, eager = _run(model, recorder, x, x)
+    fc2 = model.layers[1].mlp.fc2
+    clean = fc2.forward
+    _perturb(fc2, 1e-3)
+    _, rounded = _run(model, recorder, x, x)
+    assert first_difference(order, eager, rounded) is None
+    fc2.forward = clean
+    _perturb(fc2, 1.0)  # * 2
+    _, doubled = _run(model, recorder, x, x)
+    assert first_difference(order, eager, doubled)[:2] == ("layers.1.mlp.fc2", 0)
 
 
 def _verify_worker(rank: int, world: int) -> dict:
@@ -272,3 +299,63 @@ def test_verification_around_a_capture_keeps_the_accumulation_right():
     r = spawn(_capture_like_worker, 2)[0]
     assert r["identical"] == [True, True]
     assert r["grads_equal"], "micro 1 must add micro 0's no_sync accumulation"
+
+
+class _Block(nn.Module):
+    """A captured module whose forward fails at ``fault``: "entry" (before any submodule, like
+    an ``.item()`` on the input), "inner" (in a submodule) or "backward"."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.inner = _Fails("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+        self.fault = fault
+
+    def forward(self, x):
+        if self.fault == "entry":
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        if self.fault == "inner":
+            return self.inner(self.lin(x))
+        return _BackwardFails.apply(self.lin(x))
+
+
+_NO_HOOKS = {
+    k: {} for k in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks")
+}
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [("entry", ("1.1", "forward")), ("inner", ("1.1.inner", "forward")), ("backward", None)],
+)
+def test_layerwise_capture_failure_names_the_callable(fault, expected):
+    """The layerwise torch backend runs the captured module's original forward directly (no
+    ``__call__``, so no module hooks): its phase must still name the module after the
+    exception unwound it (the diagnosis runs after the capture code)."""
+    model = _model(_Block(fault))
+    block = model[1][1]
+    cap = CapturedCallable(Target("1.1", block, model[1], "mlp"), block.forward)
+    x = torch.randn(2, 4, requires_grad=True)
+    cap.signature = CallSignature((x,), {})
+    cap.prepare()
+    tracker = ModuleTracker.for_model(model)
+    with pytest.raises(RuntimeError) as raised, tracker.active():
+        out = forward_step(cap, _NO_HOOKS, tracker)  # what capture_torch warms up and captures
+        backward_step(cap, _NO_HOOKS, out, tracker)
+    err = explain_capture_failure(raised.value, tracker, what="layerwise graphs", layerwise=True)
+    module, phase = expected or ("1.1", "backward")
+    assert (err.module, err.phase) == (module, phase), str(err)
+    assert f"while the {phase} of {module} was running" in str(err)
+    assert "pick scopes that leave that module eager" in str(err)
+    with tracker.active():  # a new capture starts with nothing of the failed one
+        assert tracker.running() == (None, None)
+
+
+def test_a_handled_exception_in_a_phase_is_not_the_failure():
+    tracker = ModuleTracker({})
+    with tracker.active():
+        with pytest.raises(ValueError), tracker.phase("a", "forward"):
+            raise ValueError("handled by the caller")
+        with tracker.phase("b", "backward"):
+            pass
+        assert tracker.running() == (None, None)
