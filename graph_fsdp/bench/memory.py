@@ -339,8 +339,17 @@ def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
             return None
         return next((r for lo, hi, r in spans if lo <= block["addr"] < hi), None)
 
+    by_stack: dict[tuple, str] = {}  # a trace repeats few stacks many times
+
     def role_of(block: dict) -> str:
-        return known_role(block) or role_from_frames(block.get("frames", []))
+        role = known_role(block)
+        if role is None:
+            frames = block.get("frames", [])
+            key = tuple((f.get("filename"), f.get("name")) for f in frames)
+            role = by_stack.get(key)
+            if role is None:
+                role = by_stack[key] = role_from_frames(frames)
+        return role
 
     pools = _pool_ranges(snapshot, device)
     by_role: dict[str, int] = {}
