@@ -12,13 +12,21 @@ allocated bytes (the moment ``torch.cuda.max_memory_allocated`` reports). Every 
 
 1. by address: the engine's known tensors (graph_fsdp: ``main_params``, ``main_grads``,
    ``compute_shard``, the allocator's slots by role, ``accum``; FSDP2: the sharded
-   parameters and gradients; both: ``optimizer_state``);
+   parameters and gradients; both: ``optimizer_state``), read at the end of the run: they
+   claim a block only if that very allocation is still live at the end of the trace (a
+   storage that comes and goes - a released main grad, a dynamic buffer - may sit at
+   another address, or its old address may hold something else, at the peak);
 2. by stack: allocations made through graph_fsdp's allocator carry a frame
    ``alloc__<role>`` (the tool wraps the allocator's ``allocate``: the dynamic allocator's
-   buffers change address); FSDP2's all-gather and reduce-scatter buffers by their
-   functions; optimizer temporaries under ``torch/optim``; the model's forward
-   (activations); no Python frame at all: autograd's backward thread (gradients and
-   backward temporaries).
+   buffers change address; its re-allocations are ``storage.resize_`` calls inside that
+   frame); main grads re-allocated by ``ensure_main_grad`` (param_group.py [Note: releasable
+   main grads]); FSDP2's all-gather and reduce-scatter buffers by their functions;
+   optimizer temporaries under ``torch/optim``; the model's forward (activations); no
+   Python frame at all: autograd's backward thread (gradients and backward temporaries).
+
+Besides the roles at the peak (``by_role``), ``peak_by_role`` gives each role's own highest
+live bytes over the whole trace: buffers that are freed before the peak (the dynamic
+allocator's gathered weights when the peak is the optimizer step) show there.
 
 A captured step allocates nothing when it replays: its memory is the graph pool, reported
 as reserved bytes per pool at the end (``reserved_by_pool``), next to the peak attribution
@@ -230,6 +238,8 @@ def role_from_frames(frames: list[dict]) -> str:
             return name[len(TAG_PREFIX) :]
     for f in frames:
         path, name = f.get("filename", "").replace("\\", "/"), f.get("name", "")
+        if name == "ensure_main_grad" and path.endswith("graph_fsdp/param_group.py"):
+            return "main_grads"
         if "fsdp/_fully_shard/" in path:
             if "reduce" in name:
                 return "fsdp2:reduce_scatter"
@@ -286,18 +296,67 @@ def _pool_ranges(snapshot: dict, device: int) -> list[tuple[int, int, str]]:
     return out
 
 
+def _live_at_end(events: list[dict]) -> dict[int, dict]:
+    """The alloc event of every block still live when the trace ends, by address."""
+    live: dict[int, dict] = {}
+    for e in events:
+        if e.get("action") == "alloc":
+            live[e["addr"]] = e
+        elif e.get("action") in FREE_ACTIONS:
+            live.pop(e["addr"], None)
+    return live
+
+
+def role_peaks(events: list[dict], role_of: Callable[[dict], str]) -> dict[str, int]:
+    """Each role's highest live bytes over the trace (at its own moment, not the peak's)."""
+    live: dict[int, tuple[str, int]] = {}
+    now: dict[str, int] = {}
+    peaks: dict[str, int] = {}
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            role = role_of(e)
+            live[e["addr"]] = (role, e["size"])
+            now[role] = now.get(role, 0) + e["size"]
+            peaks[role] = max(peaks.get(role, 0), now[role])
+        elif action in FREE_ACTIONS and e["addr"] in live:
+            role, size = live.pop(e["addr"])
+            now[role] -= size
+    return peaks
+
+
 def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
     """Bytes per role of the blocks live at the allocated-bytes peak of ``snapshot``."""
     traces = snapshot.get("device_traces", [])
     events = traces[device] if device < len(traces) else []
     peak, live, peak_at = replay_peak(events)
     spans = sorted(((k.ptr, k.ptr + k.nbytes, k.role) for k in known), key=lambda s: s[0])
+    at_end = _live_at_end(events)
+
+    def known_role(block: dict) -> str | None:
+        # Known tensors are read after the run: only the allocation live then is theirs.
+        if at_end.get(block["addr"]) is not block:
+            return None
+        return next((r for lo, hi, r in spans if lo <= block["addr"] < hi), None)
+
+    by_stack: dict[tuple, str] = {}  # a trace repeats few stacks many times
+
+    def role_of(block: dict) -> str:
+        role = known_role(block)
+        if role is None:
+            frames = block.get("frames", [])
+            key = tuple((f.get("filename"), f.get("name")) for f in frames)
+            role = by_stack.get(key)
+            if role is None:
+                role = by_stack[key] = role_from_frames(frames)
+        return role
+
     pools = _pool_ranges(snapshot, device)
     by_role: dict[str, int] = {}
     in_pool: dict[str, int] = {}
     sites: dict[tuple[str, str], int] = {}
     for addr, block in live.items():
-        role = next((r for lo, hi, r in spans if lo <= addr < hi), None)
+        role = known_role(block)
         if role is None:
             role = role_from_frames(block.get("frames", []))
             site = (role, alloc_site(block.get("frames", [])))
@@ -316,6 +375,9 @@ def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
         "peak_event_index": peak_at,
         "trace_events": len(events),
         "by_role": dict(sorted(by_role.items(), key=lambda kv: _role_rank(kv[0]))),
+        "peak_by_role": dict(
+            sorted(role_peaks(events, role_of).items(), key=lambda kv: _role_rank(kv[0]))
+        ),
         "in_graph_pool_by_role": in_pool,
         "reserved_by_pool": reserved,
         "known_bytes": known_bytes(known),

@@ -81,13 +81,24 @@ def test_memory_breakdown_accounts_for_the_peak(engine: str, cfg_kw: dict) -> No
     assert abs(out["max_memory_allocated"] - peak) <= 0.02 * peak + 2**20, out
     persistent = "main_params" if engine == "graph_fsdp" else "fsdp2:sharded_params"
     checked = [persistent, "optimizer_state"]
-    if engine == "graph_fsdp" and cfg_kw["allocator"] == "double_buffer":
-        checked.append("slot:param")
+    if engine == "graph_fsdp":
+        # Released between steps and re-allocated in backward ([Note: releasable main
+        # grads]): all live at the optimizer step (eager peaks) and pinned under capture.
+        checked.append("main_grads")
+        if cfg_kw["allocator"] == "double_buffer":
+            checked.append("slot:param")
     for role in checked:
         # Live at the peak; blocks are the tensors' bytes rounded up to 512.
         known = out["known_bytes"][role]
         assert known <= roles[role] <= known + 512 * 128, (role, roles, out["known_bytes"])
     if engine == "graph_fsdp" and cfg_kw["allocator"] == "dynamic":
-        assert roles.get("param", 0) > 0  # tagged allocations of the gathered weights
+        # The gathered weights are freed (storage resized to 0) before the optimizer step,
+        # where the eager peak is: their tagged allocations (torch.empty, then
+        # storage.resize_ inside the wrapped allocate) show in their own highest live
+        # bytes: at least the largest unit (>= the average of 5 units: bf16 of all weights
+        # is main_params' fp32 bytes over 2 ranks), at most every unit at once.
+        gathered = out["peak_by_role"].get("param", 0)
+        main = out["known_bytes"]["main_params"]
+        assert main / 8 < gathered <= main + 512 * 16, (out["peak_by_role"], main)
     if cfg_kw.get("cuda_graph_scope"):
         assert any(k.startswith("graph pool") for k in out["reserved_by_pool"]), out

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from graph_fsdp.bench.memory import (
     Known,
     MemoryJob,
+    _known,
     attribute,
     format_table,
     known_bytes,
@@ -113,11 +116,102 @@ def test_attribute_by_address_then_by_stack() -> None:
     assert out["by_role"]["activations (forward)"] == 300
 
 
+PARAM_GROUP = "/x/graph_fsdp/param_group.py"
+ALLOCATOR = "/x/graph_fsdp/buffers/allocator.py"
+MEMORY = "/x/graph_fsdp/bench/memory.py"
+
+
+def resized_param(addr: int, size: int) -> dict:
+    """A dynamic allocator's re-allocation: ``storage.resize_`` inside the tagged allocate."""
+    return alloc(
+        addr,
+        size,
+        frame(ALLOCATOR, "allocate", 190),  # storage.resize_(nbytes): no Python frame of its own
+        frame("<string>", "alloc__param"),
+        frame(MEMORY, "allocate"),
+        frame(PARAM_GROUP, "unshard"),
+    )
+
+
+def main_grad(addr: int, size: int) -> dict:
+    return alloc(
+        addr, size, frame(PARAM_GROUP, "ensure_main_grad"), frame(PARAM_GROUP, "reduce_grads")
+    )
+
+
+OPT_PEAK = [
+    alloc(100, 40, frame(PARAM_GROUP, "__init__")),  # main_params (persistent)
+    resized_param(200, 30),  # forward gather, step 0
+    *free(200),
+    resized_param(200, 30),  # backward re-gather
+    main_grad(300, 40),  # reduced into the re-allocated main grad
+    *free(200),  # resharded after backward
+    alloc(500, 40, frame(OPTIM, "_multi_tensor_adamw")),  # optimizer step: the peak (120)
+    *free(500),
+    *free(300),  # next forward releases the main grad
+    resized_param(300, 30),  # ...whose address the next gather reuses
+    alloc(200, 20, frame(GPT, "forward")),
+    *free(300),
+    *free(200),
+    main_grad(500, 40),  # the last step's main grad, where the temporaries were at the peak
+]
+
+
+def test_released_storages_are_attributed_by_stack_not_by_their_final_address() -> None:
+    # The known tensors are read after the run: main_grad at 500, the released gathered
+    # weights have no storage (memory.py's _known skips them).
+    known = [Known("main_params", 100, 40), Known("main_grads", 500, 40)]
+    out = attribute({"device_traces": [OPT_PEAK]}, known)
+    assert out["peak_allocated_bytes"] == 120
+    # The main grad live at the peak (at 300, released since) is still the main grad, by
+    # its ensure_main_grad frame; the temporaries at 500 are not claimed by the final
+    # main grad's span; the gathered weights are not live at an optimizer-step peak.
+    assert out["by_role"] == {"main_params": 40, "main_grads": 40, "optimizer_temporaries": 40}
+    # Each role's own highest live bytes: the resized (tagged) gathers show there.
+    assert out["peak_by_role"] == {
+        "main_params": 40,
+        "main_grads": 40,
+        "param": 30,
+        "optimizer_temporaries": 40,
+        "activations (forward)": 20,
+    }
+    assert out["known_bytes"] == {"main_params": 40, "main_grads": 40}
+
+
+def test_dynamic_reallocation_stack_carries_the_tag(monkeypatch) -> None:
+    """The stack the CUDA allocator records (CapturedTraceback, Python frames) for the
+    dynamic allocator's ``storage.resize_`` re-allocation carries the role's tag frame."""
+    from torch._C._profiler import gather_traceback, symbolize_tracebacks  # noqa: PLC0415
+
+    from graph_fsdp.bench.memory import tag_allocations  # noqa: PLC0415
+    from graph_fsdp.buffers.allocator import DynamicAllocator  # noqa: PLC0415
+
+    stacks = []
+    resize = torch.UntypedStorage.resize_
+
+    def recording_resize(storage, nbytes):
+        tb = gather_traceback(python=True, script=False, cpp=False)
+        stacks.append(symbolize_tracebacks([tb])[0])
+        return resize(storage, nbytes)
+
+    allocator = DynamicAllocator()
+    tag_allocations(allocator)
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", recording_resize)
+    key, cpu = ("layers.0", "param", torch.bfloat16), torch.device("cpu")
+    first = allocator.allocate(key, 10, torch.bfloat16, cpu)  # torch.empty
+    allocator.free(key)  # resize_(0)
+    again = allocator.allocate(key, 10, torch.bfloat16, cpu)  # resize_(20): re-allocation
+    assert again is first and again.untyped_storage().nbytes() == 20
+    assert [role_from_frames(s) for s in stacks] == ["other", "param"]
+
+
 def test_roles_from_frames() -> None:
     assert role_from_frames([frame(OPTIM, "_multi_tensor_adamw")]) == "optimizer_temporaries"
     assert role_from_frames([frame(FSDP2, "foreach_reduce")]) == "fsdp2:reduce_scatter"
     assert role_from_frames([frame(FSDP2, "foreach_all_gather")]) == "fsdp2:all_gather"
     assert role_from_frames([frame("<s>", "alloc__rs_out"), frame(GPT, "x")]) == "rs_out"
+    assert role_from_frames([frame(PARAM_GROUP, "ensure_main_grad")]) == "main_grads"
+    assert role_from_frames([frame("/x/other/param_group.py", "ensure_main_grad")]) == "other"
     assert role_from_frames([frame("/x/train.py", "run")]) == "other"
     assert role_from_frames([]) == "autograd backward (no Python frame)"
 
@@ -135,6 +229,18 @@ def test_table_and_merge(tmp_path) -> None:
     assert "no memory results" in merge([])
     assert "a: largest blocks at the peak" in merge(paths)
     assert "| grad_comm | `graph_fsdp/buffers/allocator.py:1 allocate` | 0.000 |" in merge(paths)
+
+
+def test_known_skips_absent_and_released_storages() -> None:
+    # compute_shard is None unless the optimizer runs over replicas; a released main grad
+    # keeps its tensor object with a 0-byte storage: neither claims any address.
+    grad = torch.zeros(16)
+    assert _known("main_grads", grad) == [
+        Known("main_grads", grad.untyped_storage().data_ptr(), 64)
+    ]
+    grad.untyped_storage().resize_(0)
+    assert _known("main_grads", grad) == []
+    assert _known("compute_shard", None) == []
 
 
 def test_known_bytes_counts_each_storage_once() -> None:
