@@ -80,6 +80,10 @@ class CommContext:
     def wait_reductions(self) -> None:
         """The main stream waits for every queued gradient reduction (both mesh dims)."""
         main = self.main_stream()
+        # A step with no replica reduction (a no_sync microbatch) leaves rep_stream outside a
+        # full_iteration capture; an event recorded on it there is uncaptured work the
+        # captured main stream must not wait on. Chained behind rs_stream it joins first.
+        self.wait(self.rep_stream, self.rs_stream)
         self.wait(main, self.rs_stream)
         self.wait(main, self.rep_stream)
 
