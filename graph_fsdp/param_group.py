@@ -241,18 +241,19 @@ class FlatParamGroup:
         lo, hi = self.owned
         slo, shi = self.shard_range
         if self.compute_shard is None:
-            target, result = full[lo:hi], full[slo:shi]
-        elif self.stale():
-            target, result = self.compute_shard[lo - slo : hi - slo], self.compute_shard
-        else:
-            return self.compute_shard
+            self._cast_main_into(full[lo:hi])
+            return full[slo:shi]
+        if self.stale():
+            piece = self.compute_shard[lo - slo : hi - slo]
+            self._cast_main_into(piece)
+            all_gather(self.compute_shard, piece, self.comm, self.fqn, over_replicas=True)
+        return self.compute_shard
+
+    def _cast_main_into(self, target: torch.Tensor) -> None:
         with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):
             target.copy_(self.main_flat)
-        if self.compute_shard is not None:
-            all_gather(self.compute_shard, target, self.comm, self.fqn, over_replicas=True)
         self._synced_version = self.main_flat._version
         self.dirty = False
-        return result
 
     def wait_unshard(self) -> None:
         if self.ag_event is not None:
