@@ -192,6 +192,10 @@ class FlatParamGroup:
                 self.rep_key, self.owned[1] - self.owned[0], self.mp.comm_dtype(), self.device
             )
 
+    @property
+    def _reduction_keys(self) -> tuple:
+        return (self.comm_key, self.rs_key, self.rep_key)
+
     def _rs_direct(self) -> bool:
         return self.mp.comm_dtype() == self.mp.main_grads_dtype
 
@@ -333,6 +337,9 @@ class FlatParamGroup:
     # ---------------------------------------------------------------- gradients
     def prepare_grads(self, allocator: BufferAllocator) -> None:
         """Give the unsharded params zeroed ``.grad`` views before their backward runs."""
+        # The reduction's buffers get their bytes here, on the main stream, not on the
+        # reduce-scatter stream that uses them ([Note: backward slots between steps]).
+        allocator.prepare(self._reduction_keys)
         grad_full = allocator.allocate(
             self.grad_key, self.layout.total, self.compute_dtype, self.device
         )

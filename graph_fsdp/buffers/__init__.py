@@ -1,6 +1,7 @@
 """Static-address buffers: one allocator interface, three implementations."""
 
 from graph_fsdp.buffers.allocator import (
+    BACKWARD_ROLES,
     BufferAllocator,
     DynamicAllocator,
     SlotReuseError,
@@ -10,6 +11,7 @@ from graph_fsdp.buffers.layout import FlatLayout
 from graph_fsdp.buffers.trace_pool import TracePoolAllocator, plan_slots
 
 __all__ = [
+    "BACKWARD_ROLES",
     "BufferAllocator",
     "DoubleBufferAllocator",
     "DynamicAllocator",

@@ -92,6 +92,11 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return cached[1]
 
 
+BACKWARD_ROLES = frozenset({"grad", "grad_comm", "rs_out", "rep_out"})
+"""Roles whose keys live only inside a backward (unsharded gradients, reduction buffers):
+their slots hold nothing between steps ([Note: backward slots between steps])."""
+
+
 def key_role(key: Key) -> str:
     """Role of a key for memory reports: the second element of tuple keys."""
     if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[1], str):
@@ -155,7 +160,14 @@ class BufferAllocator(ABC):
         """Give ``key``'s bytes back once work already queued on ``used_on`` is done."""
 
     def step_boundary(self) -> None:  # noqa: B027 - optional hook
-        """Called by the root between training steps (trace pool plans here)."""
+        """Called by the root between training steps, after the main stream waited for every
+        reduction (trace pool plans here; slot allocators release backward slots)."""
+
+    def prepare(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hook
+        """Give ``keys``' buffers their bytes now, on the current (main) stream."""
+
+    def pin_roles(self, roles: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Keep the buffers of ``roles`` at fixed addresses from now on (graphs read them)."""
 
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
@@ -217,6 +229,8 @@ class Slot:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, label: str):
         self.numel, self.dtype, self.device, self.label = numel, dtype, device, label
         self.tensor: torch.Tensor | None = None
+        self.released = False
+        """The tensor exists but its storage was given back (see ``release_storage``)."""
         self.holder: Key | None = None
         self.pending: list[torch.cuda.Event] = []
         self._events: dict[tuple, torch.cuda.Event] = {}
@@ -227,9 +241,21 @@ class Slot:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def materialise(self) -> torch.Tensor:
+        """The slot's tensor with its bytes, allocated on the current stream if it has none."""
         if self.tensor is None:
             self.tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        elif self.released:
+            self.tensor.untyped_storage().resize_(self.nbytes)
+            self.released = False
         return self.tensor
+
+    def release_storage(self) -> None:
+        """Give the bytes back to the caching allocator; the tensor and its views stay and
+        ``materialise`` re-allocates them (a new address). Only between uses: the caller
+        guarantees that no queued work still touches the bytes."""
+        if self.tensor is not None and not self.released and self.holder is None:
+            self.tensor.untyped_storage().resize_(0)
+            self.released = True
 
     def take(self, key: Key, numel: int) -> torch.Tensor:
         return self.acquire(key)[:numel]
@@ -269,7 +295,7 @@ class Slot:
                 self.pending.append(event)
 
     def drop(self) -> None:
-        self.tensor, self.holder, self.pending = None, None, []
+        self.tensor, self.holder, self.pending, self.released = None, None, [], False
         self._events = {}
 
 
@@ -282,6 +308,19 @@ class SlotAllocator(BufferAllocator):
 
     static_addresses = True
 
+    # [Note: backward slots between steps] Slots that serve only BACKWARD_ROLES hold nothing
+    # from the end of one backward to the start of the next, so ``step_boundary`` (the main
+    # stream has waited for every reduction by then) gives their bytes back to the caching
+    # allocator and ``prepare`` re-allocates them on the main stream when a unit's backward
+    # begins - as torch FSDP2 allocates gradients only in backward. The next forward's
+    # activations reuse those bytes instead of stacking on top of idle gradient slots.
+    # Addresses change between steps, which only eager steps and a full-iteration capture
+    # (whose allocations all come from its graph pool) allow: layerwise graphs write the
+    # unsharded gradients at captured addresses and ``pin_roles(("grad",))`` them first.
+    # Re-allocating on the main stream matters twice: the bytes come from (and return to)
+    # the pool that activations use, and every side stream reaches them only after waiting
+    # for the main stream, past the point of allocation.
+
     def __init__(self, *, persist_on_alloc_fail: bool = False) -> None:
         super().__init__()
         self.persist_on_alloc_fail = persist_on_alloc_fail
@@ -289,6 +328,9 @@ class SlotAllocator(BufferAllocator):
         self._views: dict[Key, torch.Tensor] = {}
         self._dedicated: dict[Key, Slot] = {}
         self._planned = False
+        self.pinned_roles: set[str] = set()
+        self._between_steps: list[Slot] | None = None
+        """Slots released at step boundaries (computed from the plan and the pinned roles)."""
 
     # -- subclass hooks ------------------------------------------------------------------
     def _plan(self) -> None:
@@ -300,10 +342,7 @@ class SlotAllocator(BufferAllocator):
 
     # -- interface -----------------------------------------------------------------------
     def _slot_for(self, key, numel, dtype, device) -> Slot:
-        if not self._planned:
-            with nvtx_range(f"graph_fsdp/allocator/plan/{type(self).__name__}"):
-                self._plan()
-            self._planned = True
+        self._ensure_planned()
         # Dedicated first: a key that outgrew its planned slot must keep its dedicated one.
         slot = self._dedicated.get(key) or self._assignment.get(key)
         if slot is not None and slot.numel >= numel and slot.dtype == dtype:
@@ -324,11 +363,46 @@ class SlotAllocator(BufferAllocator):
             )
         dedicated = Slot(numel, dtype, device, label=f"dedicated[{key!r}]")
         self._dedicated[key] = dedicated
+        self._between_steps = None
         self._views.pop(key, None)
         self.stats.reserved["dedicated"] = (
             self.stats.reserved.get("dedicated", 0) + dedicated.nbytes
         )
         return dedicated
+
+    def _ensure_planned(self) -> None:
+        if not self._planned:
+            with nvtx_range(f"graph_fsdp/allocator/plan/{type(self).__name__}"):
+                self._plan()
+            self._planned = True
+            self._between_steps = None
+
+    def prepare(self, keys):
+        self._ensure_planned()
+        for key in keys:
+            slot = self._dedicated.get(key) or self._assignment.get(key)
+            if slot is not None:
+                slot.materialise()
+
+    def pin_roles(self, roles):
+        self.pinned_roles.update(roles)
+        self._between_steps = None
+        # Slots not created yet are created at their first use and never released.
+        for key, slot in [*self._assignment.items(), *self._dedicated.items()]:
+            if key_role(key) in self.pinned_roles and slot.tensor is not None:
+                slot.materialise()
+
+    def step_boundary(self) -> None:
+        if not self._planned:
+            return
+        if self._between_steps is None:
+            roles: dict[int, set[str]] = {}
+            for key, slot in [*self._assignment.items(), *self._dedicated.items()]:
+                roles.setdefault(id(slot), set()).add(key_role(key))
+            releasable = BACKWARD_ROLES - self.pinned_roles
+            self._between_steps = [s for s in self.slots() if roles[id(s)] <= releasable]
+        for slot in self._between_steps:
+            slot.release_storage()
 
     def allocate(self, key, numel, dtype, device):
         slot = self._slot_for(key, numel, dtype, device)
@@ -352,6 +426,7 @@ class SlotAllocator(BufferAllocator):
         for slot in [*set(self._assignment.values()), *self._dedicated.values()]:
             slot.drop()
         self._views.clear()
+        self._between_steps = None
         self.generation += 1
 
     def slots(self) -> list[Slot]:

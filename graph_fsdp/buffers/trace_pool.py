@@ -122,10 +122,16 @@ class TracePoolAllocator(SlotAllocator):
         self._tracer.free(key, used_on=used_on)
 
     def step_boundary(self) -> None:
-        if self.tracing and self._traces:
+        if not self.tracing:
+            super().step_boundary()
+        elif self._traces:
             self._steps_traced += 1
             if self._steps_traced >= self.trace_steps:
                 self._slot_for_plan()
+
+    def prepare(self, keys):
+        if not self.tracing:
+            super().prepare(keys)
 
     def _slot_for_plan(self) -> None:
         self._plan()

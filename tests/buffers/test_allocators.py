@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graph_fsdp.buffers import (
+    BACKWARD_ROLES,
     DoubleBufferAllocator,
     DynamicAllocator,
     SlotReuseError,
@@ -120,8 +121,12 @@ class Driver:
         self.tensors.clear()
 
 
-def traced_pool(**kwargs) -> tuple[TracePoolAllocator, Driver]:
+def traced_pool(*, pin: bool = True, **kwargs) -> tuple[TracePoolAllocator, Driver]:
+    """A planned trace pool; ``pin`` keeps every role at fixed addresses across steps, as
+    graphs that read the backward buffers need (unpinned, they are released between steps)."""
     pool = TracePoolAllocator(**kwargs)
+    if pin:
+        pool.pin_roles(BACKWARD_ROLES)
     driver = Driver(pool)
     assert pool.tracing and not pool.static_addresses
     driver.run(train_step())
@@ -547,3 +552,75 @@ def test_dynamic_allocator_new_size_new_tensor() -> None:
     assert b.numel() == 20 and b is not a
     assert b.untyped_storage().nbytes() == 80
     assert float(b.fill_(1).sum()) == 20
+
+
+# ---------------------------------------------------------------------- backward slots
+def _backward_slots(allocator) -> tuple[list, list]:
+    """(slots serving only backward roles, the other slots) of a planned allocator."""
+    roles: dict = {}
+    for key, slot in allocator._assignment.items():
+        roles.setdefault(id(slot), set()).add(key[1])
+    slots = allocator.slots()
+    backward = [s for s in slots if roles[id(s)] <= BACKWARD_ROLES]
+    return backward, [s for s in slots if s not in backward]
+
+
+def registered_layers(**kwargs) -> DoubleBufferAllocator:
+    allocator = DoubleBufferAllocator(serial_roles=("grad_comm",), **kwargs)
+    for key, (numel, dtype) in SIZES.items():
+        allocator.register(key, numel, dtype, CPU)
+    return allocator
+
+
+@pytest.mark.parametrize("kind", ["double_buffer", "trace_pool"])
+def test_backward_slots_released_between_steps(kind: str) -> None:
+    if kind == "trace_pool":
+        allocator, driver = traced_pool(pin=False)
+    else:
+        allocator = registered_layers()
+        driver = Driver(allocator)
+    objects: dict = {}
+    for _ in range(4):
+        driver.run(train_step())
+        allocator.step_boundary()
+        backward, other = _backward_slots(allocator)
+        assert backward, "the plan has slots that only backward uses"
+        for slot in backward:
+            assert slot.released and slot.tensor.untyped_storage().nbytes() == 0, slot.label
+        for slot in other:
+            assert not slot.released and slot.tensor.untyped_storage().nbytes() == slot.nbytes
+        # The same tensor objects come back (views made on them stay valid).
+        for key, tensors in driver.tensors.items():
+            assert all(t is objects.setdefault(key, tensors[0]) for t in tensors), key
+        driver.reset()
+    assert all(v == 0 for v in allocator.memory_report()["live_bytes"].values())
+
+
+def test_prepare_gives_backward_slots_their_bytes_before_use() -> None:
+    allocator = registered_layers()
+    driver = Driver(allocator)
+    driver.run(train_step())
+    allocator.step_boundary()
+    slot = allocator._assignment[ckey(0)]
+    assert slot.released
+    allocator.prepare([ckey(0), ("layers.0", "rs_out", F32)])  # an unregistered key is skipped
+    assert not slot.released and slot.tensor.untyped_storage().nbytes() == slot.nbytes
+    driver.run(train_step())  # values written and checked through the re-allocated bytes
+
+
+def test_pinned_roles_stay_at_fixed_addresses() -> None:
+    allocator = registered_layers()
+    driver = Driver(allocator)
+    driver.run(train_step())
+    allocator.step_boundary()
+    allocator.pin_roles(("grad",))  # after a release: the pinned slots get their bytes back
+    ptrs = {}
+    for _ in range(3):
+        driver.reset()
+        driver.run(train_step())
+        allocator.step_boundary()
+        for i in range(LAYERS):
+            ptr = next(iter(driver.ptrs[gkey(i)]))
+            assert ptrs.setdefault(gkey(i), ptr) == ptr
+            assert not allocator._assignment[gkey(i)].released
+            assert allocator._assignment[ckey(i)].released

@@ -89,7 +89,7 @@ def test_all_gather_and_reduce_scatter_overlap_compute():
         assert s["overlapped_us"] >= 0.02 * s["comm_us"], s
 
 
-def _addresses(rank: int, world: int, allocator: str) -> dict:
+def _addresses(rank: int, world: int, allocator: str, pin: bool) -> dict:
     from graph_fsdp.fully_shard import collect_states
     from graph_fsdp.models import build_model, synthetic_batch
     from graph_fsdp.train import shard_model
@@ -104,13 +104,16 @@ def _addresses(rank: int, world: int, allocator: str) -> dict:
     model = build_model(cfg.model, device=dev)
     shard_model(model, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    losses, ptrs = [], []
+    losses, ptrs, grad_bytes = [], [], []
+    root_state = collect_states(model)[0]
     for step in range(22):
         for micro in range(2):
             model.set_requires_gradient_sync(micro == 1)
             x, y = synthetic_batch(cfg.model, 2, 2 * step + micro, rank=rank, device=dev)
             loss = model(x, y)
             loss.backward()
+        if step == 0 and pin:  # as layerwise graphs do before capture
+            root_state.root.allocator.pin_roles(("grad",))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -121,14 +124,21 @@ def _addresses(rank: int, world: int, allocator: str) -> dict:
         for state in collect_states(model):
             for g in state.groups:
                 seen.append((g.full.data_ptr(), g.grad_full.data_ptr()))
+                grad_bytes.append(g.grad_full.untyped_storage().nbytes())
         ptrs.append(seen)
-    return {"losses": losses, "ptrs": ptrs}
+    return {"losses": losses, "ptrs": ptrs, "grad_bytes": grad_bytes}
 
 
-@pytest.mark.parametrize("allocator", ["double_buffer", "trace_pool"])
-def test_static_allocator_bit_identical_and_addresses_constant(allocator):
-    dynamic = spawn(_addresses, 2, "dynamic", backend="nccl")
-    static = spawn(_addresses, 2, allocator, backend="nccl")
+@pytest.mark.parametrize(
+    "allocator,pin", [("double_buffer", True), ("trace_pool", True), ("double_buffer", False)]
+)
+def test_static_allocator_bit_identical_and_addresses_constant(allocator, pin):
+    dynamic = spawn(_addresses, 2, "dynamic", False, backend="nccl")
+    static = spawn(_addresses, 2, allocator, pin, backend="nccl")
     assert dynamic[0]["losses"] == static[0]["losses"]
     steady = static[0]["ptrs"][2:]  # the trace pool plans after its first step
-    assert all(p == steady[0] for p in steady)
+    if pin:
+        assert all(p == steady[0] for p in steady)
+    else:  # unpinned gradient slots hold no bytes between steps; parameter slots stay
+        assert all(p[0] == q[0] for a in steady for p, q in zip(a, steady[0]))
+        assert all(b == 0 for b in static[0]["grad_bytes"][len(steady[0]) * 2 :])
