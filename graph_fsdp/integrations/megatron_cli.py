@@ -180,42 +180,89 @@ def mcore_config(args: argparse.Namespace):
         raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
 
 
-def _check_graph_flags(args: argparse.Namespace, model, impl: str, scopes: list[str]) -> None:
+def check_graph_set(
+    args: argparse.Namespace, model, impl: str, scopes: list[str], *, flag: str, steps: int
+) -> None:
+    """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
+    steps to capture, and what full_iteration excludes."""
     from graph_fsdp.capture.scopes import check_static_buffers  # noqa: PLC0415
     from graph_fsdp.integrations.megatron import check_mcore_scopes  # noqa: PLC0415
 
-    if args.cuda_graph_scope is not None and impl == "none":
-        raise CLIError(
-            "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
-            "(or torch), or drop --cuda-graph-scope"
+    if impl == "none":
+        return
+    try:
+        check_mcore_scopes(model, scopes)
+        check_static_buffers(
+            BufferPolicy(
+                allocator=allocator_of(args),
+                persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+            ),
+            scopes,
+            flag=flag,
         )
-    if impl != "none":
-        try:
-            check_mcore_scopes(model, scopes)
-            check_static_buffers(
-                BufferPolicy(
-                    allocator=allocator_of(args),
-                    persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-                ),
-                scopes,
-            )
-        except GraphConfigError as err:
-            raise CLIError(str(err)) from err
-        if args.train_iters <= args.cuda_graph_warmup_steps:
-            raise CLIError(
-                f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
-                f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
-            )
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
+    if steps <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
+        )
     if "full_iteration" in scopes and allocator_of(args) == "dynamic":
         raise CLIError(
-            "--cuda-graph-scope full_iteration replays FSDP's buffer hand-offs at fixed "
+            f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
             "addresses: add --fsdp-double-buffer (or --fsdp-trace-pool)"
         )
     if args.use_megatron_schedule and "full_iteration" in scopes:
         raise CLIError(
-            "--use-megatron-schedule with --cuda-graph-scope full_iteration: the full-iteration "
+            f"--use-megatron-schedule with {flag} full_iteration: the full-iteration "
             "graph replaces the forward/backward schedule; drop one of them"
         )
+
+
+def reject_unwired_flags(args: argparse.Namespace) -> None:
+    """Shared flags that Megatron-Core models do not honour: refused, never ignored."""
+    if args.recompute_activations:
+        raise CLIError("--recompute-activations is not wired for Megatron-Core models; drop it")
+    if args.num_distributed_optimizer_instances != 1:
+        raise CLIError(
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}: "
+            "HSDP is not wired for Megatron-Core models (their expert groups are 1-D); drop it"
+        )
+    if args.grad_comm_dtype != "fp32":
+        raise CLIError(
+            f"--grad-comm-dtype {args.grad_comm_dtype} is not wired for Megatron-Core models "
+            "(gradients are reduced in fp32); drop it"
+        )
+    if getattr(args, "cuda_graph_scope_modules", None):
+        raise CLIError(
+            "--cuda-graph-scope-modules: Megatron-Core models use graph_fsdp's Megatron-Core "
+            "scope presets (attn=self_attention, moe_router=mlp.router, ...); drop it"
+        )
+
+
+def base_train_config(args: argparse.Namespace, model, plan, **fields):
+    """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
+    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
+
+    base = dict(
+        model=model,
+        strategy=args.data_parallel_sharding_strategy,
+        micro_batch_size=args.micro_batch_size,
+        grad_accum=grad_accumulation(args, plan.world_size),
+        steps=args.train_iters,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        bf16=args.bf16,
+        allocator=allocator_of(args),
+        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+        eval_interval=args.eval_interval,
+        use_megatron_schedule=args.use_megatron_schedule,
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=list(args.cuda_graph_scope or []),
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        deterministic=args.deterministic,
+    )
+    return MCoreTrainConfig(**{**base, **fields})
 
 
 def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) -> None:
@@ -236,16 +283,19 @@ def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) ->
 def main(args: argparse.Namespace) -> int:
     """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
     from graph_fsdp.cli.train_cmd import check_data_path, checkpoint_plan  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
 
     validate_bridge_flags(args)
     plan = resolve_plan(args.device, args.nproc)
     model = mcore_config(args)
     impl = args.cuda_graph_impl
     scopes = list(args.cuda_graph_scope or [])
-    _check_graph_flags(args, model, impl, scopes)
-    if args.recompute_activations:
-        raise CLIError("--recompute-activations is not wired for Megatron-Core models; drop it")
+    if args.cuda_graph_scope is not None and impl == "none":
+        raise CLIError(
+            "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
+            "(or torch), or drop --cuda-graph-scope"
+        )
+    check_graph_set(args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters)
+    reject_unwired_flags(args)
     grad_accum = grad_accumulation(args, plan.world_size)
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
     start, save_at, save_iteration = checkpoint_plan(args)
@@ -261,11 +311,10 @@ def main(args: argparse.Namespace) -> int:
             steps=args.train_iters - start,
         )
     check_mcore_environment(args, model, impl, plan)
-    cfg = MCoreTrainConfig(
-        model=model,
-        strategy=args.data_parallel_sharding_strategy,
-        micro_batch_size=args.micro_batch_size,
-        grad_accum=grad_accum,
+    cfg = base_train_config(
+        args,
+        model,
+        plan,
         steps=args.train_iters - start,
         start_step=start,
         save_path=os.path.abspath(args.save) if args.save else None,
@@ -275,17 +324,6 @@ def main(args: argparse.Namespace) -> int:
         optimizer_offload_fraction=(
             args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
         ),
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        bf16=args.bf16,
-        allocator=allocator_of(args),
-        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-        eval_interval=args.eval_interval,
-        use_megatron_schedule=args.use_megatron_schedule,
-        cuda_graph_impl=impl,
-        cuda_graph_scope=scopes,
-        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
-        deterministic=args.deterministic,
     )
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
