@@ -83,8 +83,9 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     results = []
     for name, kind, scopes in job.rows:
-        if kind not in ("none", "megatron_fsdp") and not cuda:
-            results.append({"name": name, "status": "skipped", "reason": "CUDA graphs need CUDA"})
+        if kind != "none" and not cuda:
+            why = "megatron_fsdp needs" if kind == "megatron_fsdp" else "CUDA graphs need"
+            results.append({"name": name, "status": "skipped", "reason": f"{why} a CUDA device"})
             continue
         status, reason, raw = "ok", None, None
         try:
