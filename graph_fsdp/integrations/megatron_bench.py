@@ -152,6 +152,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
                     min(len(r["losses"]), len(eager["losses"])),
                 )
                 r["first_loss_difference_step"] = step
+                r["max_loss_difference"] = max(
+                    (abs(a - b) for a, b in zip(eager["losses"], r["losses"])), default=0.0
+                )
             r["losses_equal_eager"] = same
         out.append(r)
     return out
@@ -184,7 +187,8 @@ def markdown(report: dict) -> str:
             if same is None or r["name"] == "graph_fsdp eager"
             else "bit-identical"
             if same
-            else f"differs from step {r['first_loss_difference_step']}"
+            else f"differs from step {r['first_loss_difference_step']} "
+            f"(max abs {r['max_loss_difference']:.2e})"
         )
         ratio = r.get("step_time_vs_eager")
         mem = r.get("peak_memory_vs_eager")

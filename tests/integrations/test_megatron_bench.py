@@ -148,7 +148,7 @@ def test_report_ratios_and_verdicts(tmp_path) -> None:
     assert out[2]["first_loss_difference_step"] == 2
     md = mb.markdown(report)
     assert "| graph_fsdp te [attn] | 30.00 | 29.00 | 2.00 | 4.00 | 5.00000 | 0.50x | 2.00x" in md
-    assert "| bit-identical |" in md and "differs from step 2" in md
+    assert "| bit-identical |" in md and "differs from step 2 (max abs 1.00e-07)" in md
     assert "- megatron_fsdp eager: skipped: no megatron_fsdp" in md
     paths = mb.write_report(report, str(tmp_path / "out"))
     saved = json.loads(open(paths["json"]).read())
