@@ -53,7 +53,9 @@ def validate_fsdp_config(
 
     Field names are Megatron-Bridge's (``cfg.dist.*``, ``cfg.ddp.*``, ``cfg.checkpoint.*``,
     ``cfg.model.*``). ``ckpt_format=None`` means no checkpointing is configured;
-    ``recompute_granularity`` is ``None``, ``"full"`` or ``"selective"``.
+    ``recompute_granularity`` is ``None``, ``"full"`` or ``"selective"``; ``cpu_offload`` is
+    Bridge's activation CPU offloading (``model.cpu_offloading``), whose rules these are
+    (optimizer-state offload, graph_fsdp.optim_offload, has its own check).
     """
     problems: list[str] = []
     if not use_graph_fsdp:

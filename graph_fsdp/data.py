@@ -60,6 +60,54 @@ def check_token_file(
     return num_tokens
 
 
+def training_samples(
+    start_step: int, steps: int, *, grad_accum: int, world_size: int, micro_batch_size: int
+) -> tuple[int, int]:
+    """``(first, count)``: the samples (before wrapping) steps ``[start_step, start_step +
+    steps)`` read from a token file, over every rank (:meth:`TokenFileDataset.batch`)."""
+    per_step = grad_accum * world_size * micro_batch_size
+    return start_step * per_step, steps * per_step
+
+
+def check_token_ids(
+    path: str | os.PathLike,
+    seq_length: int,
+    vocab_size: int,
+    samples: list[tuple[int, int]],
+    *,
+    flag: str = "--data-path",
+) -> None:
+    """Every token id of the given samples is < ``vocab_size``: raise a ValueError naming the
+    first sample that holds a larger one. ``samples``: ``(first, count)`` runs of sample
+    indices, wrapped modulo the file's sample count like :class:`TokenFileDataset`; only
+    their windows are read (a run as long as the file reads the whole file once)."""
+    path = os.fspath(path)
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    num_samples = (len(tokens) - 1) // seq_length
+    spans: list[tuple[int, int]] = []  # sample ranges [a, b) inside the file
+    for first, count in samples:
+        if count >= num_samples:
+            spans = [(0, num_samples)]
+            break
+        a = first % num_samples
+        b = a + count
+        spans += [(a, min(b, num_samples))] + ([(0, b - num_samples)] if b > num_samples else [])
+    chunk = max(1, (1 << 22) // seq_length)  # samples per read: ~4M tokens
+    for a, b in sorted(spans):
+        for lo in range(a, b, chunk):
+            hi = min(b, lo + chunk)
+            window = tokens[lo * seq_length : hi * seq_length + 1]
+            if window.size and int(window.max()) >= vocab_size:
+                at = lo * seq_length + int(np.argmax(window >= vocab_size))
+                sample = min(at // seq_length, num_samples - 1)
+                raise ValueError(
+                    f"{flag} {path}: token {at} (sample {sample}) has id {int(tokens[at])}, "
+                    f"which is >= --vocab-size {vocab_size}; set --vocab-size to the "
+                    f"tokenizer's vocabulary size (> {int(window.max())}), or re-tokenize the "
+                    "file with a tokenizer of this vocabulary"
+                )
+
+
 class TokenFileDataset:
     """Deterministic ``(input_ids, labels)`` batches from a flat uint16 token file.
 

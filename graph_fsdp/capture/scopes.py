@@ -60,7 +60,12 @@ SCOPE_PRESETS: dict[str, tuple[ScopePath, ...]] = {
         ScopePath("mlp.gate", "moe", "HuggingFace Mixtral/Qwen-MoE"),
         ScopePath("block_sparse_moe.gate", family="HuggingFace Mixtral (transformers < 5)"),
     ),
-    "moe_preprocess": (ScopePath("moe.preprocess", family="graph_fsdp"),),
+    "moe_preprocess": (
+        ScopePath("moe.preprocess", family="graph_fsdp"),
+        # MoELayer.preprocess is a method; graph_fsdp.integrations.megatron.make_graphs puts
+        # a MoEPreprocess module in its place (an instance attribute, not a submodule).
+        ScopePath("mlp.preprocess", "moe", "Megatron-Core (MoEPreprocess)"),
+    ),
 }
 """The submodules each scope captures, per model family, tried in order (first match wins
 per FSDP unit). Extend or override them with ``scope_modules`` (:func:`scope_paths`)."""
@@ -332,8 +337,10 @@ def _no_match_message(
     if "moe_preprocess" in missing and any(_is_mcore_moe(u) for _, u in units):
         notes.append(
             "Megatron-Core's MoELayer runs its preprocess in methods (MoELayer.route / "
-            "preprocess, token_dispatcher.dispatch_preprocess), not in a submodule, so no preset "
-            "maps moe_preprocess: use moe_router alone or moe, or map a module of yours"
+            "preprocess, token_dispatcher.dispatch_preprocess), not in a submodule: "
+            "graph_fsdp.integrations.megatron.make_graphs (or install_moe_preprocess) puts a "
+            "MoEPreprocess module at mlp.preprocess, which the preset captures; otherwise use "
+            "moe_router alone, or map a module of yours"
         )
     if any(s in MOE_SCOPES for s in missing) and not any(
         _is_moe_block(c) for _, u in units for c in u.children()

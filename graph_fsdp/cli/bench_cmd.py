@@ -88,6 +88,9 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="DIR",
         help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
     )
+    from graph_fsdp.integrations.megatron_cli import add_megatron_model_args  # noqa: PLC0415
+
+    add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: integrations/megatron_bench.py
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -120,6 +123,15 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.model != "gpt":
+        from graph_fsdp.integrations import megatron_bench  # noqa: PLC0415
+
+        return megatron_bench.main(args)
+    if args.use_megatron_schedule or args.moe_shared_expert_intermediate_size:
+        raise CLIError(
+            "--use-megatron-schedule and --moe-shared-expert-intermediate-size are for "
+            "--model mcore-gpt|mcore-moe; add --model mcore-moe or drop them"
+        )
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)

@@ -23,7 +23,7 @@ from statistics import median
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import add_common_args, check_positive, resolve
-from graph_fsdp.data import check_token_file
+from graph_fsdp.data import check_token_file, check_token_ids, training_samples
 from graph_fsdp.models import model_flops_per_token
 from graph_fsdp.train import TrainConfig, placement_label, run
 
@@ -188,9 +188,7 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
     if rank != 0:
         return None
     if cfg.save_path and job.save_iteration is not None:
-        os.makedirs(cfg.save_path, exist_ok=True)
-        with open(os.path.join(cfg.save_path, CHECKPOINT_META), "w") as f:
-            json.dump({"iteration": job.save_iteration}, f)
+        write_checkpoint_meta(cfg.save_path, job.save_iteration, "gpt")
     return {
         "losses": result["losses"],
         "times": result["times"],
@@ -205,19 +203,86 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
+def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
+    """Rank 0, after a --save run: the iteration the checkpoint holds and the --model."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
+        json.dump({"iteration": iteration, "model": model}, f)
+
+
+def _load_start(args: argparse.Namespace) -> int:
+    """The iteration a --load checkpoint holds; clear errors for a directory that is not one
+    of ours or was written for another --model."""
+    if not os.path.isdir(args.load):
+        raise CLIError(
+            f"--load {args.load}: no such checkpoint directory; pass the DIR a run with "
+            "--save DIR wrote, or drop --load to start from scratch"
+        )
+    if not os.path.isfile(os.path.join(args.load, ".metadata")):
+        raise CLIError(
+            f"--load {args.load}: not a DCP checkpoint ({os.path.join(args.load, '.metadata')} "
+            "is missing; an interrupted save leaves only DIR.tmp); pass the DIR a completed "
+            "--save run wrote"
+        )
+    meta_path = os.path.join(args.load, CHECKPOINT_META)
+    if not os.path.isfile(meta_path):
+        return 0
+    with open(meta_path) as f:
+        meta = json.load(f)
+    saved_model = meta.get("model")
+    model = getattr(args, "model", "gpt")
+    if saved_model is not None and saved_model != model:
+        raise CLIError(
+            f"--load {args.load} holds a --model {saved_model} checkpoint, but this run trains "
+            f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
+        )
+    return int(meta.get("iteration", 0))
+
+
+def check_data_path(
+    args: argparse.Namespace,
+    *,
+    seq_length: int,
+    vocab_size: int,
+    world_size: int,
+    grad_accum: int,
+    start: int,
+    steps: int,
+) -> str:
+    """--data-path: the file's shape, and the token ids of every sample the run will read
+    (training and eval) against --vocab-size; returns the absolute path."""
+    path = args.data_path
+    try:
+        num_tokens = check_token_file(path, seq_length, vocab_size)
+        runs = [
+            training_samples(
+                start,
+                steps,
+                grad_accum=grad_accum,
+                world_size=world_size,
+                micro_batch_size=args.micro_batch_size,
+            )
+        ]
+        if args.eval_interval:
+            per_eval = world_size * args.micro_batch_size
+            offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
+            for step in range(start, start + steps):
+                if (step + 1) % args.eval_interval == 0:
+                    runs.append((offset + step * per_eval, per_eval))
+        check_token_ids(path, seq_length, vocab_size, runs)
+    except ValueError as err:
+        raise CLIError(str(err)) from err
+    return os.path.abspath(path)
+
+
+def checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
     """(start_step, save_at relative to start, absolute save iteration or None)."""
     check_positive(args, "save_interval")
     if args.save_interval is not None and not args.save:
         raise CLIError("--save-interval is given without --save; add --save DIR")
     start = 0
     if args.load:
-        if not os.path.isdir(args.load):
-            raise CLIError(f"--load {args.load}: no such checkpoint directory")
-        meta_path = os.path.join(args.load, CHECKPOINT_META)
-        if os.path.isfile(meta_path):
-            with open(meta_path) as f:
-                start = int(json.load(f).get("iteration", 0))
+        start = _load_start(args)
         if start >= args.train_iters:
             raise CLIError(
                 f"--load {args.load} holds iteration {start}, which already reaches --train-iters "
@@ -247,7 +312,7 @@ def main(args: argparse.Namespace) -> int:
         return megatron_cli.main(args)
     megatron_cli.validate_bridge_flags(args)
     res = resolve(args)
-    start, save_at, save_iteration = _checkpoint_plan(args)
+    start, save_at, save_iteration = checkpoint_plan(args)
     cfg = replace(
         res.cfg,
         steps=args.train_iters - start,
@@ -257,11 +322,18 @@ def main(args: argparse.Namespace) -> int:
         load_path=args.load,
     )
     if args.data_path:
-        try:
-            check_token_file(args.data_path, cfg.model.seq_length, cfg.model.vocab_size)
-        except ValueError as err:
-            raise CLIError(str(err)) from err
-        cfg = replace(cfg, data_path=os.path.abspath(args.data_path))
+        path = check_data_path(
+            args,
+            seq_length=cfg.model.seq_length,
+            vocab_size=cfg.model.vocab_size,
+            world_size=res.plan.world_size,
+            grad_accum=cfg.grad_accum,
+            start=start,
+            steps=cfg.steps,
+        )
+        cfg = replace(cfg, data_path=path)
+    if args.optimizer_cpu_offload:
+        cfg = replace(cfg, optimizer_offload_fraction=args.optimizer_offload_fraction)
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
     stats = StepStats(
@@ -302,6 +374,8 @@ def format_summary(
     ]
     if cfg.data_path:
         lines.append(f"  data: {cfg.data_path} (uint16 token file)")
+    if cfg.optimizer_offload_fraction:
+        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
     if out.get("eval_losses"):
         lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))
     if args.log_json:

@@ -30,7 +30,7 @@ What the integration maps (facts from megatron-core 0.19's source):
   :func:`shard_gpt` sets them to ``lm.no_sync`` and :func:`finalize_model_grads` (graph_fsdp's
   ``finish_grad_sync``); :func:`forward_step` is a ``forward_step_func`` for it.
 - ``--cuda-graph-scope`` with Megatron's meaning, as modules of a ``TransformerLayer``:
-  see :data:`MCORE_SCOPE_MODULES` and :func:`check_mcore_scopes`.
+  see :data:`MCORE_SCOPE_MODULES` (graph_fsdp's scope presets) and :func:`check_mcore_scopes`.
 """
 
 from __future__ import annotations
@@ -42,25 +42,21 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.scopes import GraphConfigError, check_scopes
+from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 MCORE_SCOPE_MODULES: dict[str, str] = {
-    "attn": "self_attention",
-    "mlp": "mlp",
-    "moe": "mlp",
-    "moe_router": "mlp.router",
-    "moe_preprocess": "mlp.preprocess",
+    scope: next(p.path for p in paths if "Megatron-Core" in p.family)
+    for scope, paths in SCOPE_PRESETS.items()
 }
-"""Scope -> submodule of a Megatron-Core ``TransformerLayer`` (``attn`` = the attention block
-``SelfAttention``; ``mlp`` = a dense ``MLP``; ``moe`` = the ``MoELayer``; ``moe_router`` = its
-``TopKRouter``; ``moe_preprocess`` = ``MoELayer.preprocess``, a method, made a module by
-:class:`MoEPreprocess`). Until graph_fsdp's scopes take a user mapping,
-:func:`install_scope_aliases` exposes these under the names the engine looks for
-(``layer.moe``, ``layer.moe.preprocess``)."""
+"""Scope -> submodule of a Megatron-Core ``TransformerLayer``: the Megatron-Core entries of
+graph_fsdp's generic :data:`~graph_fsdp.capture.scopes.SCOPE_PRESETS` (``attn`` = the
+attention block ``SelfAttention``; ``mlp`` = a dense ``MLP``; ``moe`` = the ``MoELayer``;
+``moe_router`` = its ``TopKRouter``; ``moe_preprocess`` = ``MoELayer.preprocess``, a method,
+made a module by :class:`MoEPreprocess` - :func:`install_moe_preprocess`)."""
 
 
 def require_megatron():
@@ -523,28 +519,33 @@ PREPROCESS_CONSTS = ("hidden_shape", "hidden_shape_before_permute", "num_out_tok
 """Non-tensor attributes it sets (fixed for the captured shapes)."""
 
 
-def install_scope_aliases(lm: MCoreLM, scopes: list[str] | tuple[str, ...] = ()) -> None:
-    """Expose each MoELayer as ``layer.moe`` (and its preprocess as ``layer.moe.preprocess``,
-    a :class:`MoEPreprocess`, when ``moe_preprocess`` is asked for), the names graph_fsdp's
-    scopes look for.
+def install_moe_preprocess(lm: MCoreLM) -> int:
+    """Put a :class:`MoEPreprocess` in place of every MoELayer's ``preprocess`` method, so that
+    the ``moe_preprocess`` scope's preset (``mlp.preprocess``) finds a module to capture, and
+    make the alltoall dispatcher copy its token counts to the host at the (eager) dispatch
+    (``cuda_dtoh_point = "before_ep_alltoall"``). Returns the number of layers changed.
 
-    Set with ``object.__setattr__``: not registered submodules, so parameter names, state
-    dicts and checkpoints keep Megatron's names (``decoder.layers.N.mlp.*``).
+    An instance attribute (``object.__setattr__``), not a registered submodule: MoELayer's
+    forward calls ``self.preprocess(...)``, which now reaches the module, while parameter names,
+    state dicts and checkpoints keep Megatron's (``decoder.layers.N.mlp.*``). Idempotent.
     """
+    changed = 0
     for layer in transformer_layers(lm):
         if not _is_moe_layer(layer):
             continue
         moe = layer.mlp
-        object.__setattr__(layer, "moe", moe)
-        if "moe_preprocess" in scopes and not isinstance(moe.__dict__.get("preprocess"), nn.Module):
-            disp = moe.token_dispatcher
-            if not hasattr(disp, "cuda_dtoh_point"):
-                raise GraphConfigError(
-                    f"--cuda-graph-scope moe_preprocess supports the alltoall token dispatcher, "
-                    f"not {type(disp).__name__}; use moe_token_dispatcher_type='alltoall'"
-                )
-            disp.cuda_dtoh_point = "before_ep_alltoall"
-            object.__setattr__(moe, "preprocess", MoEPreprocess(moe))
+        if isinstance(moe.__dict__.get("preprocess"), MoEPreprocess):
+            continue
+        disp = moe.token_dispatcher
+        if not hasattr(disp, "cuda_dtoh_point"):
+            raise GraphConfigError(
+                f"--cuda-graph-scope moe_preprocess supports the alltoall token dispatcher, "
+                f"not {type(disp).__name__}; use moe_token_dispatcher_type='alltoall'"
+            )
+        disp.cuda_dtoh_point = "before_ep_alltoall"
+        object.__setattr__(moe, "preprocess", MoEPreprocess(moe))
+        changed += 1
+    return changed
 
 
 def make_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, *, impl: str, scopes, warmup_steps: int = 2):
@@ -561,5 +562,7 @@ def make_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, *, impl: str, scopes, warmup_s
                 "--cuda-graph-impl torch"
             )
         return FullIterationGraphs(lm, warmup_steps=warmup_steps)
-    install_scope_aliases(lm, scopes)
+    if "moe_preprocess" in scopes:
+        install_moe_preprocess(lm)
+    # The scopes resolve through graph_fsdp's presets (SCOPE_PRESETS' Megatron-Core entries).
     return LayerwiseGraphs(lm, impl=impl, scopes=scopes, warmup_steps=warmup_steps)

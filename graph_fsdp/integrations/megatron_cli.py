@@ -32,8 +32,9 @@ MODELS = ("gpt", "mcore-gpt", "mcore-moe")
 """--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""
 
 
-def add_megatron_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("Megatron-Core models and Megatron-Bridge settings")
+def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model and the Megatron-Core model flags (train and bench)."""
+    g = parser.add_argument_group("Megatron-Core models")
     g.add_argument(
         "--model",
         choices=MODELS,
@@ -53,6 +54,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Megatron-Core models: run each step through get_forward_backward_func().",
     )
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> None:
+    """``train``: the model flags plus Megatron-Bridge's FSDP settings and optimizer offload."""
+    add_megatron_model_args(parser)
+    g = parser.add_argument_group("Megatron-Bridge settings")
     g.add_argument(
         "--ckpt-format",
         default="fsdp_dtensor",
@@ -71,7 +78,22 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cpu-offload",
         action="store_true",
-        help="Checked against Megatron-Bridge's rules (pipeline size 1, no recompute).",
+        help="Megatron-Bridge's activation CPU offloading (model.cpu_offloading): checked "
+        "against its rules (pipeline size 1, no recompute), then refused - graph_fsdp does "
+        "not offload activations. For optimizer state see --optimizer-cpu-offload.",
+    )
+    g.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="Keep the AdamW state of --optimizer-offload-fraction of the local shards in "
+        "pinned CPU memory and step it there (graph_fsdp.optim_offload.CPUOffloadOptimizer; "
+        "needs no --recompute-activations).",
+    )
+    g.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=1.0,
+        help="Share of the local shards (by elements) --optimizer-cpu-offload puts on the CPU.",
     )
 
 
@@ -91,7 +113,35 @@ def validate_bridge_flags(args: argparse.Namespace) -> None:
     except FSDPConfigError as err:
         raise CLIError(str(err)) from err
     if args.cpu_offload:
-        raise CLIError("--cpu-offload: graph_fsdp has no CPU offload yet; drop --cpu-offload")
+        raise CLIError(
+            "--cpu-offload is Megatron-Bridge's activation CPU offloading (model.cpu_offloading: "
+            "each layer's activations go to host memory in forward and come back for "
+            "backward), which graph_fsdp does not implement: drop --cpu-offload. To keep the "
+            "optimizer state in CPU memory instead, use --optimizer-cpu-offload "
+            "[--optimizer-offload-fraction F] (graph_fsdp.optim_offload.CPUOffloadOptimizer)"
+        )
+    validate_optimizer_offload(args)
+
+
+def validate_optimizer_offload(args: argparse.Namespace) -> None:
+    """--optimizer-cpu-offload / --optimizer-offload-fraction (Megatron-LM's spellings)."""
+    fraction = args.optimizer_offload_fraction
+    if not 0.0 < fraction <= 1.0:
+        raise CLIError(
+            f"--optimizer-offload-fraction {fraction} must be in (0, 1]: the share of the "
+            "optimizer state on the CPU (drop --optimizer-cpu-offload for none)"
+        )
+    if fraction != 1.0 and not args.optimizer_cpu_offload:
+        raise CLIError(
+            f"--optimizer-offload-fraction {fraction} is given without --optimizer-cpu-offload; "
+            "add --optimizer-cpu-offload"
+        )
+    if args.optimizer_cpu_offload and args.recompute_activations:
+        # graph_fsdp.optim_offload.check_offload_config's rule, said with the flags.
+        raise CLIError(
+            "--optimizer-cpu-offload is supported with activation recompute off: drop "
+            "--recompute-activations or --optimizer-cpu-offload"
+        )
 
 
 def mcore_config(args: argparse.Namespace):
@@ -130,69 +180,71 @@ def mcore_config(args: argparse.Namespace):
         raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
 
 
-def main(args: argparse.Namespace) -> int:
-    """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
+def check_graph_set(
+    args: argparse.Namespace, model, impl: str, scopes: list[str], *, flag: str, steps: int
+) -> None:
+    """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
+    steps to capture, and what full_iteration excludes."""
+    from graph_fsdp.capture.scopes import check_static_buffers  # noqa: PLC0415
     from graph_fsdp.integrations.megatron import check_mcore_scopes  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
 
-    validate_bridge_flags(args)
-    plan = resolve_plan(args.device, args.nproc)
-    model = mcore_config(args)
-    impl = args.cuda_graph_impl
-    scopes = list(args.cuda_graph_scope or [])
-    if args.cuda_graph_scope is not None and impl == "none":
-        raise CLIError(
-            "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
-            "(or torch), or drop --cuda-graph-scope"
+    if impl == "none":
+        return
+    try:
+        check_mcore_scopes(model, scopes)
+        check_static_buffers(
+            BufferPolicy(
+                allocator=allocator_of(args),
+                persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+            ),
+            scopes,
+            flag=flag,
         )
-    if impl != "none":
-        try:
-            check_mcore_scopes(model, scopes)
-            from graph_fsdp.capture.scopes import check_static_buffers  # noqa: PLC0415
-
-            check_static_buffers(
-                BufferPolicy(
-                    allocator=allocator_of(args),
-                    persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-                ),
-                scopes,
-            )
-        except GraphConfigError as err:
-            raise CLIError(str(err)) from err
-        if args.train_iters <= args.cuda_graph_warmup_steps:
-            raise CLIError(
-                f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
-                f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
-            )
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
+    if steps <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
+        )
     if "full_iteration" in scopes and allocator_of(args) == "dynamic":
         raise CLIError(
-            "--cuda-graph-scope full_iteration replays FSDP's buffer hand-offs at fixed "
+            f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
             "addresses: add --fsdp-double-buffer (or --fsdp-trace-pool)"
         )
     if args.use_megatron_schedule and "full_iteration" in scopes:
         raise CLIError(
-            "--use-megatron-schedule with --cuda-graph-scope full_iteration: the full-iteration "
+            f"--use-megatron-schedule with {flag} full_iteration: the full-iteration "
             "graph replaces the forward/backward schedule; drop one of them"
         )
+
+
+def reject_unwired_flags(args: argparse.Namespace) -> None:
+    """Shared flags that Megatron-Core models do not honour: refused, never ignored."""
     if args.recompute_activations:
         raise CLIError("--recompute-activations is not wired for Megatron-Core models; drop it")
-    if args.data_path or args.load or args.save:
+    if args.num_distributed_optimizer_instances != 1:
         raise CLIError(
-            "--data-path, --save and --load are not wired for Megatron-Core models in the CLI "
-            "yet (synthetic tokens; graph_fsdp.checkpoint works from Python)"
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}: "
+            "HSDP is not wired for Megatron-Core models (their expert groups are 1-D); drop it"
         )
-    if plan.device != "cuda" and (
-        model.transformer_impl == "transformer_engine" or model.num_experts
-    ):
+    if args.grad_comm_dtype != "fp32":
         raise CLIError(
-            f"--model {args.model} with --transformer-impl {model.transformer_impl}"
-            f"{' and MoE (alltoall dispatcher)' if model.num_experts else ''} needs CUDA, but "
-            f"this run is on {plan.device}; Megatron-Core's layers allocate on the GPU"
+            f"--grad-comm-dtype {args.grad_comm_dtype} is not wired for Megatron-Core models "
+            "(gradients are reduced in fp32); drop it"
         )
-    check_graph_environment(impl, plan)
-    if importlib.util.find_spec("megatron") is None:
-        raise CLIError(f'--model {args.model} needs megatron-core: pip install -e ".[megatron]"')
-    cfg = MCoreTrainConfig(
+    if getattr(args, "cuda_graph_scope_modules", None):
+        raise CLIError(
+            "--cuda-graph-scope-modules: Megatron-Core models use graph_fsdp's Megatron-Core "
+            "scope presets (attn=self_attention, moe_router=mlp.router, ...); drop it"
+        )
+
+
+def base_train_config(args: argparse.Namespace, model, plan, **fields):
+    """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
+    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
+
+    base = dict(
         model=model,
         strategy=args.data_parallel_sharding_strategy,
         micro_batch_size=args.micro_batch_size,
@@ -205,31 +257,112 @@ def main(args: argparse.Namespace) -> int:
         persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
         eval_interval=args.eval_interval,
         use_megatron_schedule=args.use_megatron_schedule,
-        cuda_graph_impl=impl,
-        cuda_graph_scope=scopes,
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=list(args.cuda_graph_scope or []),
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         deterministic=args.deterministic,
+    )
+    return MCoreTrainConfig(**{**base, **fields})
+
+
+def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) -> None:
+    """Environment checks last (CUDA, TransformerEngine, megatron-core importable)."""
+    if plan.device != "cuda" and (
+        model.transformer_impl == "transformer_engine" or model.num_experts
+    ):
+        raise CLIError(
+            f"--model {args.model} with --transformer-impl {model.transformer_impl}"
+            f"{' and MoE (alltoall dispatcher)' if model.num_experts else ''} needs CUDA, but "
+            f"this run is on {plan.device}; Megatron-Core's layers allocate on the GPU"
+        )
+    check_graph_environment(impl, plan)
+    if importlib.util.find_spec("megatron") is None:
+        raise CLIError(f'--model {args.model} needs megatron-core: pip install -e ".[megatron]"')
+
+
+def main(args: argparse.Namespace) -> int:
+    """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
+    from graph_fsdp.cli.train_cmd import check_data_path, checkpoint_plan  # noqa: PLC0415
+
+    validate_bridge_flags(args)
+    plan = resolve_plan(args.device, args.nproc)
+    model = mcore_config(args)
+    impl = args.cuda_graph_impl
+    scopes = list(args.cuda_graph_scope or [])
+    if args.cuda_graph_scope is not None and impl == "none":
+        raise CLIError(
+            "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
+            "(or torch), or drop --cuda-graph-scope"
+        )
+    check_graph_set(args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters)
+    reject_unwired_flags(args)
+    grad_accum = grad_accumulation(args, plan.world_size)
+    # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
+    start, save_at, save_iteration = checkpoint_plan(args)
+    data_path = None
+    if args.data_path:
+        data_path = check_data_path(
+            args,
+            seq_length=model.seq_length,
+            vocab_size=model.vocab_size,
+            world_size=plan.world_size,
+            grad_accum=grad_accum,
+            start=start,
+            steps=args.train_iters - start,
+        )
+    check_mcore_environment(args, model, impl, plan)
+    cfg = base_train_config(
+        args,
+        model,
+        plan,
+        steps=args.train_iters - start,
+        start_step=start,
+        save_path=os.path.abspath(args.save) if args.save else None,
+        save_at=save_at,
+        load_path=os.path.abspath(args.load) if args.load else None,
+        data_path=data_path,
+        optimizer_offload_fraction=(
+            args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
+        ),
     )
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
         open(args.log_json, "w").close()  # overwritten, like the reference model's log
         cfg = replace(cfg, log_path=os.path.abspath(args.log_json))
-    out = launch(plan, _worker, cfg)
-    if out is None:
-        return 0
-    peak = out.get("peak_memory_bytes")
-    graphs = "eager" if impl == "none" else f"{impl} graphs [{' '.join(scopes) or 'layer'}]"
-    print(
-        f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
-        f"{cfg.strategy}, {graphs}\n"
-        f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
-        f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}"
-    )
+    out = launch(plan, _worker, cfg, args.model, save_iteration)
+    if out is not None:
+        print(_summary(args, cfg, plan, out, save_iteration))
     return 0
 
 
-def _worker(rank: int, world_size: int, cfg) -> dict | None:
+def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
+    peak = out.get("peak_memory_bytes")
+    impl, scopes = cfg.cuda_graph_impl, cfg.cuda_graph_scope
+    graphs = "eager" if impl == "none" else f"{impl} graphs [{' '.join(scopes) or 'layer'}]"
+    lines = [
+        f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
+        f"{cfg.strategy}, {graphs}",
+        f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
+        f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
+    ]
+    if cfg.optimizer_offload_fraction:
+        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
+    if cfg.data_path:
+        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
+    if cfg.load_path:
+        lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
+    if cfg.save_path:
+        lines.append(f"  checkpoint: {args.save} (iteration {save_iteration})")
+    return "\n".join(lines)
+
+
+def _worker(rank: int, world_size: int, cfg, model: str, save_iteration: int | None) -> dict | None:
+    from graph_fsdp.cli.train_cmd import write_checkpoint_meta  # noqa: PLC0415
     from graph_fsdp.integrations.megatron_train import run  # noqa: PLC0415
 
     result = run(rank, world_size, cfg)
-    return result if rank == 0 else None
+    if rank != 0:
+        return None
+    if cfg.save_path and save_iteration is not None:
+        write_checkpoint_meta(cfg.save_path, save_iteration, model)
+    return result

@@ -1,7 +1,8 @@
 """Training loop for Megatron-Core GPTs under graph_fsdp (CLI ``--model mcore-gpt``, tests).
 
 ``run(rank, world_size, cfg)`` builds the model (:mod:`graph_fsdp.integrations.megatron`),
-shards it, and trains ``cfg.steps`` AdamW steps on synthetic tokens, either with graph_fsdp's
+shards it, and trains ``cfg.steps`` AdamW steps on synthetic tokens or a ``data_path`` token
+file (resuming from / saving a DCP checkpoint, graph_fsdp.checkpoint), either with graph_fsdp's
 own microbatch loop (which drives layerwise / full-iteration graphs) or with Megatron's
 ``get_forward_backward_func()`` schedule (``use_megatron_schedule``; eager or layerwise
 graphs, which replay inside the model's forward). ``engine="megatron_fsdp"`` trains the same
@@ -22,7 +23,9 @@ import torch.distributed as dist
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.train import make_optimizer
 
 
 @dataclass(kw_only=True)
@@ -67,14 +70,36 @@ class MCoreTrainConfig:
     """DCP checkpoint to resume from."""
     start_step: int = 0
     """Data position of the first step (for resume)."""
+    data_path: str | None = None
+    """Training data: a flat uint16 token file (graph_fsdp.data, the same batches as
+    ``TrainConfig.data_path``); None = synthetic tokens."""
+    optimizer_offload_fraction: float = 0.0
+    """Share of the local shards whose AdamW state lives and steps on the CPU
+    (graph_fsdp.optim_offload.CPUOffloadOptimizer); 0 keeps it on the device."""
+    fused_optimizer: bool = False
+    """AdamW(fused=True)."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) plus cuBLAS / TE settings."""
     log_path: str | None = None
     """JSON lines, one record per step (rank 0)."""
 
+    @property
+    def recompute(self) -> bool:
+        """Activation recompute: not wired for Megatron-Core models (graph_fsdp.train's
+        make_optimizer reads it to refuse optimizer offload with recompute)."""
+        return False
 
-def batch(cfg: MCoreTrainConfig, step: int, rank: int, device, *, eval: bool = False):
-    """Synthetic ``(tokens, labels)`` addressed by (seed, step, rank): same data every run."""
+
+def batch(
+    cfg: MCoreTrainConfig, step: int, rank: int, device, *, eval: bool = False, world_size: int = 1
+):
+    """``(tokens, labels)`` of microbatch ``step`` (``step * grad_accum + micro``; the step for
+    eval) of ``rank``: from ``cfg.data_path`` (graph_fsdp.data.batch_for: ranks read disjoint
+    samples), else synthetic tokens addressed by (seed, step, rank). Same data every run."""
+    if cfg.data_path is not None:
+        # MCoreTrainConfig has the fields batch_for reads (model.seq_length / vocab_size,
+        # micro_batch_size, data_path).
+        return batch_for(cfg, step, rank, device, eval=eval, world_size=world_size)
     m = cfg.model
     g = torch.Generator().manual_seed(
         (m.seed * 1_000_003 + step * 7919 + rank * 104729 + (1 << 20 if eval else 0)) % 2**63
@@ -105,7 +130,8 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
     bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
     gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
-    opt = torch.optim.AdamW(lm.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # graph_fsdp.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
+    opt = make_optimizer(lm.parameters(), cfg)
     if cfg.load_path:
         from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
 
@@ -174,7 +200,8 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         batches = [
-            batch(cfg, step * cfg.grad_accum + m, rank, device) for m in range(cfg.grad_accum)
+            batch(cfg, step * cfg.grad_accum + m, rank, device, world_size=world_size)
+            for m in range(cfg.grad_accum)
         ]
         if cfg.use_megatron_schedule:
             step_loss = _schedule_step(cfg, lm, batches)
@@ -200,7 +227,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         losses.append(step_loss.item())
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
-                xe, ye = batch(cfg, step, rank, device, eval=True)
+                xe, ye = batch(cfg, step, rank, device, eval=True, world_size=world_size)
                 eval_losses.append(lm(xe, ye).float().item())
         if log is not None:
             log.write(f'{{"step": {step}, "loss": {losses[-1]!r}, "step_time_s": {times[-1]!r}}}\n')

@@ -1,0 +1,155 @@
+"""``graph-fsdp bench --model mcore-*`` on CPU: flag validation, the rows a launch plans, and
+the report's ratios and bit-exactness verdicts. The launch itself needs megatron-core and
+GPUs (the command in the README's Megatron-Core section)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.main import build_parser, main
+from graph_fsdp.integrations import megatron_bench as mb
+from graph_fsdp.integrations import megatron_cli
+
+MOE = ["bench", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "512"]
+STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]
+SETS = ["--scopes", "attn", "--scopes", "attn moe_router", "--scopes", "moe_router moe_preprocess"]
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err.split("error:", 1)[1].replace("\n", " ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([*MOE, "--device", "cpu"], ["needs CUDA", "MoE (alltoall dispatcher)"]),
+        ([*MOE, "--rows", "fsdp2", "unsharded"], ["--rows fsdp2 unsharded: not available"]),
+        ([*MOE, "--scopes", "attn"], ["no graphed row runs", "--graph-impls te"]),
+        ([*MOE, "--graph-impls", "te", "--scopes", "moe", *STATIC], ["host sync"]),
+        ([*MOE, "--graph-impls", "te", "--scopes", "attn"], ["--fsdp-double-buffer"]),
+        (
+            [*MOE, "--graph-impls", "te", *SETS, *STATIC, "--warmup-iters", "2"],
+            ["--warmup-iters 2 must exceed --cuda-graph-warmup-steps 2"],
+        ),
+        ([*MOE, "--grad-comm-dtype", "bf16"], ["--grad-comm-dtype bf16 is not wired"]),
+        ([*MOE, "--recompute-activations"], ["--recompute-activations is not wired"]),
+        (
+            [*MOE, "--cuda-graph-impl", "torch", "--graph-impls", "te"],
+            ["--cuda-graph-impl torch and --graph-impls te disagree"],
+        ),
+        (["bench", "--use-megatron-schedule"], ["are for --model mcore-gpt|mcore-moe"]),
+    ],
+)
+def test_bench_rejects(capsys, argv: list[str], expected: list[str]) -> None:
+    err = error_of(capsys, *argv)
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def test_rows_one_per_backend_and_scope_set() -> None:
+    rows = mb.plan_rows(
+        list(mb.MCORE_ROWS),
+        ["te", "torch"],
+        [["attn"], ["attn", "moe_router"], ["full_iteration"]],
+    )
+    assert [(name, kind) for name, kind, _ in rows] == [
+        ("graph_fsdp eager", "none"),
+        ("graph_fsdp te [attn]", "te"),
+        ("graph_fsdp te [attn moe_router]", "te"),
+        ("graph_fsdp torch [full_iteration]", "torch"),  # always torch, planned once
+        ("graph_fsdp torch [attn]", "torch"),
+        ("graph_fsdp torch [attn moe_router]", "torch"),
+        ("megatron_fsdp eager", "megatron_fsdp"),
+    ]
+    assert rows[2][2] == ("attn", "moe_router")
+
+
+def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
+    """The lead's command: the GPU test's MoE GPT, eager + 2 backends x 3 scope sets."""
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
+    argv = [*MOE, "--transformer-impl", "transformer_engine", "--bf16", "--deterministic"]
+    argv += [*STATIC, "--graph-impls", "te", "torch", *SETS, "--warmup-iters", "5"]
+    argv += ["--train-iters", "20", "--nproc", "2", "--fused-adamw"]
+    args = build_parser().parse_args(argv)
+    job, plan, setup = mb.build_job(args)
+    assert [r[0] for r in job.rows] == [
+        "graph_fsdp eager",
+        "graph_fsdp te [attn]",
+        "graph_fsdp te [attn moe_router]",
+        "graph_fsdp te [moe_router moe_preprocess]",
+        "graph_fsdp torch [attn]",
+        "graph_fsdp torch [attn moe_router]",
+        "graph_fsdp torch [moe_router moe_preprocess]",
+        "megatron_fsdp eager",
+    ]
+    base = job.base
+    assert (base.steps, job.warmup, base.eval_interval, base.cuda_graph_impl) == (25, 5, 0, "none")
+    assert base.fused_optimizer and base.deterministic and base.bf16
+    m = base.model
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk) == (4, 256, 4, 2)
+    assert m.moe_shared_expert_intermediate_size == 512 and m.seq_length == 128
+    assert "4 experts top-2, shared expert 512" in setup and "5 warmup + 20 timed" in setup
+
+
+def test_only_rows_a_megatron_model_has(monkeypatch) -> None:
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
+    args = build_parser().parse_args([*MOE, "--rows", "graph_fsdp", "megatron_fsdp"])
+    job, _, _ = mb.build_job(args)
+    assert [r[0] for r in job.rows] == ["graph_fsdp eager", "megatron_fsdp eager"]
+    with pytest.raises(CLIError, match="choose from graph_fsdp, graph_fsdp_graphed"):
+        mb.build_job(build_parser().parse_args([*MOE, "--rows", "reference"]))
+
+
+def _row(name: str, ms: float, peak: int, losses: list[float]) -> dict:
+    return {
+        "name": name,
+        "status": "ok",
+        "median_step_ms": ms,
+        "min_step_ms": ms - 1,
+        "peak_memory_bytes": peak,
+        "peak_reserved_bytes": 2 * peak,
+        "losses": losses,
+        "final_loss": losses[-1],
+    }
+
+
+def test_report_ratios_and_verdicts(tmp_path) -> None:
+    gib = 2**30
+    rows = [
+        _row("graph_fsdp eager", 60.0, gib, [6.0, 5.5, 5.0]),
+        _row("graph_fsdp te [attn]", 30.0, 2 * gib, [6.0, 5.5, 5.0]),
+        _row("graph_fsdp torch [attn]", 45.0, gib, [6.0, 5.5, 5.0000001]),
+        {"name": "megatron_fsdp eager", "status": "skipped", "reason": "no megatron_fsdp"},
+    ]
+    report = {
+        "rows": rows,
+        "model": "mcore-moe",
+        "device_name": "GPU",
+        "world_size": 2,
+        "backend": "nccl",
+        "created": "now",
+        "setup": "setup line",
+    }
+    out = mb.with_ratios(rows)
+    assert out[1]["step_time_vs_eager"] == 0.5 and out[1]["peak_memory_vs_eager"] == 2.0
+    assert out[1]["losses_equal_eager"] and not out[2]["losses_equal_eager"]
+    assert out[2]["first_loss_difference_step"] == 2
+    md = mb.markdown(report)
+    assert "| graph_fsdp te [attn] | 30.00 | 29.00 | 2.00 | 4.00 | 5.00000 | 0.50x | 2.00x" in md
+    assert "| bit-identical |" in md and "differs from step 2 (max abs 1.00e-07)" in md
+    assert "- megatron_fsdp eager: skipped: no megatron_fsdp" in md
+    paths = mb.write_report(report, str(tmp_path / "out"))
+    saved = json.loads(open(paths["json"]).read())
+    assert saved["rows"][2]["step_time_vs_eager"] == 0.75

@@ -1,0 +1,182 @@
+"""``graph-fsdp train --model mcore-*``: --save / --load / --data-path / offload flags (CPU).
+
+Every rule here runs before a process starts, so it is testable without megatron-core (which
+needs Python >= 3.12); the GPU round trip is tests/gpu/test_megatron_gpu.py's
+``test_cli_mcore_save_load_data_path``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.main import main
+from graph_fsdp.integrations import megatron_cli
+
+# A dense local-spec Megatron-Core GPT: the one --model mcore-* shape that passes every check
+# on a CPU-only machine up to the environment checks (megatron-core importable).
+MCORE = ["train", "--model", "mcore-gpt", "--device", "cpu", "--nproc", "2"]
+SHAPE = ["--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    return err.split("error:", 1)[1].replace("\n", " ")
+
+
+def dcp_dir(tmp_path, meta: dict | None = None):
+    """A directory that looks like a completed --save (DCP .metadata, our meta file)."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"x")
+    if meta is not None:
+        (d / "graph_fsdp_cli.json").write_text(json.dumps(meta))
+    return d
+
+
+def token_file(tmp_path, tokens: np.ndarray) -> str:
+    path = tmp_path / "tokens.bin"
+    tokens.astype(np.uint16).tofile(path)
+    return str(path)
+
+
+# ------------------------------------------------------------------ --load / --save
+def test_load_of_a_missing_directory(capsys) -> None:
+    err = error_of(capsys, *MCORE, "--load", "/nonexistent/ckpt")
+    assert "--load /nonexistent/ckpt: no such checkpoint directory" in err
+    assert "--save DIR" in err
+
+
+def test_load_of_a_directory_without_a_dcp_checkpoint(capsys, tmp_path) -> None:
+    (tmp_path / "half").mkdir()
+    err = error_of(capsys, *MCORE, "--load", str(tmp_path / "half"))
+    assert "not a DCP checkpoint" in err and ".metadata is missing" in err
+
+
+def test_load_of_another_models_checkpoint(capsys, tmp_path) -> None:
+    ckpt = dcp_dir(tmp_path, {"iteration": 3, "model": "gpt"})
+    err = error_of(capsys, *MCORE, "--load", str(ckpt))
+    assert "holds a --model gpt checkpoint, but this run trains --model mcore-gpt" in err
+
+
+def test_load_that_already_reached_train_iters(capsys, tmp_path) -> None:
+    ckpt = dcp_dir(tmp_path, {"iteration": 10, "model": "mcore-gpt"})
+    err = error_of(capsys, *MCORE, "--load", str(ckpt), "--train-iters", "10")
+    assert "holds iteration 10, which already reaches --train-iters 10" in err
+
+
+def test_save_interval_without_save(capsys) -> None:
+    assert "--save-interval is given without --save" in error_of(
+        capsys, *MCORE, "--save-interval", "2"
+    )
+
+
+# ------------------------------------------------------------------ --data-path
+def test_data_path_with_ids_beyond_the_vocabulary(capsys, tmp_path) -> None:
+    tokens = np.arange(40 * 16 + 1) % 128
+    tokens[5] = 2000
+    path = token_file(tmp_path, tokens)
+    err = error_of(capsys, *MCORE, *SHAPE, "--data-path", path)
+    assert f"--data-path {path}: token 5 (sample 0) has id 2000" in err
+    assert ">= --vocab-size 128" in err and "set --vocab-size" in err
+
+
+def test_data_path_shorter_than_one_sequence(capsys, tmp_path) -> None:
+    path = token_file(tmp_path, np.arange(10))
+    err = error_of(capsys, *MCORE, *SHAPE, "--data-path", path)
+    assert "10 tokens is shorter than one sample of --seq-length 16" in err
+    assert "shorter --seq-length" in err
+
+
+def test_data_path_that_is_not_a_token_file(capsys, tmp_path) -> None:
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x02\x03")
+    assert "not a multiple of 2" in error_of(capsys, *MCORE, *SHAPE, "--data-path", str(odd))
+
+
+def test_only_the_samples_the_run_reads_are_checked(capsys, tmp_path, monkeypatch) -> None:
+    """10 steps x 2 ranks x 2 sequences read samples 0..39 of 100; eval batches from 50 on."""
+
+    def environment(*_):  # the check after the data checks: stop there
+        raise CLIError("past the data checks")
+
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", environment)
+    tokens = np.arange(100 * 16 + 1) % 128
+    tokens[45 * 16 + 3] = 999  # sample 45: never read for training
+    path = token_file(tmp_path, tokens)
+    argv = [*MCORE, *SHAPE, "--train-iters", "10", "--data-path", path]
+    assert "past the data checks" in error_of(capsys, *argv)
+    tokens[45 * 16 + 3] = 1
+    # The first eval batch (after step 4, --eval-interval 5): samples 50 + 4 * 2 * 2 = 66...69
+    tokens[67 * 16 + 7] = 999
+    path = token_file(tmp_path, tokens)
+    err = error_of(capsys, *argv, "--eval-interval", "5")
+    assert "(sample 67) has id 999" in err
+    # A resumed run reads from its start step on: samples 8 * 4 = 32 ...
+    tokens[67 * 16 + 7] = 1
+    tokens[33 * 16 + 1] = 500
+    path = token_file(tmp_path, tokens)
+    ckpt = dcp_dir(tmp_path, {"iteration": 8, "model": "mcore-gpt"})
+    assert "(sample 33) has id 500" in error_of(capsys, *argv, "--load", str(ckpt))
+
+
+# ------------------------------------------------------------------ offload flags
+def test_cpu_offload_is_refused_with_what_exists_instead(capsys) -> None:
+    err = error_of(capsys, *MCORE, "--cpu-offload")
+    assert "activation CPU offloading" in err and "drop --cpu-offload" in err
+    assert "--optimizer-cpu-offload" in err
+    err = error_of(capsys, "train", "--device", "cpu", "--cpu-offload")  # --model gpt too
+    assert "graph_fsdp does not implement" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0"], "must be in (0, 1]"),
+        (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5"], "must be in (0, 1]"),
+        (["--optimizer-offload-fraction", "0.5"], "without --optimizer-cpu-offload"),
+        (["--optimizer-cpu-offload", "--recompute-activations"], "drop --recompute-activations"),
+    ],
+)
+def test_optimizer_offload_flags(capsys, argv: list[str], expected: str) -> None:
+    for model in ("gpt", "mcore-gpt"):
+        err = error_of(capsys, "train", "--model", model, "--device", "cpu", *argv)
+        assert expected in err, (model, err)
+
+
+# ------------------------------------------------------------------ plumbing into the run
+def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> None:
+    """--load/--save/--data-path/--optimizer-cpu-offload as MCoreTrainConfig fields (the
+    launch is replaced: megatron-core does not import here; the GPU test runs it)."""
+    ckpt = dcp_dir(tmp_path, {"iteration": 3, "model": "mcore-gpt"})
+    path = token_file(tmp_path, np.arange(100 * 16 + 1) % 128)
+    seen = {}
+
+    def fake_launch(plan, fn, cfg, model, save_iteration):
+        seen.update(plan=plan, fn=fn, cfg=cfg, model=model, save_iteration=save_iteration)
+        return None  # as on a rank > 0: nothing to print
+
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
+    monkeypatch.setattr(megatron_cli, "launch", fake_launch)
+    argv = [*MCORE, *SHAPE, "--train-iters", "8", "--load", str(ckpt), "--save"]
+    argv += [str(tmp_path / "out"), "--save-interval", "4", "--data-path", path]
+    argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"]
+    assert main(argv) == 0
+    cfg = seen["cfg"]
+    assert (cfg.start_step, cfg.steps, cfg.save_at, seen["save_iteration"]) == (3, 5, 5, 8)
+    assert cfg.load_path == str(ckpt) and cfg.save_path == str(tmp_path / "out")
+    assert cfg.data_path == path and cfg.optimizer_offload_fraction == 0.25
+    assert seen["model"] == "mcore-gpt" and seen["fn"] is megatron_cli._worker
