@@ -88,6 +88,33 @@ def spawn(
     without reporting, or a run past ``timeout`` seconds (None: no bound), fails the call. Raises with every
     failing rank's traceback (and the ranks that died or were terminated).
     """
+    for attempt in range(PORT_ATTEMPTS):
+        outcome = _launch(fn, world_size, args, backend, timeout, pg_timeout_s)
+        if not (_port_taken(outcome) and attempt + 1 < PORT_ATTEMPTS):
+            break
+    failures = [
+        f"rank {r} failed:\n{payload}" for r, (status, payload) in outcome.items() if status != "ok"
+    ]
+    missing = [r for r in range(world_size) if r not in outcome]
+    if missing:
+        failures.append(f"ranks {missing} did not finish in time and were terminated")
+    if failures:
+        raise RuntimeError("\n".join(failures))
+    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+
+
+PORT_ATTEMPTS = 3
+"""``free_port`` only finds a port free at that moment: another process (an NCCL bootstrap of
+a parallel job) can take it before rank 0 listens. Such a launch is retried on a new port."""
+
+
+def _port_taken(outcome: dict) -> bool:
+    return any(
+        status != "ok" and "EADDRINUSE" in str(payload) for status, payload in outcome.values()
+    )
+
+
+def _launch(fn, world_size, args, backend, timeout, pg_timeout_s) -> dict:
     ctx = mp.get_context("spawn")
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
@@ -108,15 +135,7 @@ def spawn(
         if p.is_alive():
             p.terminate()
             p.join(timeout=5)
-    failures = [
-        f"rank {r} failed:\n{payload}" for r, (status, payload) in outcome.items() if status != "ok"
-    ]
-    missing = [r for r in range(world_size) if r not in outcome]
-    if missing:
-        failures.append(f"ranks {missing} did not finish in time and were terminated")
-    if failures:
-        raise RuntimeError("\n".join(failures))
-    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+    return outcome
 
 
 def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple[str, object]]:
@@ -141,6 +160,8 @@ def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple
                 continue
             if outcome[r][0] != "ok" and first_failure is None:
                 first_failure = time.monotonic()
+            if _port_taken({r: outcome[r]}):
+                return outcome  # the peers wait for a store that never listens: retry now
         for r, p in enumerate(procs):
             if r in outcome or p.is_alive():
                 continue

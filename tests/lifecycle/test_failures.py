@@ -129,3 +129,29 @@ def test_a_dead_rank_fails_the_others_quickly():
     assert "rank 0 failed" in message, f"the surviving rank did not raise:\n{message}"
     assert elapsed < 60 + 30, f"took {elapsed:.0f} s (bound: 60 s after start-up)"
     print(f"dead-rank failure reported after {elapsed:.1f} s")
+
+
+def _world(rank: int, world_size: int) -> int:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def test_spawn_retries_when_its_port_was_taken(monkeypatch):
+    import socket  # noqa: PLC0415
+
+    import graph_fsdp.testing as testing  # noqa: PLC0415
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]
+    real = testing.free_port
+    monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else real())
+    start = time.monotonic()
+    try:
+        assert spawn(_world, 2) == [2, 2]
+    finally:
+        taken.close()
+    assert not ports, "the first launch used the taken port"
+    assert time.monotonic() - start < 60, "the failed launch was not cut short"
