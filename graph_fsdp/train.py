@@ -20,7 +20,7 @@ from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.models import GPTConfig, build_model, transformer_layers
+from graph_fsdp.models import GPTConfig, build_model, sharding_units, transformer_layers
 
 
 @dataclass(kw_only=True)
@@ -118,8 +118,10 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         "strategy": cfg.strategy,
         "optim_over_replicas": cfg.optim_over_replicas,
     }
-    for layer in transformer_layers(model):
-        fully_shard(layer, **placement, mp_policy=mp, buffer_policy=bp)
+    for unit, reshard in sharding_units(model):
+        fully_shard(
+            unit, **placement, mp_policy=mp, buffer_policy=bp, reshard_after_forward=reshard
+        )
     return fully_shard(model, **placement, mp_policy=mp, buffer_policy=bp)
 
 

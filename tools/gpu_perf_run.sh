@@ -50,8 +50,9 @@ else
   LIMIT=200
 fi
 COMMON=(--bf16 --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail "${DEV[@]}")
-ROWS=(--rows unsharded unsharded_captured graph_fsdp graph_fsdp_graphed fsdp2 fsdp2_cuda_graph
-      megatron_fsdp)
+# ROWS="..." / SHAPES="h2048" / MEMORY=0 narrow the run (e.g. to fit what is left of a budget).
+read -r -a ROWS <<<"--rows ${ROWS:-unsharded unsharded_captured graph_fsdp graph_fsdp_graphed fsdp2 fsdp2_cuda_graph megatron_fsdp}"
+read -r -a SHAPE_LIST <<<"${SHAPES:-h1024 h2048}"
 
 # The device tool stops a command at 600 s: every step gets at most LIMIT seconds and what
 # is left of BUDGET (bundling the results at the end needs a few seconds), so the summary
@@ -85,7 +86,7 @@ except Exception as err:
     print("megatron_fsdp not importable:", err)
 EOF
 
-for shape in h1024 h2048; do
+for shape in "${SHAPE_LIST[@]}"; do
   if [[ $shape == h1024 ]]; then S=("${H1[@]}"); else S=("${H2[@]}"); fi
   step "bench $shape" "${CLI[@]}" bench "${COMMON[@]}" "${S[@]}" "${STEPS[@]}" \
     --graph-impls torch --scopes "" --scopes full_iteration "${ROWS[@]}" \
@@ -94,6 +95,7 @@ for shape in h1024 h2048; do
 done
 
 MEM_STEPS=(--warmup-iters 3 --train-iters 2 --output-dir "$WORK/memory_h2048")
+if [[ "${MEMORY:-1}" == "1" ]]; then
 step "memory graph_fsdp eager (double buffer)" "${CLI[@]}" profile --memory graph_fsdp \
   "${COMMON[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --memory-label graph_fsdp_eager_db
 step "memory torch FSDP2 eager" "${CLI[@]}" profile --memory fsdp2 --bf16 "${DEV[@]}" \
@@ -108,6 +110,7 @@ step "memory graph_fsdp eager (dynamic allocator)" "${CLI[@]}" profile --memory 
 python -m graph_fsdp.bench.memory "$WORK"/memory_h2048/memory_*.json >"$OUT/memory_h2048.md" \
   2>>"$LOG"
 python -m graph_fsdp.bench.memory_model >"$WORK/memory_model.md" 2>>"$LOG"
+fi
 
 {
   echo "# issue 12 GPU run ($(date -u +%FT%TZ))"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from graph_fsdp.buffers.layout import FlatLayout
-from graph_fsdp.models import GPTConfig, build_model, transformer_layers
+from graph_fsdp.models import GPTConfig, build_model, sharding_units
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,19 +46,19 @@ class Shape:
 
 
 def unit_numels(model_cfg: GPTConfig) -> list[tuple[str, list[int]]]:
-    """(unit name, parameter numels in graph_fsdp's flat order) per unit, layers then root."""
+    """(unit name, parameter numels in graph_fsdp's flat order) per unit (sharding_units, then the root)."""
     model = build_model(model_cfg, device="meta")
-    layers = transformer_layers(model)
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    units = [
-        (f"layers.{i}", [p.numel() for p in layer.parameters()]) for i, layer in enumerate(layers)
-    ]
-    units.append(("root", [p.numel() for p in model.parameters() if id(p) not in in_layers]))
+    names = {id(m): n for n, m in model.named_modules()}
+    modules = [m for m, _ in sharding_units(model)]
+    in_units = {id(p) for m in modules for p in m.parameters()}
+    units = [(names[id(m)], [p.numel() for p in m.parameters()]) for m in modules]
+    units.append(("root", [p.numel() for p in model.parameters() if id(p) not in in_units]))
     return units
 
 
 def graph_fsdp_roles(shape: Shape) -> dict[str, int]:
-    """Rank 0's persistent and slot bytes per role (ZeRO-3, double buffer)."""
+    """Rank 0's persistent and slot bytes per role (ZeRO-3, double buffer); the grad and grad_comm
+    slots hold their bytes only during backward ([Note: backward slots between steps])."""
     W = shape.world_size
     out: dict[str, int] = {}
 

@@ -21,11 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.models import (
-    TransformerLayer,
-    synthetic_batch,
-    transformer_layers,
-)
+from graph_fsdp.models import TransformerLayer, sharding_units, synthetic_batch
 from graph_fsdp.train import TrainConfig, build_for, device_of, run
 
 
@@ -296,8 +292,8 @@ def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
     mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype, reduce_dtype=torch.float32)
     # FSDP2 has one sharding scheme; keeping weights gathered after forward is its ZeRO-2.
     reshard = cfg.strategy == "optim_grads_params"
-    for layer in transformer_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for unit, unit_reshard in sharding_units(model):  # the units graph_fsdp's rows use
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and unit_reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(
         model.parameters(),

@@ -18,6 +18,7 @@ from graph_fsdp.models.gpt import (
     init_weights,
     model_flops_per_token,
     moe_capacity,
+    sharding_units,
     synthetic_batch,
     transformer_layers,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "init_weights",
     "model_flops_per_token",
     "moe_capacity",
+    "sharding_units",
     "synthetic_batch",
     "transformer_layers",
 ]

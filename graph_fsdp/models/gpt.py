@@ -633,6 +633,22 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def sharding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """``(module, reshard_after_forward)`` to ``fully_shard`` below the root, in forward order.
+
+    Every transformer layer, then the output projection when the model has one: it runs last
+    in forward and first in backward, so as its own unit its all-gather is prefetched behind
+    the last layer and its (vocab-sized) gradient reduction overlaps the layers' backward,
+    instead of both sitting exposed in the root unit; it stays gathered from its forward to
+    its backward, which follows at once (torchtitan wraps its output layer the same way).
+    """
+    units = [(layer, True) for layer in transformer_layers(model)]
+    head = getattr(model, "output", None)
+    if isinstance(head, nn.Module):
+        units.append((head, False))
+    return units
+
+
 def synthetic_batch(
     config: GPTConfig,
     micro_batch_size: int,

@@ -59,7 +59,10 @@ def test_train_hsdp_then_resume_on_a_1d_mesh(tmp_path) -> None:
     first = run_cli("train", *FOUR, *hsdp, "--train-iters", "2", "--save", str(ckpt))
     assert first.returncode == 0, first.stderr
     assert "HSDP replicate 2 x shard 2, optimizer over replicas" in first.stdout
-    assert json.loads((ckpt / "graph_fsdp_cli.json").read_text()) == {"iteration": 2}
+    assert json.loads((ckpt / "graph_fsdp_cli.json").read_text()) == {
+        "iteration": 2,
+        "model": "gpt",
+    }
     resumed = run_cli(
         "train", *FOUR, "--train-iters", "3", "--load", str(ckpt), "--log-json", str(log)
     )
