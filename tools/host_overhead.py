@@ -186,8 +186,13 @@ def main() -> None:
     ap.add_argument("--bare", action="store_true", help="no FSDP, no graphs")
     ap.add_argument("--breakdown", action="store_true", help="time each FSDP/replay piece")
     ap.add_argument("--digest", action="store_true", help="print a digest of the parameters")
+    ap.add_argument(
+        "--nvtx", action="store_true", help="with --cuda: emit graph_fsdp's NVTX ranges (as nsys)"
+    )
     args = ap.parse_args()
 
+    if args.nvtx:
+        os.environ["GRAPH_FSDP_NVTX"] = "1"
     install_fakes(args.cuda)
     if args.breakdown:
         install_timers()
