@@ -346,6 +346,8 @@ class LayerwiseGraphs(RunnerLifecycle):
         self._renew_params(units)
         for cap in self.caps:
             cap.params = tuple(cap.module.parameters())
+            if cap.fwd_graph is not None:
+                cap.set_replay_anchor()
         for state in units.values():
             state.reshard()
         self.captured_generation = root.allocator.generation
