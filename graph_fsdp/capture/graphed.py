@@ -13,6 +13,16 @@ as TE's anchor does. Which parameters get gradients is fixed at capture (the gra
 their ``.grad``). The TE backend keeps the same contract (te_backend.py, [Note: TE
 parameter gradients]).
 
+[Note: backward handlers in the replay] When a callable is a whole FSDP unit (the whole-layer
+scope) and its replay Function is ours (torch backend), that Function is the unit's only
+autograd node: its backward runs the unit's ``pre_backward`` (gather, zeroed ``.grad``)
+before the backward graph and ``post_backward`` (reduce-scatter, reshard) after it, outside
+the graph, where FSDP's registration hooks would have put an identity Function on the inputs
+and a gradient hook on the outputs - two more autograd objects per layer and step. The unit's
+``backward_by_replay`` is set while captured; its eager calls (eval, fallbacks, verification)
+register the handlers in the dispatcher (runner.py). TE's replay Function is TE's: there the
+hooks stay.
+
 [Note: capture and replay order] All forward graphs are captured first, in execution order,
 then all backward graphs in reverse, in one shared memory pool - the order training replays
 them. Memory a graph frees during capture (a backward releasing the activations its forward
@@ -271,6 +281,9 @@ class CapturedCallable:
         """Indices of the outputs that did not require grad at capture."""
         self.replay_anchor: tuple[torch.Tensor, ...] = ()
         """The anchor leaf the replay Function takes when it needs one (module notes)."""
+        self.unit_state = None
+        """The FSDP state whose backward handlers the replay runs ([Note: backward handlers
+        in the replay]), or None."""
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
         # te backend: the module TE returned (its forward replays) and its anchor input
@@ -298,6 +311,9 @@ class CapturedCallable:
         self.static_inputs, self.static_outputs = [], []
         self.static_grad_outputs, self.static_grad_inputs = [], []
         self.params, self.replay_anchor, self.out_nondiff = (), (), ()
+        if self.unit_state is not None:
+            self.unit_state.backward_by_replay = False
+            self.unit_state = None
 
     # ------------------------------------------------------------------ eager pieces
     def forward_eager(self) -> list[torch.Tensor]:
@@ -412,6 +428,9 @@ class _Replay(torch.autograd.Function):
 
 def _replay_backward(ctx, *grads: torch.Tensor | None):
     cap: CapturedCallable = ctx.cap
+    state = cap.unit_state
+    if state is not None:  # [Note: backward handlers in the replay]
+        state.pre_backward()
     with nvtx_range(f"graph_fsdp/replay_backward/{cap.name}"):
         for static, g in zip(cap.static_grad_outputs, grads):
             if static is None:
@@ -421,6 +440,8 @@ def _replay_backward(ctx, *grads: torch.Tensor | None):
             elif g.data_ptr() != static.data_ptr():
                 static.copy_(g)
         cap.bwd_graph.replay()
+    if state is not None:
+        state.post_backward()
     grads_in = [None if g is None else g.detach() for g in cap.static_grad_inputs]
     return (None, *grads_in, *[None for _ in cap.replay_anchor])
 
