@@ -10,7 +10,9 @@ minus the CUDA API calls themselves (their counts per layer are printed with ``-
     python tools/host_overhead.py [--steps 200] [--profile] [--cuda]
 
 ``--cuda`` additionally fakes a CUDA CommContext (streams, events, NVTX) with counting
-stand-ins, to count the CUDA API calls FSDP issues per layer and direction.
+stand-ins, to count the CUDA API calls FSDP issues per layer and direction. graph_fsdp's NVTX
+ranges are off unless a profiler listens (buffers/allocator.py ``nvtx_enabled``); ``--nvtx``
+turns them on, as under nsys.
 """
 
 from __future__ import annotations
