@@ -242,16 +242,27 @@ class FlatParamGroup:
         """This rank's shard-group range in compute dtype, the input of the shard all-gather:
         cast straight into ``full`` ([Note: copy-in all-gather]), or with the optimizer over
         replicas kept in ``compute_shard``, refreshed only when stale ([Note: HSDP ranges])."""
+        if self.compute_shard is None:
+            views = self._gather_views
+            if views is None or views[0] is not full or views[1] != full.data_ptr():
+                views = self._gather_views = self._make_gather_views(full)
+            self._cast_main_into(views[2])
+            return views[3]
         lo, hi = self.owned
         slo, shi = self.shard_range
-        if self.compute_shard is None:
-            self._cast_main_into(full[lo:hi])
-            return full[slo:shi]
         if self.stale():
             piece = self.compute_shard[lo - slo : hi - slo]
             self._cast_main_into(piece)
             all_gather(self.compute_shard, piece, self.comm, self.fqn, over_replicas=True)
         return self.compute_shard
+
+    _gather_views: tuple | None = None
+    """``(full, its address, full[owned], full[shard_range])``: slicing costs host time at
+    every gather, and ``full`` is the same slot view gather after gather."""
+
+    def _make_gather_views(self, full: torch.Tensor) -> tuple:
+        (lo, hi), (slo, shi) = self.owned, self.shard_range
+        return (full, full.data_ptr(), full[lo:hi], full[slo:shi])
 
     def _cast_main_into(self, target: torch.Tensor) -> None:
         with nvtx_range(f"graph_fsdp/optimizer_copy/{self.fqn}"):

@@ -109,6 +109,11 @@ class FSDPState:
         self._pre_backward_done = False
         self._post_backward_done = False
         self.requires_grad_sync = True
+        self.backward_by_replay = False
+        """Set by the capture layer while a graph replay of this unit's whole module runs the
+        unit's ``pre_backward``/``post_backward`` itself (capture/runner.py, [Note: backward
+        handlers in the replay]): the registration hooks stand aside, and eager calls of the
+        module register the handlers through :meth:`forward_with_backward_handlers`."""
         self._handles: list = []
 
     # ------------------------------------------------------------------ registration
@@ -133,6 +138,13 @@ class FSDPState:
 
     @mark(BACKWARD_HANDLER, "capture_post_backward")
     def _register_post_backward_hook(self, module, args, kwargs):
+        if self.backward_by_replay:
+            return None
+        return self._wrap_inputs(args, kwargs)
+
+    def _wrap_inputs(self, args: tuple, kwargs: dict):
+        """``(args, kwargs)`` with the inputs that require grad passed through
+        ``_PostBackward`` (its backward runs ``post_backward``), or None to keep them."""
         if not torch.is_grad_enabled() or in_backward():
             return None
         # The usual ``layer(x)`` (positional tensors only) skips tree_flatten: its leaves are
@@ -149,6 +161,11 @@ class FSDPState:
 
     @mark(BACKWARD_PRE_HANDLER, "capture_pre_backward")
     def _register_pre_backward_hook(self, module, args, output) -> None:
+        if not self.backward_by_replay:
+            self._hook_outputs(output)
+
+    def _hook_outputs(self, output) -> None:
+        """``pre_backward`` runs when the first gradient of ``output`` arrives."""
         if not torch.is_grad_enabled() or in_backward():
             return
         flat = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
@@ -158,6 +175,17 @@ class FSDPState:
 
     def _pre_backward_grad_hook(self, grad: torch.Tensor) -> None:
         self.pre_backward()
+
+    def forward_with_backward_handlers(self, forward, args: tuple, kwargs: dict):
+        """``forward(*args, **kwargs)`` with the backward handlers the registration hooks would
+        have attached: an eager call of a module whose replay owns them (``backward_by_replay``:
+        an eval pass, a call that does not match the capture, a verification's eager run)."""
+        wrapped = self._wrap_inputs(args, kwargs)
+        if wrapped is not None:
+            args, kwargs = wrapped
+        out = forward(*args, **kwargs)
+        self._hook_outputs(out)
+        return out
 
     @property
     def allocator(self) -> BufferAllocator:

@@ -10,7 +10,9 @@ minus the CUDA API calls themselves (their counts per layer are printed with ``-
     python tools/host_overhead.py [--steps 200] [--profile] [--cuda]
 
 ``--cuda`` additionally fakes a CUDA CommContext (streams, events, NVTX) with counting
-stand-ins, to count the CUDA API calls FSDP issues per layer and direction.
+stand-ins, to count the CUDA API calls FSDP issues per layer and direction. graph_fsdp's NVTX
+ranges are off unless a profiler listens (buffers/allocator.py ``nvtx_enabled``); ``--nvtx``
+turns them on, as under nsys.
 """
 
 from __future__ import annotations
@@ -186,8 +188,13 @@ def main() -> None:
     ap.add_argument("--bare", action="store_true", help="no FSDP, no graphs")
     ap.add_argument("--breakdown", action="store_true", help="time each FSDP/replay piece")
     ap.add_argument("--digest", action="store_true", help="print a digest of the parameters")
+    ap.add_argument(
+        "--nvtx", action="store_true", help="with --cuda: emit graph_fsdp's NVTX ranges (as nsys)"
+    )
     args = ap.parse_args()
 
+    if args.nvtx:
+        os.environ["GRAPH_FSDP_NVTX"] = "1"
     install_fakes(args.cuda)
     if args.breakdown:
         install_timers()

@@ -20,6 +20,7 @@ the caching allocator). See [Note: slot reuse across streams].
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
@@ -46,21 +47,54 @@ class _NvtxRange:
 
 
 _NULL_RANGE = nullcontext()
-_CUDA_AVAILABLE: bool | None = None
+_NVTX_ON: bool | None = None
 _RANGES: dict[str, _NvtxRange] = {}
 _MAX_CACHED_RANGES = 65536
 
+NVTX_ENV = "GRAPH_FSDP_NVTX"
+"""``1``: always emit graph_fsdp's NVTX ranges (on CUDA); ``0``: never; unset: only while a
+profiler listens (see :func:`nvtx_enabled`)."""
+_LISTENER_ENV = ("NSYS_PROFILING_SESSION_ID", "NVTX_INJECTION64_PATH")
+"""Set in a process that Nsight Systems (or another NVTX tool) profiles."""
+
+
+def nvtx_enabled() -> bool:
+    """Whether :func:`nvtx_range` emits ranges (decided once per process).
+
+    Each layer opens ~17 ranges per step; with no tool attached every push and pop is host
+    time for nothing (issue 12: layerwise host cost), so by default ranges are emitted only
+    under Nsight Systems (it sets ``NSYS_PROFILING_SESSION_ID``) or another NVTX tool (an
+    ``NVTX_INJECTION64_PATH`` library). ``GRAPH_FSDP_NVTX=1``/``0`` forces them on/off;
+    ``graph-fsdp profile`` sets 1 for the nsys run it starts.
+    """
+    global _NVTX_ON
+    if _NVTX_ON is None:
+        forced = os.environ.get(NVTX_ENV, "").strip()
+        if forced not in ("", "0", "1"):
+            raise ValueError(f"{NVTX_ENV}={forced!r}: use 1 (ranges on), 0 (off) or unset (auto)")
+        listening = any(os.environ.get(v) for v in _LISTENER_ENV)
+        wanted = forced == "1" or (forced == "" and listening)
+        _NVTX_ON = wanted and torch.cuda.is_available()
+    return _NVTX_ON
+
+
+def set_nvtx_ranges(enabled: bool | None) -> None:
+    """Turn graph_fsdp's NVTX ranges on or off for this process (None: decide again from the
+    environment, as :func:`nvtx_enabled` does)."""
+    global _NVTX_ON
+    _NVTX_ON = None if enabled is None else bool(enabled) and torch.cuda.is_available()
+
 
 def nvtx_range(name: str):
-    """NVTX range on CUDA builds; a no-op context elsewhere.
+    """NVTX range when :func:`nvtx_enabled`; a no-op context otherwise.
 
     Host time matters here (several ranges per layer and direction around graph replays):
-    CUDA availability is queried once, and each name's range object is built once.
+    whether ranges are on is decided once, and each name's range object is built once.
     """
-    global _CUDA_AVAILABLE
-    if _CUDA_AVAILABLE is None:
-        _CUDA_AVAILABLE = torch.cuda.is_available()
-    if not _CUDA_AVAILABLE:
+    on = _NVTX_ON
+    if on is None:
+        on = nvtx_enabled()
+    if not on:
         return _NULL_RANGE
     rng = _RANGES.get(name)
     if rng is None:

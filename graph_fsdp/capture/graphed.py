@@ -7,9 +7,21 @@ at static addresses (param_group.py) - exactly as autograd's AccumulateGrad does
 mode (``grad += g``), so eager and graphed gradients are bit-identical and no per-parameter
 host work is left for replay. (No AccumulateGrad node runs during capture: one created on
 the default stream in an eager step would pull that stream into the capture.) The parameters
-are still inputs of the replay Function (so its outputs require grad whenever they do) and
-get ``None`` back. The TE backend keeps the same contract (te_backend.py, [Note: TE
+are therefore no inputs of the replay Function: when no recorded input requires grad but a
+parameter does, one anchor leaf (never read, given ``None``) makes the outputs require grad,
+as TE's anchor does. Which parameters get gradients is fixed at capture (the graph adds into
+their ``.grad``). The TE backend keeps the same contract (te_backend.py, [Note: TE
 parameter gradients]).
+
+[Note: backward handlers in the replay] When a callable is a whole FSDP unit (the whole-layer
+scope) and its replay Function is ours (torch backend), that Function is the unit's only
+autograd node: its backward runs the unit's ``pre_backward`` (gather, zeroed ``.grad``)
+before the backward graph and ``post_backward`` (reduce-scatter, reshard) after it, outside
+the graph, where FSDP's registration hooks would have put an identity Function on the inputs
+and a gradient hook on the outputs - two more autograd objects per layer and step. The unit's
+``backward_by_replay`` is set while captured; its eager calls (eval, fallbacks, verification)
+register the handlers in the dispatcher (runner.py). TE's replay Function is TE's: there the
+hooks stay.
 
 [Note: capture and replay order] All forward graphs are captured first, in execution order,
 then all backward graphs in reverse, in one shared memory pool - the order training replays
@@ -265,6 +277,13 @@ class CapturedCallable:
         self.out_has_consts = False
         self.out_tensor_pos: frozenset[int] = frozenset()
         self.out_requires_grad: list[bool] = []
+        self.out_nondiff: tuple[int, ...] = ()
+        """Indices of the outputs that did not require grad at capture."""
+        self.replay_anchor: tuple[torch.Tensor, ...] = ()
+        """The anchor leaf the replay Function takes when it needs one (module notes)."""
+        self.unit_state = None
+        """The FSDP state whose backward handlers the replay runs ([Note: backward handlers
+        in the replay]), or None."""
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
         # te backend: the module TE returned (its forward replays) and its anchor input
@@ -291,7 +310,10 @@ class CapturedCallable:
         self.fwd_graph = self.bwd_graph = self.te_callable = self.te_anchor = None
         self.static_inputs, self.static_outputs = [], []
         self.static_grad_outputs, self.static_grad_inputs = [], []
-        self.params = ()
+        self.params, self.replay_anchor, self.out_nondiff = (), (), ()
+        if self.unit_state is not None:
+            self.unit_state.backward_by_replay = False
+            self.unit_state = None
 
     # ------------------------------------------------------------------ eager pieces
     def forward_eager(self) -> list[torch.Tensor]:
@@ -369,7 +391,15 @@ class CapturedCallable:
                 # te_backend's wrapper returns the tensors alone when there are constants,
                 # and TE unwraps a 1-tuple into a bare tensor.
                 return self.join_outputs([outs] if isinstance(outs, torch.Tensor) else list(outs))
-            return self.join_outputs(_Replay.apply(self, *tensors, *self.params))
+            return self.join_outputs(_Replay.apply(self, *tensors, *self.replay_anchor))
+
+    def set_replay_anchor(self) -> None:
+        """An anchor leaf iff no recorded input requires grad but a parameter does."""
+        needed = not any(m[3] for m in self.signature.metas) and any(
+            p.requires_grad for p in self.params
+        )
+        device = (self.static_inputs or list(self.params))[0].device if needed else None
+        self.replay_anchor = (torch.zeros((), device=device, requires_grad=True),) if needed else ()
 
 
 class _Replay(torch.autograd.Function):
@@ -382,25 +412,41 @@ class _Replay(torch.autograd.Function):
                 static.copy_(x)
         cap.fwd_graph.replay()
         ctx.cap = cap
-        outs = tuple(o.detach() for o in cap.static_outputs)
-        ctx.mark_non_differentiable(*(o for o, rg in zip(outs, cap.out_requires_grad) if not rg))
+        outs = tuple([o.detach() for o in cap.static_outputs])
+        if cap.out_nondiff:
+            ctx.mark_non_differentiable(*[outs[i] for i in cap.out_nondiff])
         return outs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):
-        cap: CapturedCallable = ctx.cap
-        with nvtx_range(f"graph_fsdp/replay_backward/{cap.name}"):
-            for static, g in zip(cap.static_grad_outputs, grads):
-                if static is None:
-                    continue
-                if g is None:
-                    static.zero_()
-                elif g.data_ptr() != static.data_ptr():
-                    static.copy_(g)
-            cap.bwd_graph.replay()
-        grads_in = [None if g is None else g.detach() for g in cap.static_grad_inputs]
-        return (None, *grads_in, *([None] * len(cap.params)))
+        # Grad mode is off in a plain backward; create_graph=True takes once_differentiable's
+        # path (the replay's gradients cannot be differentiated again).
+        if torch.is_grad_enabled():
+            return _replay_backward_once(ctx, *grads)
+        return _replay_backward(ctx, *grads)
+
+
+def _replay_backward(ctx, *grads: torch.Tensor | None):
+    cap: CapturedCallable = ctx.cap
+    state = cap.unit_state
+    if state is not None:  # [Note: backward handlers in the replay]
+        state.pre_backward()
+    with nvtx_range(f"graph_fsdp/replay_backward/{cap.name}"):
+        for static, g in zip(cap.static_grad_outputs, grads):
+            if static is None:
+                continue
+            if g is None:
+                static.zero_()
+            elif g.data_ptr() != static.data_ptr():
+                static.copy_(g)
+        cap.bwd_graph.replay()
+    if state is not None:
+        state.post_backward()
+    grads_in = [None if g is None else g.detach() for g in cap.static_grad_inputs]
+    return (None, *grads_in, *[None for _ in cap.replay_anchor])
+
+
+_replay_backward_once = once_differentiable(_replay_backward)
 
 
 def _phase(tracker: ModuleTracker | None, name: str, kind: str):
@@ -471,6 +517,7 @@ def capture_torch(
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
                 cap.static_outputs = forward_step(cap, h, tracker, graph)
             cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
+            cap.out_nondiff = tuple(i for i, rg in enumerate(cap.out_requires_grad) if not rg)
         for cap, h in reversed(list(zip(caps, hooks))):
             cap.bwd_graph = torch.cuda.CUDAGraph()
             graph = torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream)

@@ -349,6 +349,11 @@ class LayerwiseGraphs(RunnerLifecycle):
         self._renew_params(units)
         for cap in self.caps:
             cap.params = tuple(cap.module.parameters())
+            if cap.fwd_graph is not None:
+                cap.set_replay_anchor()
+                if cap.module is cap.target.unit:  # [Note: backward handlers in the replay]
+                    cap.unit_state = unit_states[id(cap.module)]
+                    cap.unit_state.backward_by_replay = True
         for state in units.values():
             state.reshard()
         self.captured_generation = root.allocator.generation
@@ -408,6 +413,8 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
                 )
         elif graphs.recording and training_call and cap.signature is None:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
+        if cap.unit_state is not None:  # the replay owns the unit's backward handlers
+            return cap.unit_state.forward_with_backward_handlers(cap.orig_forward, args, kwargs)
         return cap.orig_forward(*args, **kwargs)
 
     forward._graph_fsdp_dispatcher = cap

@@ -38,6 +38,7 @@ from graph_fsdp.bench.memory import (
 )
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.trace import format_summary
+from graph_fsdp.buffers.allocator import NVTX_ENV
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import LaunchPlan, launch
 from graph_fsdp.cli.options import add_common_args, resolve
@@ -150,7 +151,8 @@ def _reexec_under_nsys(args: argparse.Namespace, plan: LaunchPlan, output_dir: s
         output_dir,
     ]
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    rc = subprocess.call(cmd, env={**os.environ, UNDER_NSYS: "1"})
+    # graph_fsdp's own NVTX ranges are off unless a profiler listens: ask for them.
+    rc = subprocess.call(cmd, env={**os.environ, UNDER_NSYS: "1", NVTX_ENV: "1"})
     report = base + ".nsys-rep"
     if rc == 0 and os.path.exists(report) and (rank is None or rank == "0"):
         subprocess.call(

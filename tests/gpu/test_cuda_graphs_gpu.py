@@ -155,9 +155,16 @@ def test_graphs_are_bit_exact_with_eager(family_results):
     assert not failures, "\n".join(failures)
 
 
-def _lockstep(rank: int, world: int, impl: str) -> dict:
+def _lockstep(
+    rank: int, world: int, impl: str, scopes: list[str] | None = None, frozen_embeddings=False
+) -> dict:
     """A graphed model and an eager twin trained in lockstep through the runner's edge cases:
-    a changed sequence length (eager fallback), eval passes, and release() (recapture)."""
+    a changed sequence length (eager fallback), eval passes, and release() (recapture).
+
+    ``scopes=[]`` (whole layers) with the torch backend puts the units' backward handlers in
+    the replay Function (capture/graphed.py, [Note: backward handlers in the replay]), and the
+    fallback, eval and recapture steps register them from the dispatcher instead.
+    ``frozen_embeddings``: layer 0's input requires no grad (the replay's anchor leaf)."""
     import warnings
 
     from graph_fsdp.capture import LayerwiseGraphs
@@ -171,10 +178,15 @@ def _lockstep(rank: int, world: int, impl: str) -> dict:
     models, opts = [], []
     for _ in range(2):
         torch.manual_seed(0)
-        m = shard_model(build_model(cfg.model, device=device), cfg)
+        built = build_model(cfg.model, device=device)
+        if frozen_embeddings:
+            for p in (*built.embedding.parameters(), *built.position_embedding.parameters()):
+                p.requires_grad_(False)
+        m = shard_model(built, cfg)
         models.append(m)
-        opts.append(torch.optim.AdamW(m.parameters(), lr=1e-3))
-    graphs = LayerwiseGraphs(models[0], impl=impl, scopes=["attn"], warmup_steps=1)
+        opts.append(torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3))
+    scopes = ["attn"] if scopes is None else scopes
+    graphs = LayerwiseGraphs(models[0], impl=impl, scopes=scopes, warmup_steps=1)
     losses: list[list[float]] = [[], []]
     fallback_warnings = 0
     for step in range(8):
@@ -197,15 +209,37 @@ def _lockstep(rank: int, world: int, impl: str) -> dict:
             with torch.no_grad():
                 losses[i].append(m(x, y).item())
             m.train()
-    return {"losses": losses, "report": graphs.report(), "warnings": fallback_warnings}
+    params = [{n: p.detach().cpu().clone() for n, p in m.named_parameters()} for m in models]
+    return {
+        "losses": losses,
+        "report": graphs.report(),
+        "warnings": fallback_warnings,
+        "params": params,
+    }
 
 
 @pytest.mark.parametrize("impl", BACKENDS)
-def test_fallback_eval_and_recapture_stay_bit_exact(impl):
-    res = spawn(_lockstep, 2, impl, backend="nccl")[0]
+@pytest.mark.parametrize("scopes", [["attn"], []], ids=["attn", "layer"])
+def test_fallback_eval_and_recapture_stay_bit_exact(impl, scopes):
+    res = spawn(_lockstep, 2, impl, scopes, backend="nccl")[0]
     graphed, eager = res["losses"]
     assert graphed == eager, (graphed, eager)
+    differ = [n for n, v in res["params"][1].items() if not torch.equal(res["params"][0][n], v)]
+    assert not differ, f"final params differ: {differ}"
     report = res["report"]
     assert report["captures"] == 2, report  # first capture, then again after release()
     assert report["eager_fallbacks"] == 4, report  # step 3: one call per layer
     assert res["warnings"] == 4
+
+
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_layer_whose_input_requires_no_grad_is_bit_exact(impl):
+    """Frozen embeddings: layer 0's recorded input requires no grad, yet its parameters do;
+    the replay must still run its backward (torch: the anchor leaf) and train layer 0."""
+    res = spawn(_lockstep, 2, impl, [], True, backend="nccl")[0]
+    graphed, eager = res["losses"]
+    assert graphed == eager, (graphed, eager)
+    first, last = res["params"][1], res["params"][0]
+    differ = [n for n, v in first.items() if not torch.equal(last[n], v)]
+    assert not differ, f"final params differ: {differ}"
+    assert res["report"]["captures"] == 2 and res["report"]["replays"] > 0, res["report"]
