@@ -228,8 +228,10 @@ def test_fallback_eval_and_recapture_stay_bit_exact(impl, scopes):
     assert not differ, f"final params differ: {differ}"
     report = res["report"]
     assert report["captures"] == 2, report  # first capture, then again after release()
-    assert report["eager_fallbacks"] == 4, report  # step 3: one call per layer
-    assert res["warnings"] == 4
+    # step 3: one eager call per graphed module (the layers' attn, or every unit below the
+    # root: the layers and the output projection), each with its warning
+    assert report["eager_fallbacks"] == len(report["callables"]), report
+    assert res["warnings"] == len(report["callables"])
 
 
 @pytest.mark.parametrize("impl", BACKENDS)

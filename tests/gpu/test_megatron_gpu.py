@@ -14,6 +14,7 @@ and peak memory per scope. Run: python -m pytest -q -s -m gpu tests/gpu/test_meg
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -253,24 +254,32 @@ def test_cli_trains_mcore_moe_with_graphs(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The CLI's --save / --load / --data-path / --optimizer-cpu-offload for --model mcore-moe
+# The CLI's --save / --load / --data-path / --optimizer-cpu-offload for Megatron-Core models
 # --------------------------------------------------------------------------------------------
 
-CLI_MOE = [
-    "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "256",
+CLI_COMMON = [
     "--transformer-impl", "transformer_engine", "--bf16", "--num-layers", "2",
     "--hidden-size", "128", "--seq-length", "64", "--vocab-size", "512", "--nproc", "2",
     "--lr", "1e-2", "--deterministic", "--fsdp-double-buffer",
     "--fsdp-db-use-persist-buf-on-alloc-fail", "--cuda-graph-impl", "te",
+]  # fmt: skip
+CLI_MOE = [
+    "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "256", *CLI_COMMON,
     "--cuda-graph-scope", "attn", "moe_router",
 ]  # fmt: skip
+# The resume check runs the dense model: on 2x H200 (2026-11-23) the MoE one matched the
+# uninterrupted run for the 3 saved steps and then differed at the first resumed step
+# (5.82228 vs 5.82264), whose loss depends only on the loaded weights; Megatron's unfused MoE
+# permutation has ops without a deterministic CUDA kernel (--deterministic only warns), so
+# two MoE runs are not guaranteed to agree bit for bit. Open item: issue 11's closing note.
+CLI_GPT = ["--model", "mcore-gpt", *CLI_COMMON, "--cuda-graph-scope", "attn", "mlp"]
 
 
-def _train_cli(*args: str) -> str:
+def _train_cli(*args: str, base: list[str] = CLI_MOE) -> str:
     import subprocess
     import sys
 
-    argv = [sys.executable, "-m", "graph_fsdp.cli.main", "train", *CLI_MOE, *args]
+    argv = [sys.executable, "-m", "graph_fsdp.cli.main", "train", *base, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -292,24 +301,25 @@ def _learnable_tokens(path) -> str:
 
 def test_cli_mcore_save_load_data_path(tmp_path) -> None:
     """6 steps in one run == 3 steps with --save, then --load and 3 more: bit-identical
-    losses (TE graphs attn moe_router, the token file of --data-path)."""
+    losses (dense mcore GPT, TE graphs attn mlp, the token file of --data-path)."""
     data = _learnable_tokens(tmp_path / "tokens.bin")
     ckpt = tmp_path / "ckpt"
     full_log, first_log, second_log = (tmp_path / f"{n}.jsonl" for n in ("full", "a", "b"))
-    out = _train_cli("--train-iters", "6", "--data-path", data, "--log-json", str(full_log))
+    train = functools.partial(_train_cli, base=CLI_GPT)
+    out = train("--train-iters", "6", "--data-path", data, "--log-json", str(full_log))
     assert f"data: {data} (uint16 token file)" in out, out
     full = [r["loss"] for r in _log(full_log)]
     assert len(full) == 6
     # The file is read: a learnable stream, unlike synthetic tokens (loss ~ ln 512 = 6.24).
     assert full[-1] < full[0] - 0.5, full
-    out = _train_cli(
+    out = train(
         "--train-iters", "3", "--save", str(ckpt), "--data-path", data,
         "--log-json", str(first_log),
     )  # fmt: skip
     assert f"checkpoint: {ckpt} (iteration 3)" in out, out
     meta = json.loads((ckpt / "graph_fsdp_cli.json").read_text())
-    assert meta == {"iteration": 3, "model": "mcore-moe"}
-    out = _train_cli(
+    assert meta == {"iteration": 3, "model": "mcore-gpt"}
+    out = train(
         "--train-iters", "6", "--load", str(ckpt), "--data-path", data,
         "--log-json", str(second_log),
     )  # fmt: skip
