@@ -88,6 +88,8 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
             results.append({"name": name, "status": "skipped", "reason": f"{why} a CUDA device"})
             continue
         status, reason, raw = "ok", None, None
+        # What earlier rows of this process left allocated (their peak would include it).
+        start = torch.cuda.memory_allocated(device) if cuda else 0
         try:
             raw = run(rank, world_size, _row_config(job, kind, scopes))
         except ImportError as err:  # megatron_fsdp not installed
@@ -98,7 +100,7 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
         peak = torch.cuda.max_memory_allocated(device) if cuda else 0
         reserved = torch.cuda.max_memory_reserved(device) if cuda else 0
         flags = torch.tensor(
-            [peak, reserved, status == "failed"], dtype=torch.float64, device=device
+            [peak, reserved, status == "failed", start], dtype=torch.float64, device=device
         )
         if world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # keeps the ranks in lockstep too
@@ -119,6 +121,7 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
                 "min_step_ms": min(timed) * 1e3,
                 "peak_memory_bytes": int(flags[0].item()) if cuda else None,
                 "peak_reserved_bytes": int(flags[1].item()) if cuda else None,
+                "start_allocated_bytes": int(flags[3].item()) if cuda else None,
                 "losses": raw["losses"],
                 "final_loss": raw["losses"][-1],
                 "step_times_ms": [t * 1e3 for t in timed],
@@ -144,7 +147,7 @@ def with_ratios(rows: list[dict]) -> list[dict]:
         if eager is not None and r["status"] == "ok":
             r["step_time_vs_eager"] = r["median_step_ms"] / eager["median_step_ms"]
             if r.get("peak_memory_bytes") and eager.get("peak_memory_bytes"):
-                r["peak_memory_vs_eager"] = r["peak_memory_bytes"] / eager["peak_memory_bytes"]
+                r["peak_memory_vs_eager"] = own_peak(r) / own_peak(eager)
             same = r["losses"] == eager["losses"]
             if not same:
                 step = next(
@@ -160,6 +163,11 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def own_peak(row: dict) -> int:
+    """The row's peak minus what earlier rows of the process left allocated at its start."""
+    return row["peak_memory_bytes"] - (row.get("start_allocated_bytes") or 0)
+
+
 def _gib(value: int | None) -> str:
     return "-" if not value else f"{value / 2**30:.2f}"
 
@@ -171,7 +179,7 @@ def markdown(report: dict) -> str:
         "",
         report["setup"],
         "",
-        "| row | median step ms | min step ms | peak mem GiB | peak reserved GiB | final loss | "
+        "| row | median step ms | min step ms | peak mem GiB (own) | peak reserved GiB | final loss | "
         "step time vs eager | peak mem vs eager | losses == eager |",
         "|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
@@ -194,15 +202,17 @@ def markdown(report: dict) -> str:
         mem = r.get("peak_memory_vs_eager")
         lines.append(
             f"| {r['name']} | {r['median_step_ms']:.2f} | {r['min_step_ms']:.2f} | "
-            f"{_gib(r['peak_memory_bytes'])} | {_gib(r['peak_reserved_bytes'])} | "
+            f"{_gib(own_peak(r) if r['peak_memory_bytes'] else None)} | "
+            f"{_gib(r['peak_reserved_bytes'])} | "
             f"{r['final_loss']:.5f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
             f"{'-' if mem is None else f'{mem:.2f}x'} | {verdict} |"
         )
     lines += [
         "",
         "Step times: median / min over the timed steps (after the warmup steps, which include "
-        "the capture). Peak memory: max over ranks of torch.cuda.max_memory_allocated / "
-        "max_memory_reserved during the row (graph pools show in reserved). losses == eager: "
+        "the capture). Peak memory: max over ranks of torch.cuda.max_memory_allocated during "
+        "the row minus what earlier rows left allocated at its start (own), and "
+        "max_memory_reserved (graph pools show in reserved). losses == eager: "
         "every per-step loss equal to the eager row's (bit for bit; run with --deterministic).",
     ]
     if notes:

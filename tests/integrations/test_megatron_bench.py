@@ -153,3 +153,13 @@ def test_report_ratios_and_verdicts(tmp_path) -> None:
     paths = mb.write_report(report, str(tmp_path / "out"))
     saved = json.loads(open(paths["json"]).read())
     assert saved["rows"][2]["step_time_vs_eager"] == 0.75
+
+
+def test_memory_ratio_counts_only_the_rows_own_bytes() -> None:
+    gib = 2**30
+    eager = _row("graph_fsdp eager", 60.0, gib, [6.0])
+    # A later row that started with 1 GiB left by earlier rows and peaked 1.5 GiB above it.
+    later = _row("graph_fsdp te [attn]", 30.0, gib * 5 // 2, [6.0]) | {"start_allocated_bytes": gib}
+    out = mb.with_ratios([eager, later])
+    assert mb.own_peak(later) == 3 * gib // 2
+    assert out[1]["peak_memory_vs_eager"] == 1.5
