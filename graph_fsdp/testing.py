@@ -174,3 +174,22 @@ def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple
                 )
                 first_failure = first_failure or time.monotonic()
     return outcome
+
+
+def cli_error(capsys, *argv: str) -> str:
+    """The message ``graph-fsdp argv`` stops with (a CLIError: exit code 2), on one line.
+
+    ``capsys`` is pytest's fixture; the command runs in this process, so nothing is launched
+    when the arguments are refused before that.
+    """
+    from graph_fsdp.cli.main import main  # noqa: PLC0415 (the CLI imports much)
+
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        assert exc.code == 2, f"graph-fsdp {' '.join(argv)} exited with {exc.code}, not 2"
+    else:
+        raise AssertionError(f"graph-fsdp {' '.join(argv)} was not refused")
+    err = capsys.readouterr().err
+    assert "error:" in err, err
+    return err.split("error:", 1)[1].replace("\n", " ")

@@ -349,6 +349,24 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def graphs_label(cfg) -> str:
+    """How a run's steps execute, for summaries: ``eager`` or ``<impl> graphs [<scopes>]``."""
+    if cfg.cuda_graph_impl == "none":
+        return "eager"
+    return f"{cfg.cuda_graph_impl} graphs [{' '.join(cfg.cuda_graph_scope) or 'layer'}]"
+
+
+def input_lines(cfg) -> list[str]:
+    """Summary lines for the token file and the optimizer offload a run used (our models and
+    Megatron-Core's alike)."""
+    lines = []
+    if cfg.data_path:
+        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
+    if cfg.optimizer_offload_fraction:
+        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
+    return lines
+
+
 def format_summary(
     cfg: TrainConfig, where: str, stats: StepStats, out: dict, args: argparse.Namespace
 ) -> str:
@@ -356,11 +374,7 @@ def format_summary(
     model = f"{m.num_layers} layers, hidden {m.hidden_size}" + (
         f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ""
     )
-    graphs = (
-        "eager"
-        if cfg.cuda_graph_impl == "none"
-        else f"{cfg.cuda_graph_impl} graphs [{' '.join(cfg.cuda_graph_scope) or 'layer'}]"
-    )
+    graphs = graphs_label(cfg)
     times = out["times"]
     step_s = median(times) if times else float("nan")
     peak = out.get("peak_memory_bytes")
@@ -371,11 +385,8 @@ def format_summary(
         f"{stats.tokens_per_step / step_s:,.0f} tokens/s | "
         f"{stats.enrich({'step_time_s': step_s}).get('tflops_per_gpu', 0.0):.3f} TFLOP/s per GPU | "
         f"peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
+        *input_lines(cfg),
     ]
-    if cfg.data_path:
-        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
-    if cfg.optimizer_offload_fraction:
-        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
     if out.get("eval_losses"):
         lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))
     if args.log_json:

@@ -336,19 +336,16 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
+    from graph_fsdp.cli.train_cmd import graphs_label, input_lines  # noqa: PLC0415
+
     peak = out.get("peak_memory_bytes")
-    impl, scopes = cfg.cuda_graph_impl, cfg.cuda_graph_scope
-    graphs = "eager" if impl == "none" else f"{impl} graphs [{' '.join(scopes) or 'layer'}]"
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
-        f"{cfg.strategy}, {graphs}",
+        f"{cfg.strategy}, {graphs_label(cfg)}",
         f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
         f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
+        *input_lines(cfg),
     ]
-    if cfg.optimizer_offload_fraction:
-        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
-    if cfg.data_path:
-        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
     if cfg.load_path:
         lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
     if cfg.save_path:

@@ -7,19 +7,13 @@ import json
 import pytest
 from _cli_helpers import TINY, run_cli
 
-from graph_fsdp.cli.main import main
+from graph_fsdp.testing import cli_error
 
 FOUR = [a if a != "2" or TINY[i - 1] != "--nproc" else "4" for i, a in enumerate(TINY)]
 """TINY with --nproc 4."""
 
 
-def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "error:" in err
-    return err.split("error:", 1)[1].replace("\n", " ")
+error_of = cli_error
 
 
 @pytest.mark.parametrize(

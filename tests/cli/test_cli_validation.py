@@ -10,18 +10,13 @@ import torch
 from _cli_helpers import TINY
 
 from graph_fsdp.cli.main import main
+from graph_fsdp.testing import cli_error
 
 MOE = ["--num-experts", "4"]
 STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]
 
 
-def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "error:" in err
-    return err.split("error:", 1)[1].replace("\n", " ")
+error_of = cli_error
 
 
 @pytest.mark.parametrize(

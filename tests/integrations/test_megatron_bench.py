@@ -9,26 +9,17 @@ import json
 import pytest
 
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.main import build_parser, main
+from graph_fsdp.cli.main import build_parser
 from graph_fsdp.integrations import megatron_bench as mb
 from graph_fsdp.integrations import megatron_cli
+from graph_fsdp.testing import cli_error
 
 MOE = ["bench", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "512"]
 STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]
 SETS = ["--scopes", "attn", "--scopes", "attn moe_router", "--scopes", "moe_router moe_preprocess"]
 
 
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    assert exc.value.code == 2
-    return capsys.readouterr().err.split("error:", 1)[1].replace("\n", " ")
+error_of = cli_error
 
 
 @pytest.mark.parametrize(

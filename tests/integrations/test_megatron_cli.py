@@ -15,6 +15,7 @@ import pytest
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import main
 from graph_fsdp.integrations import megatron_cli
+from graph_fsdp.testing import cli_error
 
 # A dense local-spec Megatron-Core GPT: the one --model mcore-* shape that passes every check
 # on a CPU-only machine up to the environment checks (megatron-core importable).
@@ -22,19 +23,7 @@ MCORE = ["train", "--model", "mcore-gpt", "--device", "cpu", "--nproc", "2"]
 SHAPE = ["--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(list(argv))
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "error:" in err
-    return err.split("error:", 1)[1].replace("\n", " ")
+error_of = cli_error
 
 
 def dcp_dir(tmp_path, meta: dict | None = None):

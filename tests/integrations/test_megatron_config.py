@@ -10,9 +10,9 @@ import pytest
 
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.cli.main import main
 from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.testing import cli_error
 
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
 
@@ -167,19 +167,8 @@ def test_scope_mapping_uses_megatron_names() -> None:
 
 
 # ------------------------------------------------------------------ CLI
-@pytest.fixture(autouse=True)
-def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--device", "cpu", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "error:" in err
-    return err.split("error:", 1)[1].replace("\n", " ")
+    return cli_error(capsys, "train", "--device", "cpu", *argv)
 
 
 @pytest.mark.parametrize(
