@@ -238,6 +238,18 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
         check_scopes,
     )
 
+    if cfg.model.transformer_impl == "transformer_engine":
+        from graph_fsdp.capture.te_backend import check_attention_capture  # noqa: PLC0415
+
+        check_attention_capture(
+            seq_length=cfg.model.seq_length,
+            impl=cfg.cuda_graph_impl,
+            scopes=cfg.cuda_graph_scope,
+            # TE reads NVTE_FUSED_ATTN each time it picks a backend: 0 keeps cuDNN out of both.
+            backend="unfused" if os.environ.get("NVTE_FUSED_ATTN") == "0" else "auto",
+            fix="NVTE_FUSED_ATTN=0 in the environment (TE then runs flash-attn or its unfused "
+            "attention in eager and graphed steps alike)",
+        )
     if "full_iteration" in cfg.cuda_graph_scope:
         if cfg.cuda_graph_impl != "torch":
             raise GraphConfigError(

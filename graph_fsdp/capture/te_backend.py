@@ -9,6 +9,7 @@ capture travels in ``capture_time_hooks`` (hooks/module_hooks.py).
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import torch
 from torch import nn
@@ -42,6 +43,89 @@ def require_te() -> None:
             f"cuda_graph_impl='te' needs TransformerEngine >= 2.19 (capture_time_hooks), found "
             f"{'.'.join(map(str, version))}: upgrade it or use cuda_graph_impl='torch'"
         )
+
+
+# [Note: TE attention under capture] TransformerEngine's cuDNN fused attention has a known
+# illegal memory access in its backward when it is captured into a CUDA graph with a key/value
+# sequence length that is not a multiple of 128 (non-padding masks, BSHD/SBHD layouts) and
+# cuDNN <= 9.15.0. TE works around it only inside its own make_graphed_callables, whose
+# capture flag (is_graph_capturing) makes the backend selection skip fused attention there:
+# the graphed attention then runs another backend (flash-attn, or TE's unfused attention)
+# than the eager one, so graphed != eager by a few bf16 ulps. A torch capture sets no such
+# flag, records the cuDNN backward, and the replay faults. Measured on 2x H200 (TE 2.20.2,
+# Megatron-Core GPT, seq 64): te graphs differ from eager from the first graphed step on,
+# torch graphs hit the illegal memory access; at seq 128 both are bit-exact. The check
+# below refuses the crash up front and warns about the mismatch, naming the fixes: one
+# attention backend for eager and graphed steps alike, a sequence length that is a multiple
+# of 128, or cuDNN >= 9.15.1 for TE (which loads the system cuDNN first).
+
+FUSED_ATTENTION_CAPTURE_CUDNN = (9, 15, 1)
+"""The cuDNN from which TE's fused attention backward captures at any sequence length."""
+
+
+def te_cudnn_version() -> tuple[int, int, int] | None:
+    """The cuDNN TransformerEngine runs (it may differ from torch's), or None without TE."""
+    try:
+        from transformer_engine.pytorch.utils import get_cudnn_version  # noqa: PLC0415
+
+        return tuple(int(v) for v in get_cudnn_version())
+    except Exception:  # noqa: BLE001 - no TE, or a TE without the helper: nothing to check
+        return None
+
+
+def check_attention_capture(
+    *,
+    seq_length: int,
+    impl: str,
+    scopes: list[str],
+    backend: str = "auto",
+    fix: str,
+    cudnn: tuple[int, int, int] | None = None,
+) -> str | None:
+    """TE attention captured at ``seq_length`` ([Note: TE attention under capture]).
+
+    ``impl``: "torch" or "te"; ``scopes``: the captured scopes ([] = whole layers; attn and
+    full_iteration hold the attention too); ``backend``: the attention backend the model pins
+    ("auto" lets TE choose, "fused" forces cuDNN); ``fix``: how this model gets one attention
+    backend for eager and graphed steps. ``cudnn``: TE's cuDNN (default: asked from TE).
+    Raises GraphConfigError where the capture would crash or find no backend; warns (rank 0)
+    and returns the warning where graphed steps will differ from eager ones; else None.
+    """
+    from graph_fsdp.capture.scopes import GraphConfigError  # noqa: PLC0415
+
+    captures_attention = not scopes or "attn" in scopes or "full_iteration" in scopes
+    if not captures_attention or seq_length % 128 == 0 or backend not in ("auto", "fused"):
+        return None
+    cudnn = cudnn or te_cudnn_version()
+    if cudnn is None or cudnn >= FUSED_ATTENTION_CAPTURE_CUDNN:
+        return None
+    version = ".".join(map(str, cudnn))
+    fixes = (
+        f"{fix}, a sequence length that is a multiple of 128, or cuDNN >= 9.15.1 for "
+        "TransformerEngine (it loads the system cuDNN first: CUDNN_PATH / CUDNN_HOME)"
+    )
+    hazard = (
+        f"TransformerEngine's cuDNN fused attention (cuDNN {version}) cannot be captured at "
+        f"sequence length {seq_length} (not a multiple of 128): its backward faults with an "
+        "illegal memory access under CUDA graph capture before cuDNN 9.15.1"
+    )
+    if impl == "torch" or "full_iteration" in scopes:
+        raise GraphConfigError(
+            f"{hazard}. Torch graphs would record it: use {fixes}, or leave attention out of "
+            "the captured scopes"
+        )
+    if backend == "fused":
+        raise GraphConfigError(
+            f"{hazard}, and the attention backend is pinned to fused, so TE's capture finds no "
+            f"backend: use {fixes}"
+        )
+    warning = (
+        f"{hazard}; TE's graphs run another attention backend than eager steps do, so graphed "
+        f"steps will not be bit-identical to eager ones. For bit-exact graphs use {fixes}"
+    )
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        warnings.warn(warning, stacklevel=3)
+    return warning
 
 
 def preload_te() -> None:

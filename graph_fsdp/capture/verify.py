@@ -136,21 +136,58 @@ def _differ(a: tuple[float, int], b: tuple[float, int]) -> bool:
     return ba != bb or not same_sum
 
 
+def _written(sums: dict[tuple[str, int], tuple[float, int]]) -> set[tuple[str, int]]:
+    """The ``(module, call)`` slots a run wrote (a module that ran in it)."""
+    return {key for key, (_, bits) in sums.items() if bits != _UNSET}
+
+
+def _names(keys: list[tuple[str, int]], limit: int = 3) -> str:
+    shown = ", ".join(name if call == 0 else f"{name} (call {call})" for name, call in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
 def first_difference(
     order: list[tuple[str, int]],
     eager: dict[tuple[str, int], tuple[float, int]],
     graphed: dict[tuple[str, int], tuple[float, int]],
 ) -> tuple[str, int, str] | None:
-    """The first ``(module, call, detail)`` in ``order`` whose checksums differ, else None."""
+    """The first ``(module, call, detail)`` in ``order`` whose checksums differ, else None.
+
+    A module that ran eagerly but wrote nothing in the graphed run (under capture its parent
+    took another branch) is no comparison point: the first module both runs recorded whose
+    output differs is named, with the submodules that ran in only one of the runs - e.g. an
+    attention module that picked another kernel backend under capture.
+    """
+    ran_eager, ran_graphed = _written(eager), _written(graphed)
+    only_graphed = sorted(ran_graphed - ran_eager)
+    skipped: list[tuple[str, int]] = []
     for key in order:
-        if key not in eager:
+        if key not in ran_eager:
             continue
-        a, b = eager[key], graphed.get(key, (float("nan"), _UNSET))
-        if b[1] == _UNSET and a[1] != _UNSET:
-            return key[0], key[1], "its output was not recorded in the graphed run"
+        if key not in ran_graphed:
+            skipped.append(key)
+            continue
+        a, b = eager[key], graphed[key]
         if _differ(a, b):
-            return key[0], key[1], f"output sum {a[0]!r} eager vs {b[0]!r} graphed"
+            detail = f"output sum {a[0]!r} eager vs {b[0]!r} graphed"
+            return key[0], key[1], detail + _branch_note(key[0], skipped, only_graphed)
+    if skipped:
+        name, call = skipped[0]
+        note = f"; under capture {_names(only_graphed)} ran instead" if only_graphed else ""
+        return name, call, "its output was not recorded in the graphed run" + note
     return None
+
+
+def _branch_note(parent: str, skipped, only_graphed) -> str:
+    """Which submodules of ``parent`` ran only eagerly / only under capture."""
+    eager_only = [k for k in skipped if k[0].startswith(f"{parent}.")]
+    graphed_only = [k for k in only_graphed if k[0].startswith(f"{parent}.")]
+    note = ""
+    if eager_only:
+        note += f"; inside it {_names(eager_only)} ran eagerly but not under capture"
+    if graphed_only:
+        note += f"; under capture {_names(graphed_only)} ran instead"
+    return note
 
 
 @dataclass

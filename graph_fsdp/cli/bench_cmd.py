@@ -127,11 +127,9 @@ def main(args: argparse.Namespace) -> int:
         from graph_fsdp.integrations import megatron_bench  # noqa: PLC0415
 
         return megatron_bench.main(args)
-    if args.use_megatron_schedule or args.moe_shared_expert_intermediate_size:
-        raise CLIError(
-            "--use-megatron-schedule and --moe-shared-expert-intermediate-size are for "
-            "--model mcore-gpt|mcore-moe; add --model mcore-moe or drop them"
-        )
+    from graph_fsdp.integrations.megatron_cli import reject_mcore_only_flags  # noqa: PLC0415
+
+    reject_mcore_only_flags(args)
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)

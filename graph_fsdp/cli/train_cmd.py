@@ -44,6 +44,18 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         iters_help="Optimizer steps to train (in total, "
         "counting the iterations a --load checkpoint already holds).",
     )
+    p.add_argument_group("CUDA graphs").add_argument(
+        "--cuda-graph-verify",
+        nargs="?",
+        const="warn",
+        choices=("warn", "raise"),
+        default=None,
+        help="Check the first graphed step: run it eagerly and replayed from the same state, "
+        "compare outputs, gradients and every module's output bit for bit, and name the first "
+        "module that differs. warn (the flag alone): report it in the summary and go on; "
+        "raise: stop with the report. The verified graphs keep one checksum per module "
+        "output: leave it off for timing.",
+    )
     g = p.add_argument_group("checkpointing, data and logging")
     g.add_argument(
         "--save", default=None, metavar="DIR", help="Write a sharded (DCP) checkpoint to DIR."
@@ -195,6 +207,7 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "eval_losses": result.get("eval_losses", []),
         "peak_memory_bytes": result.get("peak_memory_bytes"),
         "records": follower.records if follower else [],
+        "cuda_graphs": result.get("cuda_graphs"),
     }
 
 
@@ -310,6 +323,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.model != "gpt":
         return megatron_cli.main(args)
+    megatron_cli.reject_mcore_only_flags(args)
     megatron_cli.validate_bridge_flags(args)
     res = resolve(args)
     start, save_at, save_iteration = checkpoint_plan(args)
@@ -320,6 +334,7 @@ def main(args: argparse.Namespace) -> int:
         save_path=args.save,
         save_at=save_at,
         load_path=args.load,
+        cuda_graph_verify=verify_option(args),
     )
     if args.data_path:
         path = check_data_path(
@@ -347,6 +362,24 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(format_summary(cfg, res.plan.describe(), stats, out, args))
     return 0
+
+
+def verify_option(args: argparse.Namespace) -> bool | str:
+    """--cuda-graph-verify as the runners' ``verify`` (False, True = warn, "raise")."""
+    if getattr(args, "cuda_graph_verify", None) is None:  # bench has no such flag
+        return False
+    if args.cuda_graph_impl == "none":
+        raise CLIError(
+            "--cuda-graph-verify checks a graphed step, but --cuda-graph-impl is none: add "
+            "--cuda-graph-impl te (or torch) or drop --cuda-graph-verify"
+        )
+    return "raise" if args.cuda_graph_verify == "raise" else True
+
+
+def verification_lines(result: dict) -> list[str]:
+    """Summary lines of the first graphed step's verification (--cuda-graph-verify)."""
+    report = result.get("cuda_graphs") or {}
+    return [f"  graph verification: {v['summary']}" for v in report.get("verification", [])]
 
 
 def graphs_label(cfg) -> str:
@@ -386,6 +419,7 @@ def format_summary(
         f"{stats.enrich({'step_time_s': step_s}).get('tflops_per_gpu', 0.0):.3f} TFLOP/s per GPU | "
         f"peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
         *input_lines(cfg),
+        *verification_lines(out),
     ]
     if out.get("eval_losses"):
         lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))

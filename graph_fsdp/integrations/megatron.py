@@ -47,6 +47,8 @@ from graph_fsdp.fully_shard import FSDPModule, fully_shard
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""Megatron's AttnBackend names (TransformerConfig.attention_backend)."""
 
 MCORE_SCOPE_MODULES: dict[str, str] = {
     scope: next(p.path for p in paths if "Megatron-Core" in p.family)
@@ -112,6 +114,10 @@ class MCoreGPTConfig:
     """Only 1: experts are sharded over the data-parallel group."""
     seed: int = 1234
     """Seed of the weights (torch and Megatron's model-parallel RNG tracker)."""
+    attention_backend: str = "auto"
+    """TransformerConfig.attention_backend (Megatron's --attention-backend): auto lets TE pick
+    per call; flash, fused or unfused pin one for eager and graphed steps alike (see
+    te_backend.py [Note: TE attention under capture]); local needs transformer_impl local."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -135,6 +141,17 @@ class MCoreGPTConfig:
                     f"MCoreGPTConfig.moe_router_topk={self.moe_router_topk} must be between 1 "
                     f"and num_experts={self.num_experts}"
                 )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"MCoreGPTConfig.attention_backend={self.attention_backend!r}; choose one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.attention_backend == "local" and self.transformer_impl != "local":
+            raise ValueError(
+                "MCoreGPTConfig.attention_backend='local' is the local layer spec's attention "
+                "(transformer_impl='local'); TransformerEngine layers take auto, flash, fused "
+                "or unfused"
+            )
         if self.gradient_accumulation_fusion:
             raise ValueError(
                 "MCoreGPTConfig.gradient_accumulation_fusion=True makes TransformerEngine's wgrad "
@@ -205,6 +222,7 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
     """The Megatron ``TransformerConfig`` of ``cfg`` (dropout off: runs are reproducible)."""
     require_megatron()
     from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
+    from megatron.core.transformer.enums import AttnBackend  # noqa: PLC0415
 
     moe = {}
     if cfg.is_moe:
@@ -233,6 +251,7 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
+        attention_backend=AttnBackend[cfg.attention_backend],
         **moe,
     )
 
@@ -548,21 +567,47 @@ def install_moe_preprocess(lm: MCoreLM) -> int:
     return changed
 
 
-def make_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, *, impl: str, scopes, warmup_steps: int = 2):
-    """Layerwise or full-iteration CUDA graphs for a sharded Megatron-Core GPT (None: eager)."""
+def check_mcore_attention_capture(cfg: MCoreGPTConfig, impl: str, scopes: list[str]) -> None:
+    """TE attention in the captured scopes at a sequence length TE's cuDNN attention cannot
+    be captured at (te_backend.py [Note: TE attention under capture])."""
+    from graph_fsdp.capture.te_backend import check_attention_capture  # noqa: PLC0415
+
+    if cfg.transformer_impl == "transformer_engine":
+        check_attention_capture(
+            seq_length=cfg.seq_length,
+            impl=impl,
+            scopes=scopes,
+            backend=cfg.attention_backend,
+            fix="--attention-backend unfused (attention_backend='unfused'; or flash, with "
+            "flash-attn installed)",
+        )
+
+
+def make_graphs(
+    lm: MCoreLM,
+    cfg: MCoreGPTConfig,
+    *,
+    impl: str,
+    scopes,
+    warmup_steps: int = 2,
+    verify: bool | str = False,
+):
+    """Layerwise or full-iteration CUDA graphs for a sharded Megatron-Core GPT (None: eager);
+    ``verify`` checks the first graphed step against an eager run (capture/verify.py)."""
     if impl == "none":
         return None
     from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs  # noqa: PLC0415
 
     scopes = check_mcore_scopes(cfg, scopes)
+    check_mcore_attention_capture(cfg, impl, scopes)
     if "full_iteration" in scopes:
         if impl != "torch":
             raise GraphConfigError(
                 "--cuda-graph-scope full_iteration is captured with torch.cuda graphs: use "
                 "--cuda-graph-impl torch"
             )
-        return FullIterationGraphs(lm, warmup_steps=warmup_steps)
+        return FullIterationGraphs(lm, warmup_steps=warmup_steps, verify=verify)
     if "moe_preprocess" in scopes:
         install_moe_preprocess(lm)
     # The scopes resolve through graph_fsdp's presets (SCOPE_PRESETS' Megatron-Core entries).
-    return LayerwiseGraphs(lm, impl=impl, scopes=scopes, warmup_steps=warmup_steps)
+    return LayerwiseGraphs(lm, impl=impl, scopes=scopes, warmup_steps=warmup_steps, verify=verify)

@@ -27,6 +27,7 @@ from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch, resolve_plan
 from graph_fsdp.cli.options import allocator_of, check_graph_environment, grad_accumulation
 from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
+from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS
 
 MODELS = ("gpt", "mcore-gpt", "mcore-moe")
 """--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""
@@ -54,6 +55,33 @@ def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Megatron-Core models: run each step through get_forward_backward_func().",
     )
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="Megatron-Core models: TransformerConfig.attention_backend. auto lets "
+        "TransformerEngine choose per call - under its CUDA graph capture it may choose another "
+        "backend than in eager steps (cuDNN <= 9.15.0, --seq-length not a multiple of 128); "
+        "flash, fused or unfused pin one; local needs --transformer-impl local.",
+    )
+
+
+def reject_mcore_only_flags(args: argparse.Namespace) -> None:
+    """--model gpt (graph_fsdp's reference model): the Megatron-Core model flags are refused."""
+    given = [
+        flag
+        for flag, value in (
+            ("--use-megatron-schedule", args.use_megatron_schedule),
+            ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size),
+            ("--attention-backend", args.attention_backend != "auto"),
+        )
+        if value
+    ]
+    if given:
+        raise CLIError(
+            f"{', '.join(given)}: Megatron-Core model flags, but --model is gpt (graph_fsdp's "
+            "reference model); add --model mcore-gpt|mcore-moe or drop them"
+        )
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +203,7 @@ def mcore_config(args: argparse.Namespace):
             transformer_impl=args.transformer_impl,
             bf16=args.bf16,
             seed=args.seed,
+            attention_backend=args.attention_backend,
         )
     except ValueError as err:
         raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
@@ -227,6 +256,12 @@ def reject_unwired_flags(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}: "
             "HSDP is not wired for Megatron-Core models (their expert groups are 1-D); drop it"
+        )
+    if getattr(args, "cuda_graph_verify", None) and args.use_megatron_schedule:
+        raise CLIError(
+            "--cuda-graph-verify checks a step that graph_fsdp's loop runs (the graphed run "
+            "against an eager run of it); Megatron's schedule runs its own: drop "
+            "--use-megatron-schedule or --cuda-graph-verify"
         )
     if args.grad_comm_dtype != "fp32":
         raise CLIError(
@@ -282,7 +317,11 @@ def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) ->
 
 def main(args: argparse.Namespace) -> int:
     """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
-    from graph_fsdp.cli.train_cmd import check_data_path, checkpoint_plan  # noqa: PLC0415
+    from graph_fsdp.cli.train_cmd import (  # noqa: PLC0415
+        check_data_path,
+        checkpoint_plan,
+        verify_option,
+    )
 
     validate_bridge_flags(args)
     plan = resolve_plan(args.device, args.nproc)
@@ -296,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
         )
     check_graph_set(args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters)
     reject_unwired_flags(args)
+    verify = verify_option(args)
     grad_accum = grad_accumulation(args, plan.world_size)
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
     start, save_at, save_iteration = checkpoint_plan(args)
@@ -324,6 +364,7 @@ def main(args: argparse.Namespace) -> int:
         optimizer_offload_fraction=(
             args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
         ),
+        cuda_graph_verify=verify,
     )
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
@@ -336,7 +377,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
-    from graph_fsdp.cli.train_cmd import graphs_label, input_lines  # noqa: PLC0415
+    from graph_fsdp.cli.train_cmd import (  # noqa: PLC0415
+        graphs_label,
+        input_lines,
+        verification_lines,
+    )
 
     peak = out.get("peak_memory_bytes")
     lines = [
@@ -345,6 +390,7 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
         f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
         f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
         *input_lines(cfg),
+        *verification_lines(out),
     ]
     if cfg.load_path:
         lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")

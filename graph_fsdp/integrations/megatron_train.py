@@ -78,6 +78,9 @@ class MCoreTrainConfig:
     (graph_fsdp.optim_offload.CPUOffloadOptimizer); 0 keeps it on the device."""
     fused_optimizer: bool = False
     """AdamW(fused=True)."""
+    cuda_graph_verify: bool | str = False
+    """Verify the first graphed step against an eager run of it (graph_fsdp.capture.verify):
+    False, True (record, warn on a difference) or "raise"."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) plus cuBLAS / TE settings."""
     log_path: str | None = None
@@ -185,7 +188,13 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             impl=cfg.cuda_graph_impl,
             scopes=cfg.cuda_graph_scope,
             warmup_steps=cfg.cuda_graph_warmup_steps,
+            verify=cfg.cuda_graph_verify,
         )
+        if cfg.use_megatron_schedule and cfg.cuda_graph_verify:
+            raise ValueError(
+                "cuda_graph_verify checks a step of graph_fsdp's loop (graphs.forward_backward); "
+                "use it without use_megatron_schedule"
+            )
         if cfg.use_megatron_schedule and "full_iteration" in cfg.cuda_graph_scope:
             raise ValueError(
                 "full_iteration replaces the forward/backward schedule with one graph per "

@@ -144,3 +144,50 @@ def test_train_run_rejects_invalid_graph_configs(overrides, match):
     cfg = dataclasses.replace(TrainConfig(model=TINY, steps=1), **overrides)
     (msg, _) = spawn(_run_expecting_error, 2, cfg)
     assert pytest.importorskip("re").search(match, msg), msg
+
+
+# ------------------------------------------------------------------ TE attention under capture
+@pytest.mark.parametrize(
+    ("impl", "scopes", "env", "expected"),
+    [
+        ("torch", ["attn"], None, "Torch graphs would record it"),
+        ("torch", ["full_iteration"], None, "Torch graphs would record it"),
+        ("te", [], None, "not be bit-identical"),
+        ("te", ["mlp"], None, None),  # the attention runs eagerly
+        ("torch", ["attn"], "0", None),  # NVTE_FUSED_ATTN=0: no cuDNN attention anywhere
+    ],
+)
+def test_te_attention_capture_check_for_the_reference_model(
+    monkeypatch, impl, scopes, env, expected
+):
+    """train.make_graphs runs te_backend.check_attention_capture for TE-layer models: seq 64
+    with TE's cuDNN 9.10 (set here; TE is not installed) faults under a torch capture and
+    differs under TE's; the fix it names is NVTE_FUSED_ATTN=0."""
+    from graph_fsdp.capture import te_backend
+    from graph_fsdp.train import make_graphs
+
+    monkeypatch.setattr(te_backend, "te_cudnn_version", lambda: (9, 10, 2))
+    if env is None:
+        monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
+    else:
+        monkeypatch.setenv("NVTE_FUSED_ATTN", env)
+    model = GPTConfig(transformer_impl="transformer_engine", seq_length=64)
+    cfg = TrainConfig(model=model, cuda_graph_impl=impl, cuda_graph_scope=scopes)
+    stop = RuntimeError("past the attention check")
+
+    def reached(*args, **kwargs):
+        raise stop
+
+    # Past the check make_graphs builds the runners, which need a sharded CUDA model.
+    monkeypatch.setattr("graph_fsdp.capture.LayerwiseGraphs", reached)
+    monkeypatch.setattr("graph_fsdp.capture.FullIterationGraphs", reached)
+    if expected is None:
+        with pytest.raises(RuntimeError, match="past the attention check"):
+            make_graphs(torch.nn.Linear(2, 2), cfg)
+    elif impl == "torch":
+        with pytest.raises(GraphConfigError, match=expected) as err:
+            make_graphs(torch.nn.Linear(2, 2), cfg)
+        assert "NVTE_FUSED_ATTN=0" in str(err.value)
+    else:
+        with pytest.warns(UserWarning, match=expected), pytest.raises(RuntimeError):
+            make_graphs(torch.nn.Linear(2, 2), cfg)

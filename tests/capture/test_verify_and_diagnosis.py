@@ -97,6 +97,51 @@ def test_a_perturbation_below_half_a_bf16_ulp_is_no_difference():
     assert first_difference(order, eager, doubled)[:2] == ("layers.1.mlp.fc2", 0)
 
 
+class _TwoBackends(nn.Module):
+    """An attention-like module that picks one of two kernels, as TE's DotProductAttention
+    picks a backend per call: the second rounds through bf16 (another kernel's numerics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.fused, self.flash = nn.Identity(), nn.Identity()
+        self.use_flash = False
+
+    def forward(self, x):
+        h = self.proj(x)
+        if self.use_flash:
+            return self.flash(h.bfloat16().float())
+        return self.fused(h)
+
+
+def test_a_submodule_that_runs_only_eagerly_names_its_parent_and_the_branch_taken():
+    """Under capture the module took another branch: the submodule that ran only eagerly is
+    no comparison point; its parent is named, with both submodules (eager vs capture)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_TwoBackends(), nn.Linear(8, 4))
+    recorder = ChecksumRecorder(model)
+    x = torch.randn(3, 8)
+
+    def run():
+        recorder.reset_values()
+        with recorder.recording():
+            model(x)
+        return list(recorder.order), recorder.snapshot()
+
+    order, eager = run()
+    model[0].use_flash = True
+    _, graphed = run()
+    name, call, detail = first_difference(order, eager, graphed)
+    assert (name, call) == ("0", 0), detail
+    assert "inside it 0.fused ran eagerly but not under capture" in detail, detail
+    assert "under capture 0.flash ran instead" in detail, detail
+    # Without the parent's output to compare, the submodule is named, with the other branch.
+    recorded = [k for k in order if k[0] in ("0.fused",)]
+    name, call, detail = first_difference(recorded, eager, graphed)
+    assert name == "0.fused" and "not recorded in the graphed run" in detail, detail
+    assert "under capture 0.flash ran instead" in detail, detail
+
+
 def _verify_worker(rank: int, world: int) -> dict:
     cfg = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
     models = [shard_model(build_for(cfg, torch.device("cpu")), cfg) for _ in range(2)]

@@ -143,6 +143,10 @@ error_of = cli_error
         (["--train-iters", "0"], ["--train-iters 0 must be >= 1"]),
         (["--nproc", "0"], ["--nproc 0 must be >= 1"]),
         # checkpointing and data
+        (
+            ["--cuda-graph-verify"],
+            ["--cuda-graph-verify checks a graphed step, but --cuda-graph-impl is none"],
+        ),
         (["--save-interval", "2"], ["--save-interval is given without --save"]),
         (["--load", "/nonexistent/ckpt"], ["--load /nonexistent/ckpt: no such checkpoint"]),
         (

@@ -40,7 +40,7 @@ error_of = cli_error
             [*MOE, "--cuda-graph-impl", "torch", "--graph-impls", "te"],
             ["--cuda-graph-impl torch and --graph-impls te disagree"],
         ),
-        (["bench", "--use-megatron-schedule"], ["are for --model mcore-gpt|mcore-moe"]),
+        (["bench", "--use-megatron-schedule"], ["Megatron-Core model flags, but --model is gpt"]),
     ],
 )
 def test_bench_rejects(capsys, argv: list[str], expected: list[str]) -> None:

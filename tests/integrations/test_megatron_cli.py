@@ -169,3 +169,41 @@ def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> No
     assert cfg.load_path == str(ckpt) and cfg.save_path == str(tmp_path / "out")
     assert cfg.data_path == path and cfg.optimizer_offload_fraction == 0.25
     assert seen["model"] == "mcore-gpt" and seen["fn"] is megatron_cli._worker
+
+
+GRAPHED = ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"]
+GRAPHED += ["--fsdp-db-use-persist-buf-on-alloc-fail"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--cuda-graph-verify"], "but --cuda-graph-impl is none"),
+        ([*GRAPHED, "--cuda-graph-verify", "--use-megatron-schedule"], "drop --use-megatron"),
+        ([*GRAPHED, "--cuda-graph-verify", "always"], "invalid choice: 'always'"),
+    ],
+)
+def test_cuda_graph_verify_is_checked(capsys, argv: list[str], expected: str) -> None:
+    assert expected in error_of(capsys, *MCORE, *SHAPE, *argv)
+
+
+@pytest.mark.parametrize(("flag", "verify"), [([], False), ([""], True), (["raise"], "raise")])
+def test_cuda_graph_verify_reaches_the_run_and_its_summary(monkeypatch, capsys, flag, verify):
+    """--cuda-graph-verify [raise] becomes MCoreTrainConfig.cuda_graph_verify; the summary
+    prints what the run's graphs report verified."""
+    seen = {}
+    summary = "layerwise step (microbatch 0), scopes [attn]: graphed != eager: ..."
+
+    def fake_launch(plan, fn, cfg, model, save_iteration):
+        seen["cfg"] = cfg
+        report = {"verification": [{"summary": summary}]} if cfg.cuda_graph_verify else {}
+        return {"losses": [1.0], "times": [0.1], "cuda_graphs": report}
+
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
+    monkeypatch.setattr(megatron_cli, "launch", fake_launch)
+    argv = [*MCORE, *SHAPE, *GRAPHED, "--train-iters", "4"]
+    argv += ["--cuda-graph-verify", *[f for f in flag if f]] if flag else []
+    assert main(argv) == 0
+    assert seen["cfg"].cuda_graph_verify == verify
+    out = capsys.readouterr().out
+    assert (f"graph verification: {summary}" in out) == bool(verify), out

@@ -4,7 +4,9 @@ needed (it needs Python >= 3.12; the GPU tests in tests/gpu/test_megatron_gpu.py
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import warnings
 
 import pytest
 
@@ -111,6 +113,8 @@ def test_full_iteration_needs_no_layerwise_buffer_flags() -> None:
         ({"num_experts": 1}, "num_experts=1 must be >= 2"),
         ({"num_experts": 4, "moe_router_topk": 5}, "moe_router_topk=5"),
         ({"transformer_impl": "te"}, "transformer_impl='te'"),
+        ({"attention_backend": "cudnn"}, "attention_backend='cudnn'; choose one of auto"),
+        ({"attention_backend": "local"}, "the local layer spec's attention"),
     ],
 )
 def test_mcore_config_rejects(kwargs: dict, expected: str) -> None:
@@ -219,6 +223,16 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
         ),
         (["--model", "mcore-gpt", "--moe-layer-freq", "2", "--num-experts", "4"], ["freq 1"]),
         (
+            ["--model", "mcore-gpt", "--transformer-impl", "transformer_engine"]
+            + ["--attention-backend", "local"],
+            ["--attention-backend='local' is the local layer spec's attention"],
+        ),
+        (["--attention-backend", "unfused"], ["--attention-backend: Megatron-Core model flags"]),
+        (
+            ["--use-megatron-schedule", "--moe-shared-expert-intermediate-size", "8"],
+            ["--use-megatron-schedule, --moe-shared-expert-intermediate-size: Megatron-Core"],
+        ),
+        (
             ["--model", "mcore-gpt", "--transformer-impl", "transformer_engine"],
             ["needs CUDA", "cpu"],
         ),
@@ -242,3 +256,69 @@ def test_cli_model_flag_parses() -> None:
 
     cfg = mcore_config(args)
     assert cfg.num_experts == 4 and cfg.moe_shared_expert_intermediate_size == 64
+    assert cfg.attention_backend == "auto"
+    args = build_parser().parse_args(
+        ["train", "--model", "mcore-gpt", "--attention-backend", "unfused"]
+    )
+    assert mcore_config(args).attention_backend == "unfused"
+
+
+# ------------------------------------------------------------------ TE attention under capture
+TE_GPT = gm.MCoreGPTConfig(seq_length=64)
+OLD_CUDNN, NEW_CUDNN = (9, 10, 2), (9, 15, 1)
+
+
+@pytest.fixture
+def te_cudnn(monkeypatch):
+    """Set the cuDNN TransformerEngine reports (TE is not installed here)."""
+    from graph_fsdp.capture import te_backend
+
+    def use(version):
+        monkeypatch.setattr(te_backend, "te_cudnn_version", lambda: version)
+
+    return use
+
+
+@pytest.mark.parametrize("scopes", [["attn"], [], ["attn", "mlp"]])
+def test_torch_graphs_of_te_attention_that_would_fault_are_refused(te_cudnn, scopes) -> None:
+    """cuDNN <= 9.15.0, seq 64: a torch capture records cuDNN's faulting backward."""
+    te_cudnn(OLD_CUDNN)
+    with pytest.raises(GraphConfigError) as err:
+        gm.check_mcore_attention_capture(TE_GPT, "torch", scopes)
+    text = str(err.value)
+    for part in ("cuDNN 9.10.2", "sequence length 64", "illegal memory access"):
+        assert part in text, text
+    assert "--attention-backend unfused" in text and "multiple of 128" in text, text
+
+
+def test_full_iteration_is_a_torch_capture_too(te_cudnn) -> None:
+    te_cudnn(OLD_CUDNN)
+    with pytest.raises(GraphConfigError, match="Torch graphs would record it"):
+        gm.check_mcore_attention_capture(TE_GPT, "te", ["full_iteration"])
+
+
+def test_te_graphs_of_that_attention_warn_that_they_are_not_bit_exact(te_cudnn) -> None:
+    te_cudnn(OLD_CUDNN)
+    with pytest.warns(UserWarning, match="will not be bit-identical to eager ones"):
+        gm.check_mcore_attention_capture(TE_GPT, "te", ["attn"])
+    pinned = dataclasses.replace(TE_GPT, attention_backend="fused")
+    with pytest.raises(GraphConfigError, match="pinned to fused, so TE's capture finds no"):
+        gm.check_mcore_attention_capture(pinned, "te", ["attn"])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "impl", "scopes", "cudnn"),
+    [
+        (dataclasses.replace(TE_GPT, seq_length=128), "torch", ["attn"], OLD_CUDNN),
+        (TE_GPT, "torch", ["attn"], NEW_CUDNN),
+        (TE_GPT, "torch", ["attn"], None),  # no TransformerEngine
+        (TE_GPT, "torch", ["mlp"], OLD_CUDNN),  # attention stays eager
+        (dataclasses.replace(TE_GPT, attention_backend="unfused"), "torch", [], OLD_CUDNN),
+        (dataclasses.replace(TE_GPT, transformer_impl="local"), "torch", [], OLD_CUDNN),
+    ],
+)
+def test_attention_capture_that_is_safe_passes(te_cudnn, cfg, impl, scopes, cudnn) -> None:
+    te_cudnn(cudnn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gm.check_mcore_attention_capture(cfg, impl, scopes)
