@@ -6,7 +6,9 @@
 #      (seq 2048, mbs 2): unsharded eager, unsharded captured (the ratios' denominator is the
 #      faster of the two), graph_fsdp eager, layerwise torch graphs, full_iteration, torch
 #      FSDP2, FSDP2 + captured fwd/bwd, megatron_fsdp (skipped when not importable); bf16
-#      compute, fp32 main weights and fp32 gradient reduction; 5 warmup + 20 timed steps.
+#      compute, fp32 main weights and fp32 gradient reduction, fused AdamW in every row (the
+#      bench's default); 5 warmup + 20 timed steps. SHAPES="h4096" adds issue 12's larger
+#      shape (8 layers, hidden 4096, seq 4096, mbs 1).
 #   2. graph-fsdp profile --memory at h2048: graph_fsdp eager (double buffer and dynamic
 #      allocator), graph_fsdp full_iteration, torch FSDP2 eager; bytes at the peak by role.
 #
@@ -14,9 +16,8 @@
 #   OUT=/some/dir bash tools/gpu_perf_run.sh
 #   DRY=1 bash tools/gpu_perf_run.sh      # tiny shapes on CPU (gloo): checks the plumbing
 #
-# $OUT ends up with at most 6 files: summary.md (both bench tables + the memory table),
-# bench_h1024.md, bench_h2048.md, memory_h2048.md, log.txt and results.tar.gz (every
-# JSON/MD/PNG).
+# $OUT ends up with summary.md (the bench tables + the memory table), bench_<shape>.md per
+# shape, memory_h2048.md, log.txt and results.tar.gz (every JSON/MD/PNG).
 set -u -o pipefail
 shopt -s nullglob
 
@@ -37,6 +38,8 @@ if [[ "${DRY:-0}" == "1" ]]; then
       --micro-batch-size 1)
   H2=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 128
       --micro-batch-size 2)
+  H4=(--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 64 --vocab-size 128
+      --micro-batch-size 1)
   STEPS=(--train-iters 2 --warmup-iters 3)
   LIMIT=300
   BUDGET="${BUDGET:-100000}"
@@ -46,6 +49,10 @@ else
       --vocab-size 32768 --micro-batch-size 1)
   H2=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
       --vocab-size 32768 --micro-batch-size 2)
+  # Issue 12's larger shape: the unsharded step (fp32 weights, grads, AdamW state: ~30 GB,
+  # plus activations) still fits one GPU.
+  H4=(--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096
+      --vocab-size 32768 --micro-batch-size 1)
   STEPS=(--train-iters 20 --warmup-iters 5)
   LIMIT=200
 fi
@@ -87,7 +94,12 @@ except Exception as err:
 EOF
 
 for shape in "${SHAPE_LIST[@]}"; do
-  if [[ $shape == h1024 ]]; then S=("${H1[@]}"); else S=("${H2[@]}"); fi
+  case $shape in
+    h1024) S=("${H1[@]}") ;;
+    h2048) S=("${H2[@]}") ;;
+    h4096) S=("${H4[@]}") ;;
+    *) echo "unknown shape $shape (h1024, h2048 or h4096)" | tee -a "$LOG"; continue ;;
+  esac
   step "bench $shape" "${CLI[@]}" bench "${COMMON[@]}" "${S[@]}" "${STEPS[@]}" \
     --graph-impls torch --scopes "" --scopes full_iteration "${ROWS[@]}" \
     --output-dir "$WORK/bench_$shape"
@@ -114,7 +126,7 @@ fi
 
 {
   echo "# issue 12 GPU run ($(date -u +%FT%TZ))"
-  for f in "$OUT/bench_h1024.md" "$OUT/bench_h2048.md"; do
+  for f in "$OUT"/bench_h*.md; do
     [[ -f $f ]] && { echo; cat "$f"; }
   done
   echo

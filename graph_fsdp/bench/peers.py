@@ -367,13 +367,15 @@ def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
 
 def megatron_fsdp_shard(model, mesh, dp_dim: str, unit_cls: type, cfg, **extra):
     """``megatron_fsdp.fully_shard`` of ``model`` (units ``unit_cls``, fp32 main params and
-    grads) with an AdamW at ``cfg.lr`` / ``cfg.weight_decay``; ``extra`` goes to fully_shard
+    grads) with an AdamW at ``cfg.lr`` / ``cfg.weight_decay`` (fused with
+    ``cfg.fused_optimizer``); ``extra`` goes to fully_shard
     (e.g. ``expt_device_mesh``). Returns (model, optimizer)."""
     import megatron_fsdp
 
     # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
     # no decay), then restore the hyperparameters and the step counters.
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0)
+    fused = getattr(cfg, "fused_optimizer", False) or None
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0, fused=fused)
     model, opt = megatron_fsdp.fully_shard(
         model,
         opt,

@@ -77,10 +77,12 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--fused-adamw",
-        action="store_true",
-        help="AdamW(fused=True) in the graph_fsdp and FSDP2 rows (default: foreach, whose "
-        "step keeps one fp32 temporary the size of the shard). The unsharded baselines "
-        "always use the fused step.",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="AdamW(fused=True) in the graph_fsdp, FSDP2 and megatron_fsdp rows, as in the "
+        "unsharded baselines, which always use it (a ratio compares the same optimizer). "
+        "--no-fused-adamw: torch's default foreach step (several passes over the shard and "
+        "one fp32 temporary the size of it).",
     )
     g.add_argument(
         "--output-dir",

@@ -44,7 +44,8 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         iters_help="Optimizer steps to train (in total, "
         "counting the iterations a --load checkpoint already holds).",
     )
-    p.add_argument_group("CUDA graphs").add_argument(
+    graphs = next(g for g in p._action_groups if g.title == "CUDA graphs")  # add_graph_args'
+    graphs.add_argument(
         "--cuda-graph-verify",
         nargs="?",
         const="warn",
@@ -366,7 +367,7 @@ def main(args: argparse.Namespace) -> int:
 
 def verify_option(args: argparse.Namespace) -> bool | str:
     """--cuda-graph-verify as the runners' ``verify`` (False, True = warn, "raise")."""
-    if getattr(args, "cuda_graph_verify", None) is None:  # bench has no such flag
+    if args.cuda_graph_verify is None:
         return False
     if args.cuda_graph_impl == "none":
         raise CLIError(
