@@ -239,16 +239,14 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
     )
 
     if cfg.model.transformer_impl == "transformer_engine":
-        from graph_fsdp.capture.te_backend import check_attention_capture  # noqa: PLC0415
+        from graph_fsdp.capture import te_backend  # noqa: PLC0415
 
-        check_attention_capture(
+        # Before any step; the capture checks every TE attention call again (any model).
+        te_backend.check_attention_capture(
             seq_length=cfg.model.seq_length,
             impl=cfg.cuda_graph_impl,
             scopes=cfg.cuda_graph_scope,
-            # TE reads NVTE_FUSED_ATTN each time it picks a backend: 0 keeps cuDNN out of both.
-            backend="unfused" if os.environ.get("NVTE_FUSED_ATTN") == "0" else "auto",
-            fix="NVTE_FUSED_ATTN=0 in the environment (TE then runs flash-attn or its unfused "
-            "attention in eager and graphed steps alike)",
+            backend=te_backend.te_attention_backend_from_env(),
         )
     if "full_iteration" in cfg.cuda_graph_scope:
         if cfg.cuda_graph_impl != "torch":

@@ -68,6 +68,7 @@ from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
 from graph_fsdp.capture.graphed import CallSignature
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.shutdown import RunnerLifecycle, reset_graphs
+from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
@@ -339,7 +340,9 @@ class FullIterationGraphs(RunnerLifecycle):
         if self.eager or self._phase == "eager":
             return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
-            with self._on_capture_stream():
+            # The step before the capture also checks TE attention (te_backend.py [Note: TE
+            # attention under capture]): refused here, it never reaches the capture.
+            with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
                 return detached(fn(*args, **kwargs))
         if pos.graph is None:
             # The capture runs the step's Python (FSDP's flags) but none of its kernels:

@@ -55,6 +55,7 @@ from graph_fsdp.capture.scopes import (
     select_targets,
 )
 from graph_fsdp.capture.shutdown import RunnerLifecycle, find_graphs, reset_graphs
+from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
@@ -372,6 +373,7 @@ class LayerwiseGraphs(RunnerLifecycle):
             with (
                 self._tracker.active(),
                 checksums,
+                attention_capture_guard(self.impl, self._tracker.names),
                 nvtx_range(f"graph_fsdp/capture/{self.impl}/{label}"),
             ):
                 if self.impl == "te":
@@ -386,6 +388,8 @@ class LayerwiseGraphs(RunnerLifecycle):
                         pool=self._pool,
                         tracker=self._tracker,
                     )
+        except GraphConfigError:
+            raise  # a refusal before anything was captured says what to change itself
         except Exception as err:
             raise explain_capture_failure(
                 err, self._tracker, what=f"layerwise graphs [{label}] ({self.impl})", layerwise=True

@@ -9,10 +9,15 @@ capture travels in ``capture_time_hooks`` (hooks/module_hooks.py).
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from graph_fsdp.capture.graphed import CapturedCallable, CaptureHooks
 
@@ -73,13 +78,33 @@ def te_cudnn_version() -> tuple[int, int, int] | None:
         return None
 
 
+GENERIC_ATTENTION_FIX = (
+    "NVTE_FUSED_ATTN=0 in the environment (TE then runs flash-attn or its unfused attention "
+    "in eager and graphed steps alike; Megatron-Core models: --attention-backend unfused)"
+)
+_warned: set[tuple] = set()
+"""(sequence length, cuDNN) pairs already warned about in this process."""
+
+
+def te_attention_backend_from_env() -> str:
+    """The attention backend TE's NVTE_* switches leave (TE reads them at every selection;
+    Megatron-Core's attention_backend sets them): "unfused" when cuDNN attention is off
+    (NVTE_FUSED_ATTN=0), "fused" when it is the only one on, else "auto"."""
+    if os.environ.get("NVTE_FUSED_ATTN") == "0":
+        return "unfused"
+    if os.environ.get("NVTE_FLASH_ATTN") == "0" and os.environ.get("NVTE_UNFUSED_ATTN") == "0":
+        return "fused"
+    return "auto"
+
+
 def check_attention_capture(
     *,
     seq_length: int,
     impl: str,
     scopes: list[str],
     backend: str = "auto",
-    fix: str,
+    fix: str = GENERIC_ATTENTION_FIX,
+    where: str = "",
     cudnn: tuple[int, int, int] | None = None,
 ) -> str | None:
     """TE attention captured at ``seq_length`` ([Note: TE attention under capture]).
@@ -87,9 +112,10 @@ def check_attention_capture(
     ``impl``: "torch" or "te"; ``scopes``: the captured scopes ([] = whole layers; attn and
     full_iteration hold the attention too); ``backend``: the attention backend the model pins
     ("auto" lets TE choose, "fused" forces cuDNN); ``fix``: how this model gets one attention
-    backend for eager and graphed steps. ``cudnn``: TE's cuDNN (default: asked from TE).
-    Raises GraphConfigError where the capture would crash or find no backend; warns (rank 0)
-    and returns the warning where graphed steps will differ from eager ones; else None.
+    backend for eager and graphed steps; ``where``: the attention module, when known.
+    ``cudnn``: TE's cuDNN (default: asked from TE). Raises GraphConfigError where the capture
+    would crash or find no backend; warns (rank 0, once per process and shape) and returns
+    the warning where graphed steps will differ from eager ones; else None.
     """
     from graph_fsdp.capture.scopes import GraphConfigError  # noqa: PLC0415
 
@@ -105,9 +131,10 @@ def check_attention_capture(
         "TransformerEngine (it loads the system cuDNN first: CUDNN_PATH / CUDNN_HOME)"
     )
     hazard = (
-        f"TransformerEngine's cuDNN fused attention (cuDNN {version}) cannot be captured at "
-        f"sequence length {seq_length} (not a multiple of 128): its backward faults with an "
-        "illegal memory access under CUDA graph capture before cuDNN 9.15.1"
+        f"TransformerEngine's cuDNN fused attention (cuDNN {version}"
+        f"{f'; {where}' if where else ''}) cannot be captured at sequence length {seq_length} "
+        "(not a multiple of 128): its backward faults with an illegal memory access under CUDA "
+        "graph capture before cuDNN 9.15.1"
     )
     if impl == "torch" or "full_iteration" in scopes:
         raise GraphConfigError(
@@ -123,9 +150,58 @@ def check_attention_capture(
         f"{hazard}; TE's graphs run another attention backend than eager steps do, so graphed "
         f"steps will not be bit-identical to eager ones. For bit-exact graphs use {fixes}"
     )
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if rank0 and (seq_length, cudnn) not in _warned:
+        _warned.add((seq_length, cudnn))
         warnings.warn(warning, stacklevel=3)
     return warning
+
+
+@contextmanager
+def attention_capture_guard(impl: str, names: dict[int, str]) -> Iterator[None]:
+    """While a capture's warmup and capture run: every TransformerEngine DotProductAttention
+    call (Megatron's TEDotProductAttention too) is checked with check_attention_capture at
+    the key/value sequence length of its inputs - for any model, whatever its scopes say.
+    ``names``: ``{id(module): fqn}`` for the messages. A model without TE is untouched."""
+    te = sys.modules.get("transformer_engine.pytorch")
+    attention = getattr(te, "DotProductAttention", None)
+    if not isinstance(attention, type):
+        yield
+        return
+
+    def check(module: nn.Module, args: tuple) -> None:
+        if isinstance(module, attention):
+            seq = attention_kv_length(module, args)
+            if seq is not None:
+                where = names.get(id(module), type(module).__name__)
+                check_attention_capture(
+                    seq_length=seq,
+                    impl=impl,
+                    scopes=["attn"],
+                    backend=te_attention_backend_from_env(),
+                    where=where,
+                )
+
+    handle = register_module_forward_pre_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def attention_kv_length(module: nn.Module, args: tuple) -> int | None:
+    """The key/value sequence length of a DotProductAttention call ``module(q, k, v, ...)``,
+    or None where TE's capture guard does not apply (padding masks, the packed thd layout)
+    or the call passes no key tensor positionally."""
+    key = args[1] if len(args) > 1 else None
+    mask = str(getattr(module, "attn_mask_type", ""))
+    layout = str(getattr(module, "qkv_format", "sbhd"))
+    if not isinstance(key, torch.Tensor) or "padding" in mask or "thd" in layout:
+        return None
+    kv_layout = layout.split("_2")[-1]  # "sbhd_2bshd": queries sbhd, keys/values bshd
+    if "s" not in kv_layout or key.dim() != len(kv_layout):
+        return None
+    return int(key.shape[kv_layout.index("s")])
 
 
 def preload_te() -> None:

@@ -167,6 +167,7 @@ def test_te_attention_capture_check_for_the_reference_model(
     from graph_fsdp.train import make_graphs
 
     monkeypatch.setattr(te_backend, "te_cudnn_version", lambda: (9, 10, 2))
+    monkeypatch.setattr(te_backend, "_warned", set())  # warnings come once per process
     if env is None:
         monkeypatch.delenv("NVTE_FUSED_ATTN", raising=False)
     else:
@@ -191,3 +192,111 @@ def test_te_attention_capture_check_for_the_reference_model(
     else:
         with pytest.warns(UserWarning, match=expected), pytest.raises(RuntimeError):
             make_graphs(torch.nn.Linear(2, 2), cfg)
+
+
+class _FakeDotProductAttention(torch.nn.Module):
+    """Stands in for transformer_engine.pytorch.DotProductAttention (not installed here):
+    the attributes and call convention the capture guard reads."""
+
+    def __init__(self, qkv_format: str = "sbhd", attn_mask_type: str = "causal") -> None:
+        super().__init__()
+        self.qkv_format, self.attn_mask_type = qkv_format, attn_mask_type
+
+    def forward(self, query, key, value, attention_mask=None):
+        return query
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.core_attention = _FakeDotProductAttention(**kw)
+
+    def forward(self, q, k):
+        return self.core_attention(q, k, k)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, q, k):
+        return self.block(q, k)
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """A transformer_engine.pytorch module with the fake attention, TE's cuDNN 9.10.2."""
+    import sys
+    import types
+
+    from graph_fsdp.capture import te_backend
+
+    module = types.ModuleType("transformer_engine.pytorch")
+    module.DotProductAttention = _FakeDotProductAttention
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", module)
+    monkeypatch.setattr(te_backend, "te_cudnn_version", lambda: (9, 10, 2))
+    monkeypatch.setattr(te_backend, "_warned", set())
+    for var in ("NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(var, raising=False)
+    return te_backend
+
+
+def _call_under_guard(te_backend, impl, model, q, k):
+    names = {id(m): n for n, m in model.named_modules()}
+    with te_backend.attention_capture_guard(impl, names):
+        return model(q, k)
+
+
+@pytest.mark.parametrize(
+    ("layout", "shape", "seq"),
+    [("sbhd", (64, 2, 4, 8), 64), ("bshd", (2, 96, 4, 8), 96), ("sbhd_2bshd", (2, 80, 4, 8), 80)],
+)
+def test_the_capture_guard_refuses_any_models_te_attention_for_torch_graphs(
+    fake_te, layout, shape, seq
+):
+    """Whatever the model and its scopes, a torch capture running TE attention at a key
+    length that is not a multiple of 128 stops with the module and the length named."""
+    model = _Model(_Attn(qkv_format=layout))
+    x = torch.zeros(shape)
+    with pytest.raises(GraphConfigError) as err:
+        _call_under_guard(fake_te, "torch", model, x, x)
+    text = str(err.value)
+    assert "block.core_attention" in text and f"sequence length {seq}" in text, text
+    assert "NVTE_FUSED_ATTN=0" in text, text
+    model(x, x)  # the guard is gone after the capture
+
+
+def test_the_capture_guard_warns_once_for_te_graphs_and_passes_safe_calls(fake_te, monkeypatch):
+    model = _Attn()
+    short, long = torch.zeros(64, 2, 4, 8), torch.zeros(128, 2, 4, 8)
+    with pytest.warns(UserWarning, match="not be bit-identical") as seen:
+        _call_under_guard(fake_te, "te", model, short, short)
+        _call_under_guard(fake_te, "te", model, short, short)
+    assert len([w for w in seen if "bit-identical" in str(w.message)]) == 1
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _call_under_guard(fake_te, "torch", model, long, long)  # a multiple of 128
+        _call_under_guard(fake_te, "torch", _Attn(attn_mask_type="padding_causal"), short, short)
+        _call_under_guard(fake_te, "torch", _Attn(qkv_format="thd"), short, short)
+        monkeypatch.setenv("NVTE_FUSED_ATTN", "0")  # no cuDNN attention in either run
+        _call_under_guard(fake_te, "torch", model, short, short)
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "1")
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")  # Megatron's attention_backend=fused
+    with pytest.raises(GraphConfigError, match="pinned to fused"):
+        _call_under_guard(fake_te, "te", model, short, short)
+
+
+def test_the_capture_guard_leaves_models_without_te_alone(monkeypatch):
+    import sys
+
+    from graph_fsdp.capture import te_backend
+
+    monkeypatch.delitem(sys.modules, "transformer_engine.pytorch", raising=False)
+    model = _Attn()
+    x = torch.zeros(64, 2, 4, 8)
+    with te_backend.attention_capture_guard("torch", {}):
+        model(x, x)

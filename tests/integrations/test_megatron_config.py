@@ -275,6 +275,7 @@ def te_cudnn(monkeypatch):
 
     def use(version):
         monkeypatch.setattr(te_backend, "te_cudnn_version", lambda: version)
+        monkeypatch.setattr(te_backend, "_warned", set())  # warnings come once per process
 
     return use
 
