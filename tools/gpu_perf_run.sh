@@ -9,15 +9,16 @@
 #      compute, fp32 main weights and fp32 gradient reduction, fused AdamW in every row (the
 #      bench's default); 5 warmup + 20 timed steps. SHAPES="h4096" adds issue 12's larger
 #      shape (8 layers, hidden 4096, seq 4096, mbs 1).
-#   2. graph-fsdp profile --memory at h2048: graph_fsdp eager (double buffer and dynamic
-#      allocator), graph_fsdp full_iteration, torch FSDP2 eager; bytes at the peak by role.
+#   2. graph-fsdp profile --memory at h2048 (MEMORY_SHAPES="h1024 h2048" for both): graph_fsdp
+#      eager (double buffer and dynamic allocator), graph_fsdp full_iteration, torch FSDP2
+#      eager; bytes at the peak by role.
 #
 # Usage (repo root; results go to $OUT, default ./gpu_perf_out):
 #   OUT=/some/dir bash tools/gpu_perf_run.sh
 #   DRY=1 bash tools/gpu_perf_run.sh      # tiny shapes on CPU (gloo): checks the plumbing
 #
-# $OUT ends up with summary.md (the bench tables + the memory table), bench_<shape>.md per
-# shape, memory_h2048.md, log.txt and results.tar.gz (every JSON/MD/PNG).
+# $OUT ends up with summary.md (the bench and memory tables), bench_<shape>.md and
+# memory_<shape>.md per shape, log.txt and results.tar.gz (every JSON/MD/PNG).
 set -u -o pipefail
 shopt -s nullglob
 
@@ -93,34 +94,44 @@ except Exception as err:
     print("megatron_fsdp not importable:", err)
 EOF
 
-for shape in "${SHAPE_LIST[@]}"; do
-  case $shape in
+shape_args() {  # shape_args NAME: the model flags of a shape into S
+  case $1 in
     h1024) S=("${H1[@]}") ;;
     h2048) S=("${H2[@]}") ;;
     h4096) S=("${H4[@]}") ;;
-    *) echo "unknown shape $shape (h1024, h2048 or h4096)" | tee -a "$LOG"; continue ;;
+    *) echo "unknown shape $1 (h1024, h2048 or h4096)" | tee -a "$LOG"; return 1 ;;
   esac
+}
+
+for shape in "${SHAPE_LIST[@]}"; do
+  shape_args "$shape" || continue
   step "bench $shape" "${CLI[@]}" bench "${COMMON[@]}" "${S[@]}" "${STEPS[@]}" \
     --graph-impls torch --scopes "" --scopes full_iteration "${ROWS[@]}" \
     --output-dir "$WORK/bench_$shape"
   cp "$WORK/bench_$shape/results.md" "$OUT/bench_$shape.md" 2>/dev/null
 done
 
-MEM_STEPS=(--warmup-iters 3 --train-iters 2 --output-dir "$WORK/memory_h2048")
+# MEMORY_SHAPES="h1024 h2048" profiles memory at both of issue 12's shapes (default h2048).
+read -r -a MEMORY_SHAPE_LIST <<<"${MEMORY_SHAPES:-h2048}"
 if [[ "${MEMORY:-1}" == "1" ]]; then
-step "memory graph_fsdp eager (double buffer)" "${CLI[@]}" profile --memory graph_fsdp \
-  "${COMMON[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --memory-label graph_fsdp_eager_db
-step "memory torch FSDP2 eager" "${CLI[@]}" profile --memory fsdp2 --bf16 "${DEV[@]}" \
-  "${H2[@]}" "${MEM_STEPS[@]}" --memory-label fsdp2_eager
-if [[ "${DRY:-0}" != "1" ]]; then  # CUDA graphs need CUDA
-  step "memory graph_fsdp full_iteration" "${CLI[@]}" profile --memory graph_fsdp \
-    "${COMMON[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --cuda-graph-impl torch \
-    --cuda-graph-scope full_iteration --memory-label graph_fsdp_full_iteration
-fi
-step "memory graph_fsdp eager (dynamic allocator)" "${CLI[@]}" profile --memory graph_fsdp \
-  --bf16 "${DEV[@]}" "${H2[@]}" "${MEM_STEPS[@]}" --memory-label graph_fsdp_eager_dynamic
-python -m graph_fsdp.bench.memory "$WORK"/memory_h2048/memory_*.json >"$OUT/memory_h2048.md" \
-  2>>"$LOG"
+for shape in "${MEMORY_SHAPE_LIST[@]}"; do
+  shape_args "$shape" || continue
+  MEM_STEPS=(--warmup-iters 3 --train-iters 2 --output-dir "$WORK/memory_$shape")
+  step "memory $shape graph_fsdp eager (double buffer)" "${CLI[@]}" profile --memory graph_fsdp \
+    "${COMMON[@]}" "${S[@]}" "${MEM_STEPS[@]}" --memory-label graph_fsdp_eager_db
+  step "memory $shape torch FSDP2 eager" "${CLI[@]}" profile --memory fsdp2 --bf16 "${DEV[@]}" \
+    "${S[@]}" "${MEM_STEPS[@]}" --memory-label fsdp2_eager
+  if [[ "${DRY:-0}" != "1" ]]; then  # CUDA graphs need CUDA
+    step "memory $shape graph_fsdp full_iteration" "${CLI[@]}" profile --memory graph_fsdp \
+      "${COMMON[@]}" "${S[@]}" "${MEM_STEPS[@]}" --cuda-graph-impl torch \
+      --cuda-graph-scope full_iteration --memory-label graph_fsdp_full_iteration
+  fi
+  step "memory $shape graph_fsdp eager (dynamic allocator)" "${CLI[@]}" profile --memory \
+    graph_fsdp --bf16 "${DEV[@]}" "${S[@]}" "${MEM_STEPS[@]}" \
+    --memory-label graph_fsdp_eager_dynamic
+  python -m graph_fsdp.bench.memory "$WORK/memory_$shape"/memory_*.json \
+    >"$OUT/memory_$shape.md" 2>>"$LOG"
+done
 python -m graph_fsdp.bench.memory_model >"$WORK/memory_model.md" 2>>"$LOG"
 fi
 
@@ -130,9 +141,11 @@ fi
     [[ -f $f ]] && { echo; cat "$f"; }
   done
   echo
-  echo "## Memory at the peak by role, h2048 (graph-fsdp profile --memory, rank 0)"
-  echo
-  cat "$OUT/memory_h2048.md"
+  for f in "$OUT"/memory_h*.md; do
+    echo "## Memory at the peak by role, $(basename "$f" .md | sed 's/memory_//') (graph-fsdp profile --memory, rank 0)"
+    echo
+    cat "$f"
+  done
   echo
   echo "## Step results (rc per step)"
   grep '^=== .*rc=' "$LOG" | sed 's/$/  /'
