@@ -74,8 +74,21 @@ class MixedPrecisionPolicy:
     grad_comm_dtype: torch.dtype | None = None
     """Dtype gradients are reduced in. None: ``main_grads_dtype`` (fp32 reduction). bf16
     halves reduce-scatter bytes; the sum is then rounded to bf16 before fp32 accumulation."""
+    reduce_scatter_fp32_accumulation: bool = False
+    """Megatron's reduce_scatter_with_fp32_accumulation: the gradients of a backward go over
+    the wire in their compute dtype (bf16 with bf16 weights) through an all-to-all, and each
+    rank sums the pieces of its shard in ``main_grads_dtype`` locally ([Note: reduce-scatter
+    with fp32 accumulation], param_group.py). Half the bytes of the fp32 reduce-scatter with
+    the same fp32 accumulation; needs sharded gradients (optim_grads, optim_grads_params) and
+    no ``grad_comm_dtype``."""
 
     def __post_init__(self) -> None:
+        if self.reduce_scatter_fp32_accumulation and self.grad_comm_dtype is not None:
+            raise ValueError(
+                "MixedPrecisionPolicy.reduce_scatter_fp32_accumulation sends the gradients in "
+                "their compute dtype and sums them in main_grads_dtype; grad_comm_dtype="
+                f"{self.grad_comm_dtype} asks for another reduction dtype: set one of the two"
+            )
         for name in ("param_dtype", "main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
             value = getattr(self, name)
             if value is not None and (

@@ -197,6 +197,17 @@ def reduce_scatter(
             dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
 
 
+def all_to_all(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:
+    """Piece ``r`` of ``full`` goes to rank ``r`` of the shard group; ``out``'s piece ``r``
+    comes from rank ``r`` (param_group.py [Note: reduce-scatter with fp32 accumulation])."""
+    group, size = _dim(ctx, False)
+    with nvtx_range(f"graph_fsdp/all_to_all/{fqn}"):
+        if size > 1:
+            dist.all_to_all_single(out, full, group=group)
+        else:
+            out.copy_(full)
+
+
 def all_reduce(
     full: torch.Tensor, ctx: CommContext, fqn: str, *, over_replicas: bool = False
 ) -> None:

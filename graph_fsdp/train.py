@@ -50,6 +50,9 @@ class TrainConfig:
     """bf16 compute weights with fp32 main weights and grads."""
     grad_comm_dtype: str | None = None
     """None (fp32) or bf16 reduction."""
+    reduce_scatter_fp32_accumulation: bool = False
+    """bf16 gradients over the wire (all-to-all), summed in fp32 by each rank
+    (MixedPrecisionPolicy.reduce_scatter_fp32_accumulation)."""
     allocator: str = "dynamic"
     """dynamic | double_buffer | trace_pool."""
     num_slots: int = 2
@@ -107,6 +110,7 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     mp = MixedPrecisionPolicy(
         param_dtype=cfg.compute_dtype if cfg.bf16 else None,
         grad_comm_dtype=torch.bfloat16 if cfg.grad_comm_dtype == "bf16" else None,
+        reduce_scatter_fp32_accumulation=cfg.reduce_scatter_fp32_accumulation,
     )
     bp = BufferPolicy(
         allocator=cfg.allocator,

@@ -58,7 +58,8 @@ else
   LIMIT=200
 fi
 COMMON=(--bf16 --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail "${DEV[@]}")
-# ROWS="..." / SHAPES="h2048" / MEMORY=0 narrow the run (e.g. to fit what is left of a budget).
+# ROWS="..." / SHAPES="h2048" / MEMORY=0 narrow the run (e.g. to fit what is left of a budget);
+# BENCH_FLAGS="--ddp-reduce-scatter-with-fp32-accumulation" adds flags to every bench launch.
 read -r -a ROWS <<<"--rows ${ROWS:-unsharded unsharded_captured graph_fsdp graph_fsdp_graphed fsdp2 fsdp2_cuda_graph megatron_fsdp}"
 read -r -a SHAPE_LIST <<<"${SHAPES:-h1024 h2048}"
 
@@ -107,7 +108,7 @@ for shape in "${SHAPE_LIST[@]}"; do
   shape_args "$shape" || continue
   step "bench $shape" "${CLI[@]}" bench "${COMMON[@]}" "${S[@]}" "${STEPS[@]}" \
     --graph-impls torch --scopes "" --scopes full_iteration "${ROWS[@]}" \
-    --output-dir "$WORK/bench_$shape"
+    ${BENCH_FLAGS:-} --output-dir "$WORK/bench_$shape"
   cp "$WORK/bench_$shape/results.md" "$OUT/bench_$shape.md" 2>/dev/null
 done
 

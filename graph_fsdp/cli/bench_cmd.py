@@ -115,13 +115,23 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"Model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
         f"ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size}, {moe}. "
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
-        f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights; strategy "
+        f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights, "
+        f"{reduction_label(cfg)}; strategy "
         f"{placement_label(cfg)}, allocator {cfg.allocator}, "
         f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "
         f"{UNSHARDED_SCHEME if cfg.bf16 else 'fp32 weights and compute, fused AdamW'}."
     )
+
+
+def reduction_label(cfg) -> str:
+    """How graph_fsdp's rows reduce gradients (FSDP2 and megatron_fsdp reduce in fp32)."""
+    if cfg.reduce_scatter_fp32_accumulation:
+        return "gradients reduced as bf16 all-to-all + fp32 sums (graph_fsdp rows)"
+    if cfg.grad_comm_dtype == "bf16":
+        return "gradients reduced in bf16 (graph_fsdp rows)"
+    return "fp32 gradient reduction"
 
 
 def main(args: argparse.Namespace) -> int:

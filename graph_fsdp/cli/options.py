@@ -199,6 +199,14 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         default="fp32",
         help="Dtype gradients are reduce-scattered/all-reduced in.",
     )
+    g.add_argument(
+        "--ddp-reduce-scatter-with-fp32-accumulation",
+        action="store_true",
+        help="Megatron's reduce-scatter with fp32 accumulation: the bf16 gradients go over the "
+        "wire through an all-to-all (half the bytes of the fp32 reduce-scatter) and each rank "
+        "sums its shard's pieces in fp32 (bit-identical to the default on 2 ranks). Needs "
+        "--bf16 and a strategy that shards gradients; not with HSDP or --grad-comm-dtype bf16.",
+    )
 
 
 def add_graph_args(parser: argparse.ArgumentParser) -> None:
@@ -535,6 +543,36 @@ class Resolved:
         return c.micro_batch_size * c.grad_accum * c.model.seq_length * self.plan.world_size
 
 
+def check_fp32_accumulation(args: argparse.Namespace, mesh_shape) -> bool:
+    """--ddp-reduce-scatter-with-fp32-accumulation and the flags it needs."""
+    if not args.ddp_reduce_scatter_with_fp32_accumulation:
+        return False
+    flag = "--ddp-reduce-scatter-with-fp32-accumulation"
+    if not args.bf16:
+        raise CLIError(
+            f"{flag} sends bf16 gradients and sums them in fp32, but without --bf16 the "
+            "gradients are fp32 already: add --bf16 or drop the flag"
+        )
+    if args.grad_comm_dtype == "bf16":
+        raise CLIError(
+            f"{flag} and --grad-comm-dtype bf16 are two gradient-reduction schemes (fp32 sums "
+            "vs a bf16 reduce-scatter): pick one"
+        )
+    if args.data_parallel_sharding_strategy in ("no_shard", "optim"):
+        raise CLIError(
+            f"{flag} is a reduce-scatter, but --data-parallel-sharding-strategy "
+            f"{args.data_parallel_sharding_strategy} all-reduces full gradients: use "
+            "optim_grads or optim_grads_params, or drop the flag"
+        )
+    if mesh_shape is not None:
+        raise CLIError(
+            f"{flag} reduce-scatters over one shard group; with "
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} "
+            "(HSDP) drop it"
+        )
+    return True
+
+
 def resolve(
     args: argparse.Namespace,
     *,
@@ -594,6 +632,7 @@ def resolve(
     if not (graphs_optional and plan.device != "cuda"):
         check_graph_environment(impl, plan, cpu_hint)
     check_transformer_environment(args.transformer_impl, plan)
+    fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
     cfg = TrainConfig(
         model=model,
         strategy=args.data_parallel_sharding_strategy,
@@ -606,6 +645,7 @@ def resolve(
         weight_decay=args.weight_decay,
         bf16=args.bf16,
         grad_comm_dtype="bf16" if args.grad_comm_dtype == "bf16" else None,
+        reduce_scatter_fp32_accumulation=fp32_accumulation,
         allocator=allocator,
         persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
         recompute=args.recompute_activations,

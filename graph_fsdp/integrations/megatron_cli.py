@@ -263,6 +263,11 @@ def reject_unwired_flags(args: argparse.Namespace) -> None:
             "against an eager run of it); Megatron's schedule runs its own: drop "
             "--use-megatron-schedule or --cuda-graph-verify"
         )
+    if args.ddp_reduce_scatter_with_fp32_accumulation:
+        raise CLIError(
+            "--ddp-reduce-scatter-with-fp32-accumulation is not wired for Megatron-Core models "
+            "(gradients are reduced in fp32); drop it"
+        )
     if args.grad_comm_dtype != "fp32":
         raise CLIError(
             f"--grad-comm-dtype {args.grad_comm_dtype} is not wired for Megatron-Core models "

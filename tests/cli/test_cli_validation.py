@@ -17,6 +17,7 @@ STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]
 
 
 error_of = cli_error
+FP32_ACCUM = "--ddp-reduce-scatter-with-fp32-accumulation"
 
 
 @pytest.mark.parametrize(
@@ -146,6 +147,17 @@ error_of = cli_error
         (
             ["--cuda-graph-verify"],
             ["--cuda-graph-verify checks a graphed step, but --cuda-graph-impl is none"],
+        ),
+        # reduce-scatter with fp32 accumulation
+        ([FP32_ACCUM], ["without --bf16 the gradients are fp32 already"]),
+        (["--bf16", FP32_ACCUM, "--grad-comm-dtype", "bf16"], ["pick one"]),
+        (
+            ["--bf16", FP32_ACCUM, "--data-parallel-sharding-strategy", "optim"],
+            ["--data-parallel-sharding-strategy optim all-reduces full gradients"],
+        ),
+        (
+            ["--bf16", FP32_ACCUM, "--num-distributed-optimizer-instances", "2"],
+            ["(HSDP) drop it"],
         ),
         (["--save-interval", "2"], ["--save-interval is given without --save"]),
         (["--load", "/nonexistent/ckpt"], ["--load /nonexistent/ckpt: no such checkpoint"]),

@@ -181,6 +181,7 @@ GRAPHED += ["--fsdp-db-use-persist-buf-on-alloc-fail"]
         (["--cuda-graph-verify"], "but --cuda-graph-impl is none"),
         ([*GRAPHED, "--cuda-graph-verify", "--use-megatron-schedule"], "drop --use-megatron"),
         ([*GRAPHED, "--cuda-graph-verify", "always"], "invalid choice: 'always'"),
+        (["--ddp-reduce-scatter-with-fp32-accumulation"], "is not wired for Megatron-Core"),
     ],
 )
 def test_cuda_graph_verify_is_checked(capsys, argv: list[str], expected: str) -> None:

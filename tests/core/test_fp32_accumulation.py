@@ -1,0 +1,107 @@
+"""Reduce-scatter with fp32 accumulation (MixedPrecisionPolicy.reduce_scatter_fp32_accumulation,
+--ddp-reduce-scatter-with-fp32-accumulation) on real gloo groups: bf16 gradients through an
+all-to-all, summed in fp32 by each rank (param_group.py [Note: reduce-scatter with fp32
+accumulation])."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
+from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.testing import spawn
+from graph_fsdp.train import TrainConfig, run
+
+TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+BASE = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True, lr=1e-2)
+
+
+def _both(cfg: TrainConfig, world: int) -> tuple[dict, dict]:
+    plain = spawn(run, world, cfg)[0]
+    accum = spawn(run, world, dataclasses.replace(cfg, reduce_scatter_fp32_accumulation=True))[0]
+    return plain, accum
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        # ZeRO-2, static buffers, and accumulated microbatches (fp32: the plain reduce-scatter
+        # for them, the all-to-all for the last one's bf16 gradients).
+        {
+            "strategy": "optim_grads",
+            "grad_accum": 2,
+            "allocator": "double_buffer",
+            "persist_on_alloc_fail": True,
+        },
+    ],
+)
+def test_two_ranks_are_bit_identical_to_the_fp32_reduce_scatter(overrides):
+    """Both schemes sum the same bf16 values in fp32; with 2 ranks the one addition a + b
+    has no order, so losses and weights match the default bit for bit."""
+    plain, accum = _both(dataclasses.replace(BASE, **overrides), 2)
+    assert plain["losses"] == accum["losses"]
+    for name, value in plain["params"].items():
+        assert torch.equal(value, accum["params"][name]), name
+
+
+def test_four_ranks_sum_in_fp32_in_another_order():
+    """4 ranks: only the order of the fp32 additions differs from gloo's reduce-scatter, and
+    both stay next to the fp32 single-process reference."""
+    cfg = dataclasses.replace(BASE, steps=2)
+    plain, accum = _both(cfg, 4)
+    ref = run(0, 4, dataclasses.replace(cfg, mode="reference"))
+    for res in (plain, accum):
+        assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 1e-2
+    for name, value in plain["params"].items():
+        torch.testing.assert_close(accum["params"][name], value, rtol=0, atol=1e-5)
+
+
+def _grad_comm_bytes(rank: int, world: int) -> dict:
+    out = {}
+    for fp32_accumulation in (False, True):
+        torch.manual_seed(0)
+        model = build_model(TINY, device="cpu")
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_scatter_fp32_accumulation=fp32_accumulation
+        )
+        bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
+        for layer in transformer_layers(model):
+            fully_shard(layer, mp_policy=mp, buffer_policy=bp)
+        fully_shard(model, mp_policy=mp, buffer_policy=bp)
+        x, y = synthetic_batch(TINY, micro_batch_size=2, step=rank, device="cpu")
+        model(x, y).backward()
+        out[fp32_accumulation] = model.fsdp_memory_report()["peak_live_bytes"]["grad_comm"]
+    for strategy in ("no_shard", "optim"):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_scatter_fp32_accumulation=True)
+        try:
+            fully_shard(build_model(TINY, device="cpu"), strategy=strategy, mp_policy=mp)
+            out[strategy] = ""
+        except ValueError as err:
+            out[strategy] = str(err)
+    return out
+
+
+def test_the_unsharded_comm_buffer_is_bf16_and_unsharded_gradients_are_refused():
+    """The all-to-all reads the bf16 gradients and writes a bf16 buffer: the fp32 copy of
+    the unsharded gradients that feeds the plain reduce-scatter is gone (half the bytes).
+    Strategies that all-reduce full gradients are refused."""
+    out = spawn(_grad_comm_bytes, 2)[0]
+    assert out[False] > 0 and out[True] * 2 == out[False], out
+    for strategy in ("no_shard", "optim"):
+        assert (
+            "needs sharded gradients (strategy optim_grads or optim_grads_params)"
+            in (out[strategy])
+        ), out[strategy]
+
+
+def test_a_second_reduction_dtype_is_refused():
+    with pytest.raises(ValueError, match="set one of the two"):
+        MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            grad_comm_dtype=torch.bfloat16,
+            reduce_scatter_fp32_accumulation=True,
+        )
