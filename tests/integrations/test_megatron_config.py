@@ -160,16 +160,6 @@ def test_scopes_the_model_cannot_capture(cfg, scopes, expected: str) -> None:
         gm.check_mcore_scopes(cfg, scopes)
 
 
-def test_scope_mapping_uses_megatron_names() -> None:
-    assert gm.MCORE_SCOPE_MODULES == {
-        "attn": "self_attention",
-        "mlp": "mlp",
-        "moe": "mlp",
-        "moe_router": "mlp.router",
-        "moe_preprocess": "mlp.preprocess",
-    }
-
-
 # ------------------------------------------------------------------ CLI
 def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
     return cli_error(capsys, "train", "--device", "cpu", *argv)
