@@ -172,6 +172,18 @@ def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
 
 
 def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
+    # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that cannot go.
+    schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
+    if schedule and cfg.cuda_graph_verify:
+        raise ValueError(
+            "cuda_graph_verify checks a step of graph_fsdp's loop (graphs.forward_backward); "
+            "use it without use_megatron_schedule"
+        )
+    if schedule and "full_iteration" in cfg.cuda_graph_scope:
+        raise ValueError(
+            "full_iteration replaces the forward/backward schedule with one graph per "
+            "microbatch; use it without use_megatron_schedule"
+        )
     device = _setup(cfg)
     if device.type == "cuda":
         # A previous run in this process (tests run several) leaves a model and graphs in
@@ -190,16 +202,6 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             warmup_steps=cfg.cuda_graph_warmup_steps,
             verify=cfg.cuda_graph_verify,
         )
-        if cfg.use_megatron_schedule and cfg.cuda_graph_verify:
-            raise ValueError(
-                "cuda_graph_verify checks a step of graph_fsdp's loop (graphs.forward_backward); "
-                "use it without use_megatron_schedule"
-            )
-        if cfg.use_megatron_schedule and "full_iteration" in cfg.cuda_graph_scope:
-            raise ValueError(
-                "full_iteration replaces the forward/backward schedule with one graph per "
-                "microbatch; use it without use_megatron_schedule"
-            )
     losses, eval_losses, times = [], [], []
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None  # noqa: SIM115
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
