@@ -241,6 +241,8 @@ class FlatParamGroup:
             self.full = self._persistent_full
             return
         with nvtx_range(f"graph_fsdp/unshard/{self.fqn}"):
+            if self.placements.params:  # [Note: weight slots during backward]
+                allocator.prepare((self.param_key,))
             # The cast reads main_flat, which the optimizer updates on the main stream.
             comm.wait(comm.ag_stream, comm.main_stream())
             with comm.on(comm.ag_stream):
@@ -369,9 +371,6 @@ class FlatParamGroup:
     # ---------------------------------------------------------------- gradients
     def prepare_grads(self, allocator: BufferAllocator) -> None:
         """Give the unsharded params zeroed ``.grad`` views before their backward runs."""
-        # The reduction's buffers get their bytes here, on the main stream, not on the
-        # reduce-scatter stream that uses them ([Note: backward slots between steps]).
-        allocator.prepare(self._reduction_keys)
         grad_full = allocator.allocate(
             self.grad_key, self.layout.total, self.compute_dtype, self.device
         )
@@ -408,6 +407,11 @@ class FlatParamGroup:
         comm, mp = self.comm, self.mp
         if sync:
             self.ensure_main_grad()  # on the main stream: [Note: releasable main grads]
+            # The reduction's buffers get their bytes here, after this unit's backward was
+            # queued and on the main stream, not on the reduce-scatter stream that uses them
+            # ([Note: backward slots between steps]): at the start of backward, the memory
+            # peak (every activation and the loss gradients live), they hold nothing yet.
+            allocator.prepare(self._reduction_keys)
         main = comm.main_stream()
         comm.wait(comm.rs_stream, main)
         with comm.on(comm.rs_stream), nvtx_range(f"graph_fsdp/reduce_grads/{self.fqn}"):

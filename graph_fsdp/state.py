@@ -275,6 +275,8 @@ class FSDPState:
             self.training_state = TrainingState.IDLE
             if self.is_root:
                 self.root.order_frozen = self.root.order_frozen or bool(self.root.forward_order)
+                if torch.is_grad_enabled():
+                    self.allocator.forward_boundary()  # [Note: weight slots during backward]
 
     # ------------------------------------------------------------------ backward
     def pre_backward(self) -> None:

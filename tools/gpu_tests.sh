@@ -4,7 +4,8 @@
 #
 #   bash tools/gpu_tests.sh [CHUNK ...]     # default: every chunk, in this order
 #
-# Chunks (2x H200, 2026-11-23): megatron (test_megatron_gpu.py, ~6-7 min), te (the
+# Chunks (2x H200, 2026-11-23): megatron (test_megatron_gpu.py but its seq-64 attention
+# checks, ~6 min), megatron_attn (those checks, ~2 min), te (the
 # TransformerEngine-layer model of test_cuda_graphs_gpu.py), graphs (the rest of it),
 # third_party, capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to
 # $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
@@ -18,11 +19,12 @@ OUT="${OUT:-$PWD/gpu_tests_out}"
 mkdir -p "$OUT"
 
 declare -A LIMIT=(
-  [megatron]=560 [te]=300 [graphs]=400 [third_party]=300 [capture_safety]=300
+  [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=300 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [bench]=400
 )
 declare -A ARGS=(
-  [megatron]="tests/gpu/test_megatron_gpu.py"
+  [megatron]="tests/gpu/test_megatron_gpu.py -k not seq_64"
+  [megatron_attn]="tests/gpu/test_megatron_gpu.py -k seq_64"
   [te]="tests/gpu/test_cuda_graphs_gpu.py -k te_layers"
   [graphs]="tests/gpu/test_cuda_graphs_gpu.py -k not te_layers"
   [third_party]="tests/gpu/test_third_party_gpu.py"
@@ -33,7 +35,7 @@ declare -A ARGS=(
   [bench]="tests/bench/test_bench_gpu.py"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron te graphs third_party capture_safety lifecycle hsdp fully_shard bench)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party capture_safety lifecycle hsdp fully_shard bench)
 
 status=0
 for chunk in "${CHUNKS[@]}"; do

@@ -131,6 +131,10 @@ BACKWARD_ROLES = frozenset({"grad", "grad_comm", "rs_out", "rep_out"})
 their slots hold nothing between steps ([Note: backward slots between steps])."""
 
 
+def _stream_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def key_role(key: Key) -> str:
     """Role of a key for memory reports: the second element of tuple keys."""
     if isinstance(key, tuple) and len(key) >= 2 and isinstance(key[1], str):
@@ -199,6 +203,10 @@ class BufferAllocator(ABC):
 
     def prepare(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hook
         """Give ``keys``' buffers their bytes now, on the current (main) stream."""
+
+    def forward_boundary(self) -> None:  # noqa: B027 - optional hook
+        """Called by the root after a training forward, on the main stream (slot allocators
+        give back the bytes of idle weight slots: [Note: weight slots during backward])."""
 
     def pin_roles(self, roles: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Keep the buffers of ``roles`` at fixed addresses from now on (graphs read them)."""
@@ -355,6 +363,19 @@ class SlotAllocator(BufferAllocator):
     # the pool that activations use, and every side stream reaches them only after waiting
     # for the main stream, past the point of allocation.
 
+    # [Note: weight slots during backward] The unsharded-weight slots are idle from the end
+    # of forward until backward re-gathers the last unit, and the start of backward - every
+    # activation, the logits and their gradients live - is the step's memory peak. Torch FSDP2
+    # holds only the root's weights there (the rest were freed after their forward), so
+    # ``forward_boundary`` gives the idle "param" slots' bytes back too and the next gather
+    # re-allocates them (``prepare`` on the main stream, before the all-gather stream waits
+    # for it: the bytes come from the pool activations use, and the gather writes them only
+    # after the main stream got past the allocation). A held slot (the root, ZeRO-1/2 weights
+    # kept after forward) stays. Only eager steps release: graphs read the slots at captured
+    # addresses, so capture pins "param" as it pins "grad", and nothing is released while a
+    # stream captures (a user's own whole-step capture of an eager model included).
+    FORWARD_RELEASABLE = BACKWARD_ROLES | {"param"}
+
     def __init__(self, *, persist_on_alloc_fail: bool = False) -> None:
         super().__init__()
         self.persist_on_alloc_fail = persist_on_alloc_fail
@@ -365,6 +386,8 @@ class SlotAllocator(BufferAllocator):
         self.pinned_roles: set[str] = set()
         self._between_steps: list[Slot] | None = None
         """Slots released at step boundaries (computed from the plan and the pinned roles)."""
+        self._after_forward: list[Slot] | None = None
+        """Slots released at forward boundaries (likewise)."""
 
     # -- subclass hooks ------------------------------------------------------------------
     def _plan(self) -> None:
@@ -397,7 +420,7 @@ class SlotAllocator(BufferAllocator):
             )
         dedicated = Slot(numel, dtype, device, label=f"dedicated[{key!r}]")
         self._dedicated[key] = dedicated
-        self._between_steps = None
+        self._between_steps = self._after_forward = None
         self._views.pop(key, None)
         self.stats.reserved["dedicated"] = (
             self.stats.reserved.get("dedicated", 0) + dedicated.nbytes
@@ -409,7 +432,7 @@ class SlotAllocator(BufferAllocator):
             with nvtx_range(f"graph_fsdp/allocator/plan/{type(self).__name__}"):
                 self._plan()
             self._planned = True
-            self._between_steps = None
+            self._between_steps = self._after_forward = None
 
     def prepare(self, keys):
         self._ensure_planned()
@@ -420,23 +443,35 @@ class SlotAllocator(BufferAllocator):
 
     def pin_roles(self, roles):
         self.pinned_roles.update(roles)
-        self._between_steps = None
+        self._between_steps = self._after_forward = None
         # Slots not created yet are created at their first use and never released.
         for key, slot in [*self._assignment.items(), *self._dedicated.items()]:
             if key_role(key) in self.pinned_roles and slot.tensor is not None:
                 slot.materialise()
 
+    def _slots_serving_only(self, roles: frozenset[str]) -> list[Slot]:
+        """Slots all of whose keys have a role in ``roles`` less the pinned roles."""
+        by_slot: dict[int, set[str]] = {}
+        for key, slot in [*self._assignment.items(), *self._dedicated.items()]:
+            by_slot.setdefault(id(slot), set()).add(key_role(key))
+        releasable = roles - self.pinned_roles
+        return [s for s in self.slots() if by_slot[id(s)] <= releasable]
+
     def step_boundary(self) -> None:
         if not self._planned:
             return
         if self._between_steps is None:
-            roles: dict[int, set[str]] = {}
-            for key, slot in [*self._assignment.items(), *self._dedicated.items()]:
-                roles.setdefault(id(slot), set()).add(key_role(key))
-            releasable = BACKWARD_ROLES - self.pinned_roles
-            self._between_steps = [s for s in self.slots() if roles[id(s)] <= releasable]
+            self._between_steps = self._slots_serving_only(BACKWARD_ROLES)
         for slot in self._between_steps:
             slot.release_storage()
+
+    def forward_boundary(self) -> None:
+        if not self._planned or _stream_capturing():
+            return
+        if self._after_forward is None:
+            self._after_forward = self._slots_serving_only(self.FORWARD_RELEASABLE)
+        for slot in self._after_forward:
+            slot.release_storage()  # a held slot keeps its bytes
 
     def allocate(self, key, numel, dtype, device):
         slot = self._slot_for(key, numel, dtype, device)
@@ -460,7 +495,7 @@ class SlotAllocator(BufferAllocator):
         for slot in [*set(self._assignment.values()), *self._dedicated.values()]:
             slot.drop()
         self._views.clear()
-        self._between_steps = None
+        self._between_steps = self._after_forward = None
         self.generation += 1
 
     def slots(self) -> list[Slot]:

@@ -431,6 +431,9 @@ class FullIterationGraphs(RunnerLifecycle):
         args, kwargs = sig.rebuild(pos.static_inputs)
         graph = torch.cuda.CUDAGraph()
         groups = [g for s in self.states for g in s.groups]
+        # The weight slots were made by eager steps, outside the graph's pool: the graph
+        # addresses them from now on ([Note: weight slots during backward]).
+        self._allocator.pin_roles(("param",))
         for g in groups:
             g.force_refresh = True
             g.pin_main_grad = True  # the graph reduces into it: [Note: releasable main grads]

@@ -311,9 +311,10 @@ class LayerwiseGraphs(RunnerLifecycle):
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state())
         unit_states = {id(s.module): s for s in self.states}
         units = {id(c.target.unit): unit_states[id(c.target.unit)] for c in self.caps}
-        # The graphs write the unsharded gradients at fixed addresses: keep those slots from
-        # now on ([Note: backward slots between steps]).
-        root.allocator.pin_roles(("grad",))
+        # The graphs read the unsharded weights and write the unsharded gradients at fixed
+        # addresses: keep those slots from now on ([Note: backward slots between steps],
+        # [Note: weight slots during backward]).
+        root.allocator.pin_roles(("param", "grad"))
         # The graphs' parameter inputs are the unsharded params over the units' current
         # buffers (new ones after a release()), as fresh autograd leaves (renew_unsharded).
         self._renew_params(units)

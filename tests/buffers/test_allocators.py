@@ -624,3 +624,46 @@ def test_pinned_roles_stay_at_fixed_addresses() -> None:
             assert ptrs.setdefault(gkey(i), ptr) == ptr
             assert not allocator._assignment[gkey(i)].released
             assert allocator._assignment[ckey(i)].released
+
+
+@pytest.mark.parametrize("kind", ["double_buffer", "trace_pool"])
+def test_idle_weight_slots_released_after_forward(kind: str) -> None:
+    # [Note: weight slots during backward]: at the forward boundary the weight slots no key
+    # holds give their bytes back (the last unit, kept for backward, keeps its slot); the
+    # next gather re-allocates them and values survive through the new bytes.
+    if kind == "trace_pool":
+        allocator, driver = traced_pool(pin=False)
+    else:
+        allocator = registered_layers()
+        driver = Driver(allocator)
+    for _ in range(3):
+        driver.run(forward(keep_last=True))
+        allocator.forward_boundary()
+        held = allocator._assignment[pkey(LAYERS - 1)]
+        assert not held.released and held.tensor.untyped_storage().nbytes() == held.nbytes
+        idle = [
+            allocator._assignment[pkey(i)]
+            for i in range(LAYERS)
+            if allocator._assignment[pkey(i)] is not held
+        ]
+        assert idle, "some weight slot is idle after forward"
+        for slot in idle:
+            assert slot.released and slot.tensor.untyped_storage().nbytes() == 0, slot.label
+        driver.run(backward())
+        allocator.step_boundary()
+        driver.reset()
+
+
+def test_pinned_weight_slots_are_not_released_after_forward() -> None:
+    allocator = registered_layers()
+    driver = Driver(allocator)
+    allocator.pin_roles(("param",))
+    driver.run(forward(keep_last=True))
+    ptrs = {pkey(i): next(iter(driver.ptrs[pkey(i)])) for i in range(LAYERS)}
+    allocator.forward_boundary()
+    assert not any(allocator._assignment[pkey(i)].released for i in range(LAYERS))
+    driver.run(backward())
+    allocator.step_boundary()
+    driver.reset()
+    driver.run(forward(keep_last=True))
+    assert {k: next(iter(driver.ptrs[k])) for k in ptrs} == ptrs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from graph_fsdp import MixedPrecisionPolicy, fully_shard
+from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
 from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
@@ -70,3 +70,67 @@ def test_bf16_copy_in_gather_matches_reference_bitwise_across_runs():
     assert a[0]["losses"] == b[0]["losses"]
     ref = run(0, 2, TrainConfig(**{**cfg.__dict__, "mode": "reference"}))
     assert max(abs(x - y) for x, y in zip(a[0]["losses"], ref["losses"])) < 2e-2
+
+
+def _slot_bytes(allocator) -> dict:
+    """Bytes each role's slots hold now (a slot serving several roles counts for each)."""
+    out: dict = {}
+    seen: set = set()
+    for key, slot in getattr(allocator, "_assignment", {}).items():
+        if (id(slot), key[1]) in seen or slot.tensor is None:
+            continue
+        seen.add((id(slot), key[1]))
+        out[key[1]] = out.get(key[1], 0) + slot.tensor.untyped_storage().nbytes()
+    return out
+
+
+def _slots_at_the_backward_peak(rank: int, world: int, allocator: str) -> dict:
+    # [Note: weight slots during backward]: the start of backward, when the loss gradients
+    # and every activation are live, finds no idle weight slot and no reduction buffer; the
+    # steps stay bit-identical to the dynamic allocator's.
+    torch.manual_seed(0)
+    model = build_model(TINY, device="cpu")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    buffers = BufferPolicy(allocator=allocator)
+    for layer in transformer_layers(model):
+        fully_shard(layer, mp_policy=mp, buffer_policy=buffers)
+    fully_shard(model, mp_policy=mp, buffer_policy=buffers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def alloc():
+        return model._fsdp_state.root.allocator
+
+    seen: list = []
+
+    def at_norm_output_grad(module, args, output):
+        # Backward reaches the final norm after the loss and logits gradients, before the
+        # last layer's backward (and its gather) starts.
+        output.register_hook(lambda g: seen.append(_slot_bytes(alloc())))
+
+    model.final_norm.register_forward_hook(at_norm_output_grad)
+    out: dict = {"losses": []}
+    for step in range(3):
+        x, y = synthetic_batch(TINY, micro_batch_size=2, step=step + rank, device="cpu")
+        loss = model(x, y)
+        out.setdefault("after_forward", _slot_bytes(alloc()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+    out["backward_start"] = seen[-1] if seen else None
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_backward_peak_holds_no_idle_weight_slots_or_reduction_buffers():
+    dyn = spawn(_slots_at_the_backward_peak, 2, "dynamic")
+    for res, ref in zip(spawn(_slots_at_the_backward_peak, 2, "double_buffer"), dyn):
+        assert res["losses"] == ref["losses"] and not ref["after_forward"]
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"]))
+        after, start = res["after_forward"], res["backward_start"]
+        # The two layers' weight slots were given back after forward: only the root's
+        # (kept for backward) is left, and nothing gathers again before the norm's backward.
+        assert start["param"] == after["param"], (after, start)
+        assert start.get("grad_comm", 0) == 0, start
+        # The layers' slots came back for backward: each layer re-gathered its weights.
+        assert after["param"] > 0
