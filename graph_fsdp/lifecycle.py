@@ -224,7 +224,7 @@ def _drop_unsharded(group: FlatParamGroup) -> None:
     group._unsharded_built = False
     group._holds_full = False
     group._grads_attached_to = None
-    group._gather_views = None
+    group._gather_views = group._grad_views = None
     group.ag_event = None
 
 

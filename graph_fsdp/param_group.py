@@ -13,8 +13,9 @@ compute_shard  shard, compute dtype   HSDP ``optim_over_replicas`` only: the sha
                                       refreshed (cast + gather across replicas) when stale
 full           total, compute dtype   allocator key ``(fqn, "param", dtype)`` (ZeRO-3) or
                                       persistent (ZeRO-0/1/2); unsharded params are views
-grad_full      total, compute dtype   allocator key ``(fqn, "grad", dtype)``; the unsharded
-                                      params' preset ``.grad`` (autograd adds into it)
+grad_full      total, compute dtype   allocator key ``(fqn, "grad", dtype)``; under graphs the
+                                      unsharded params' preset ``.grad`` (autograd adds into
+                                      it), in eager steps filled from autograd's ``.grad``
 accum          total, main grad dtype persistent, lazily, only under ``no_sync``
 ============== ===================== =====================================================
 
@@ -23,9 +24,15 @@ gather casts ``main_flat`` straight into this rank's part of ``full`` and all-ga
 place (``all_gather_into_tensor(full, full[lo:hi])``, NCCL's in-place form), as torch FSDP2
 does. The cast is 1/W of the unit per gather and gives the same values as a cached copy.
 
-The unsharded parameters' ``.grad`` is preset to views of ``grad_full`` and zeroed before
-backward, so autograd's AccumulateGrad writes gradients in place - inside a captured graph
-too - and the reduction reads them from a fixed address without a copy.
+[Note: gradients autograd creates] Under CUDA graphs (the "grad" role pinned, or a stream
+capturing) the unsharded parameters' ``.grad`` is preset to views of ``grad_full`` and zeroed
+before backward, so AccumulateGrad adds the gradients in place inside the graph and the
+reduction reads them at a fixed address. Eager steps leave ``.grad`` unset, as torch FSDP2
+does: AccumulateGrad keeps the gradient autograd computed, and the unit's post-backward
+copies them into ``grad_full`` (zeroed first: padding, parameters without a gradient). A
+zeroed preset would hold a unit-sized buffer *next to* each freshly computed gradient until
+the add - at the start of backward, the memory peak, that is the output projection's
+gradient twice. Values are the same bits (``0 + g == g``; the sign of a zero gradient aside).
 
 [Note: HSDP ranges] With a 2-D (replicate R, shard S) mesh the layout is cut into R*S equal
 pieces of ``e`` elements in shard-major order: shard rank s holds (params, grads) the
@@ -47,7 +54,7 @@ import torch
 from torch import nn
 
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range, stream_capturing
 from graph_fsdp.buffers.layout import FlatLayout
 from graph_fsdp.comm import CommContext, all_gather, all_reduce, all_to_all, reduce_scatter
 
@@ -320,9 +327,7 @@ class FlatParamGroup:
         self.full = full
         # The params view an alias with its own version counter: re-gathering into ``full``
         # before backward must not look like an in-place change of tensors autograd saved.
-        alias = full.data
-        for ref, offset in zip(self.params, self.layout.offsets):
-            view = alias[offset : offset + ref.shape.numel()].view(ref.shape)
+        for ref, view in zip(self.params, self._param_views(full.data)):
             ref.unsharded = nn.Parameter(view, requires_grad=ref.sharded.requires_grad)
         self._grads_attached_to = None
         self._unsharded_built = True
@@ -370,19 +375,62 @@ class FlatParamGroup:
 
     # ---------------------------------------------------------------- gradients
     def prepare_grads(self, allocator: BufferAllocator) -> None:
-        """Give the unsharded params zeroed ``.grad`` views before their backward runs."""
+        """Before the unit's backward: zeroed ``.grad`` views under graphs, none in eager
+        steps ([Note: gradients autograd creates])."""
+        if not (allocator.static_grads() or stream_capturing()):
+            for ref in self.params:
+                if ref.unsharded is not None:
+                    ref.unsharded.grad = None
+            self._grads_attached_to = None
+            self.grads_in_autograd = True
+            return
+        self.grads_in_autograd = False
         grad_full = allocator.allocate(
             self.grad_key, self.layout.total, self.compute_dtype, self.device
         )
         grad_full.zero_()
         if self.grad_full is not grad_full or self._grads_attached_to is not self.full:
             self.grad_full = grad_full
-            for ref, offset in zip(self.params, self.layout.offsets):
+            for ref, view in zip(self.params, self._param_views(grad_full)):
                 if ref.unsharded is not None and ref.unsharded.requires_grad:
-                    ref.unsharded.grad = grad_full[offset : offset + ref.shape.numel()].view(
-                        ref.shape
-                    )
+                    ref.unsharded.grad = view
             self._grads_attached_to = self.full
+
+    grads_in_autograd = False
+    """This backward's gradients are in the unsharded params' ``.grad``, not yet in
+    ``grad_full`` ([Note: gradients autograd creates])."""
+
+    def collect_grads(self, allocator: BufferAllocator) -> None:
+        """Copy autograd's gradients into ``grad_full`` (on the main stream) and drop them."""
+        self.grads_in_autograd = False
+        grad_full = allocator.allocate(
+            self.grad_key, self.layout.total, self.compute_dtype, self.device
+        )
+        self.grad_full = grad_full
+        views = self._grad_views
+        if views is None or views[0] is not grad_full:
+            views = self._grad_views = (grad_full, self._param_views(grad_full))
+        dst, src = [], []
+        for ref, view in zip(self.params, views[1]):
+            p = ref.unsharded
+            if p is not None and p.grad is not None:
+                dst.append(view)
+                src.append(p.grad)
+                p.grad = None
+        grad_full.zero_()
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    _grad_views: tuple | None = None
+    """``(grad_full, one view per parameter)``, rebuilt when the allocator hands out another
+    tensor object."""
+
+    def _param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view of ``flat`` per parameter, shaped like it, at its layout offset."""
+        return [
+            flat[offset : offset + ref.shape.numel()].view(ref.shape)
+            for ref, offset in zip(self.params, self.layout.offsets)
+        ]
 
     # [Note: releasable main grads] Like torch FSDP2, which frees sharded gradients on
     # ``zero_grad(set_to_none=True)``, ``main_grad``'s storage is released at the next forward
@@ -405,6 +453,8 @@ class FlatParamGroup:
     def reduce_grads(self, allocator: BufferAllocator, *, sync: bool, overwrite: bool) -> None:
         """Reduce this backward's gradients into ``main_grad`` (or keep them under no_sync)."""
         comm, mp = self.comm, self.mp
+        if self.grads_in_autograd:
+            self.collect_grads(allocator)
         if sync:
             self.ensure_main_grad()  # on the main stream: [Note: releasable main grads]
             # The reduction's buffers get their bytes here, after this unit's backward was

@@ -305,7 +305,7 @@ class FSDPState:
         with nvtx_range(f"graph_fsdp/post_backward/{self.fqn}"):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
-                if group.grad_full is None:
+                if group.grad_full is None and not group.grads_in_autograd:
                     continue
                 if root.capturing:
                     self.allocator.free(group.grad_key, used_on=group._main_streams())

@@ -131,7 +131,7 @@ BACKWARD_ROLES = frozenset({"grad", "grad_comm", "rs_out", "rep_out"})
 their slots hold nothing between steps ([Note: backward slots between steps])."""
 
 
-def _stream_capturing() -> bool:
+def stream_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -210,6 +210,10 @@ class BufferAllocator(ABC):
 
     def pin_roles(self, roles: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Keep the buffers of ``roles`` at fixed addresses from now on (graphs read them)."""
+
+    def static_grads(self) -> bool:
+        """Whether graphs write the unsharded gradients at fixed addresses ("grad" pinned)."""
+        return False
 
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
@@ -449,6 +453,9 @@ class SlotAllocator(BufferAllocator):
             if key_role(key) in self.pinned_roles and slot.tensor is not None:
                 slot.materialise()
 
+    def static_grads(self) -> bool:
+        return "grad" in self.pinned_roles
+
     def _slots_serving_only(self, roles: frozenset[str]) -> list[Slot]:
         """Slots all of whose keys have a role in ``roles`` less the pinned roles."""
         by_slot: dict[int, set[str]] = {}
@@ -466,7 +473,7 @@ class SlotAllocator(BufferAllocator):
             slot.release_storage()
 
     def forward_boundary(self) -> None:
-        if not self._planned or _stream_capturing():
+        if not self._planned or stream_capturing():
             return
         if self._after_forward is None:
             self._after_forward = self._slots_serving_only(self.FORWARD_RELEASABLE)

@@ -133,6 +133,13 @@ class TracePoolAllocator(SlotAllocator):
         if not self.tracing:
             super().prepare(keys)
 
+    def static_grads(self) -> bool:
+        # The plan comes from eager steps and must hold under graphs, which give a unit its
+        # gradient buffer when its backward starts (param_group.py [Note: gradients autograd
+        # creates]): eager steps must trace that lifetime too, not the shorter one of
+        # gradients collected after the backward.
+        return True
+
     def _slot_for_plan(self) -> None:
         self._plan()
         self._planned = True

@@ -3,9 +3,10 @@
 [Note: gradients of graphed modules] The pure-PyTorch backend captures the backward with
 ``torch.autograd.grad(outputs, static_inputs + params)`` and adds the parameter gradients
 *inside the graph* into the parameters' preset ``.grad`` - FSDP's zeroed ``grad_full`` views
-at static addresses (param_group.py) - exactly as autograd's AccumulateGrad does in eager
-mode (``grad += g``), so eager and graphed gradients are bit-identical and no per-parameter
-host work is left for replay. (No AccumulateGrad node runs during capture: one created on
+at static addresses (param_group.py) - as autograd's AccumulateGrad adds into a preset
+``.grad`` (``grad += g``, i.e. ``0 + g``; eager steps keep autograd's ``g`` and copy it: the
+same bits, param_group.py [Note: gradients autograd creates]), so eager and graphed
+gradients are bit-identical and no per-parameter host work is left for replay. (No AccumulateGrad node runs during capture: one created on
 the default stream in an eager step would pull that stream into the capture.) The parameters
 are therefore no inputs of the replay Function: when no recorded input requires grad but a
 parameter does, one anchor leaf (never read, given ``None``) makes the outputs require grad,

@@ -19,9 +19,10 @@ What the integration maps (facts from megatron-core 0.19's source):
   EP > 1 is rejected (graph_fsdp shards a unit over one group).
 - Units: ``fully_shard`` per ``TransformerLayer`` (``gpt.decoder.layers``), then the root
   (:class:`MCoreLM`, which owns the embedding, final norm and output layer).
-- Gradients: graph_fsdp presets each unsharded parameter's ``.grad`` to a view of a flat
-  gradient buffer (param_group.py ``prepare_grads``) that autograd accumulates into, inside
-  CUDA graphs too. Megatron's ``gradient_accumulation_fusion`` makes TE's wgrad GEMM write into
+- Gradients: autograd's ``.grad`` of each unsharded parameter - in eager steps collected
+  into a flat gradient buffer after the unit's backward, under CUDA graphs preset to views of
+  that buffer which autograd accumulates into (param_group.py [Note: gradients autograd
+  creates]). Megatron's ``gradient_accumulation_fusion`` makes TE's wgrad GEMM write into
   an fp32 ``param.main_grad`` instead, so it must stay off (Megatron's default);
   :class:`MCoreGPTConfig` rejects it.
 - Schedules: ``get_forward_backward_func()`` with PP = 1 runs

@@ -667,3 +667,15 @@ def test_pinned_weight_slots_are_not_released_after_forward() -> None:
     driver.reset()
     driver.run(forward(keep_last=True))
     assert {k: next(iter(driver.ptrs[k])) for k in ptrs} == ptrs
+
+
+def test_which_allocators_keep_gradients_at_fixed_addresses() -> None:
+    # param_group.py [Note: gradients autograd creates]: eager steps leave gradients to
+    # autograd unless graphs pinned them; a trace pool always presets them, so its plan,
+    # traced in eager steps, covers the longer lifetime graphs give them.
+    assert not DynamicAllocator().static_grads()
+    allocator = registered_layers()
+    assert not allocator.static_grads()
+    allocator.pin_roles(("grad",))
+    assert allocator.static_grads()
+    assert TracePoolAllocator().static_grads()

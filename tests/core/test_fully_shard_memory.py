@@ -84,10 +84,14 @@ def _slot_bytes(allocator) -> dict:
     return out
 
 
-def _slots_at_the_backward_peak(rank: int, world: int, allocator: str) -> dict:
-    # [Note: weight slots during backward]: the start of backward, when the loss gradients
-    # and every activation are live, finds no idle weight slot and no reduction buffer; the
-    # steps stay bit-identical to the dynamic allocator's.
+def _slots_at_the_backward_peak(
+    rank: int, world: int, allocator: str, pin_grads: bool = False
+) -> dict:
+    # [Note: weight slots during backward], [Note: gradients autograd creates]: the start of
+    # backward, when the loss gradients and every activation are live, finds no idle weight
+    # slot, no reduction buffer and no zeroed gradient slot (unless graphs pinned the
+    # gradients: then the preset views); the steps stay bit-identical to the dynamic
+    # allocator's either way.
     torch.manual_seed(0)
     model = build_model(TINY, device="cpu")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
@@ -110,6 +114,8 @@ def _slots_at_the_backward_peak(rank: int, world: int, allocator: str) -> dict:
     model.final_norm.register_forward_hook(at_norm_output_grad)
     out: dict = {"losses": []}
     for step in range(3):
+        if pin_grads and step == 1:
+            alloc().pin_roles(("grad",))  # what a layerwise capture does
         x, y = synthetic_batch(TINY, micro_batch_size=2, step=step + rank, device="cpu")
         loss = model(x, y)
         out.setdefault("after_forward", _slot_bytes(alloc()))
@@ -132,5 +138,10 @@ def test_backward_peak_holds_no_idle_weight_slots_or_reduction_buffers():
         # (kept for backward) is left, and nothing gathers again before the norm's backward.
         assert start["param"] == after["param"], (after, start)
         assert start.get("grad_comm", 0) == 0, start
+        assert start.get("grad", 0) == 0, start  # autograd holds the root's gradients
         # The layers' slots came back for backward: each layer re-gathered its weights.
         assert after["param"] > 0
+    for res, ref in zip(spawn(_slots_at_the_backward_peak, 2, "double_buffer", True), dyn):
+        assert res["losses"] == ref["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"]))
+        assert res["backward_start"]["grad"] > 0  # the preset views graphs write into
