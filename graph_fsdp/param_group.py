@@ -391,7 +391,7 @@ class FlatParamGroup:
         grad_full.zero_()
         if self.grad_full is not grad_full or self._grads_attached_to is not self.full:
             self.grad_full = grad_full
-            for ref, view in zip(self.params, self._param_views(grad_full)):
+            for ref, view in zip(self.params, self._grad_views_of(grad_full)):
                 if ref.unsharded is not None and ref.unsharded.requires_grad:
                     ref.unsharded.grad = view
             self._grads_attached_to = self.full
@@ -407,11 +407,8 @@ class FlatParamGroup:
             self.grad_key, self.layout.total, self.compute_dtype, self.device
         )
         self.grad_full = grad_full
-        views = self._grad_views
-        if views is None or views[0] is not grad_full:
-            views = self._grad_views = (grad_full, self._param_views(grad_full))
         dst, src = [], []
-        for ref, view in zip(self.params, views[1]):
+        for ref, view in zip(self.params, self._grad_views_of(grad_full)):
             p = ref.unsharded
             if p is not None and p.grad is not None:
                 dst.append(view)
@@ -424,6 +421,12 @@ class FlatParamGroup:
     _grad_views: tuple | None = None
     """``(grad_full, one view per parameter)``, rebuilt when the allocator hands out another
     tensor object."""
+
+    def _grad_views_of(self, grad_full: torch.Tensor) -> list[torch.Tensor]:
+        views = self._grad_views
+        if views is None or views[0] is not grad_full:
+            views = self._grad_views = (grad_full, self._param_views(grad_full))
+        return views[1]
 
     def _param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view of ``flat`` per parameter, shaped like it, at its layout offset."""

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.buffers.allocator import stream_capturing
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
 
@@ -510,7 +511,7 @@ class MoEPreprocess(nn.Module):
         self._ran = True
         hidden_states, probs = type(moe).preprocess(moe, hidden_states, probs, routing_map)
         disp = moe.token_dispatcher
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if stream_capturing():
             self._capture_consts = {a: getattr(disp, a) for a in PREPROCESS_CONSTS}
         return hidden_states, probs, tuple(getattr(disp, a) for a in PREPROCESS_TENSORS)
 
