@@ -10,6 +10,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from graph_fsdp.buffers.allocator import CUDA_GET_CURRENT_STREAM, current_stream, nvtx_range
 
@@ -160,6 +161,40 @@ def _dim(ctx: CommContext, over_replicas: bool) -> tuple[dist.ProcessGroup | Non
     return ctx.group, ctx.world_size
 
 
+# [Note: direct collectives] ``dist.all_gather_into_tensor`` and ``dist.reduce_scatter_tensor``
+# run Python on every call before they reach the process group (torch-function dispatch,
+# argument checks, the coalescing-state lookup, the exception-logging and deprecation
+# wrappers): on the GPU host that is a sizeable part of the host time of a layer in a
+# layerwise-graphed step, which issues three of them per layer. FSDP's calls need none of it
+# (plain dense tensors, never coalesced, a group this rank belongs to), so they call the
+# group's own method with the options the blocking form sets - ``asyncOp`` False, which lets
+# NCCL run on the current stream - and wait on the work as the blocking form does. Same
+# collective, same stream semantics, same bits. ``DIRECT_COLLECTIVES = False`` goes through
+# ``torch.distributed`` (tools/nccl_host_cost.py times both).
+DIRECT_COLLECTIVES = True
+
+
+def _direct_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    if not DIRECT_COLLECTIVES:
+        return None
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _blocking(options):
+    options.asyncOp = False
+    return options
+
+
+def _wait(work) -> None:
+    if work is not None:  # a blocking NCCL call may return none (it synchronised already)
+        work.wait()
+
+
+_AG_OPTIONS = _blocking(AllgatherOptions())
+_RS_SUM_OPTIONS = _blocking(ReduceScatterOptions())
+_RS_SUM_OPTIONS.reduceOp = dist.ReduceOp.SUM
+
+
 def all_gather(
     out: torch.Tensor,
     shard: torch.Tensor,
@@ -173,7 +208,11 @@ def all_gather(
     name = "all_gather_replicas" if over_replicas else "all_gather"
     with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
         if size > 1:
-            dist.all_gather_into_tensor(out, shard, group=group)
+            pg = _direct_group(group)
+            if pg is None:
+                dist.all_gather_into_tensor(out, shard, group=group)
+            else:
+                _wait(pg._allgather_base(out, shard, _AG_OPTIONS))
         elif out.data_ptr() != shard.data_ptr():  # in place ([Note: copy-in all-gather])
             out.copy_(shard)
 
@@ -194,7 +233,11 @@ def reduce_scatter(
         if size == 1:
             out.copy_(full)
         else:
-            dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+            pg = _direct_group(group)
+            if pg is None:
+                dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+            else:
+                _wait(pg._reduce_scatter_base(out, full, _RS_SUM_OPTIONS))
 
 
 def all_to_all(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:

@@ -354,8 +354,17 @@ class FlatParamGroup:
             unsharded = ref.unsharded
             for module, name in ref.owners:
                 module._parameters[name] = unsharded
+        self._unsharded_on_modules = True
+
+    _unsharded_on_modules = False
+    """The modules hold the unsharded parameters (``use_unsharded`` ran since the last
+    ``use_sharded``); a replay leaves the sharded ones in place (state.py [Note: forward
+    handlers in the dispatcher])."""
 
     def use_sharded(self, *, initial: bool = False) -> None:
+        if not (initial or self._unsharded_on_modules):
+            return
+        self._unsharded_on_modules = False
         for ref in self.params:
             sharded = ref.sharded
             for module, name in ref.owners:
@@ -374,9 +383,10 @@ class FlatParamGroup:
                 params[name] = sharded
 
     # ---------------------------------------------------------------- gradients
-    def prepare_grads(self, allocator: BufferAllocator) -> None:
-        """Before the unit's backward: zeroed ``.grad`` views under graphs, none in eager
-        steps ([Note: gradients autograd creates])."""
+    def prepare_grads(self, allocator: BufferAllocator, *, zero: bool = True) -> None:
+        """Before the unit's backward: zeroed ``.grad`` views under graphs (``zero`` False:
+        the backward graph zeroes them), none in eager steps ([Note: gradients autograd
+        creates])."""
         if not (allocator.static_grads() or stream_capturing()):
             for ref in self.params:
                 if ref.unsharded is not None:
@@ -388,7 +398,8 @@ class FlatParamGroup:
         grad_full = allocator.allocate(
             self.grad_key, self.layout.total, self.compute_dtype, self.device
         )
-        grad_full.zero_()
+        if zero:
+            grad_full.zero_()
         if self.grad_full is not grad_full or self._grads_attached_to is not self.full:
             self.grad_full = grad_full
             for ref, view in zip(self.params, self._grad_views_of(grad_full)):

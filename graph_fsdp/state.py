@@ -126,6 +126,38 @@ class FSDPState:
             m.register_forward_hook(self._register_pre_backward_hook),
         ]
 
+    # [Note: forward handlers in the dispatcher] While a torch-backend replay of the unit's
+    # whole module owns its backward handlers ([Note: backward handlers in the replay]), the
+    # capture layer's dispatcher (the module's ``forward``) runs ``pre_forward`` and
+    # ``post_forward`` itself, and the four registration hooks come off the module, so its
+    # call takes torch's hook-free path (each hook-running module call costs host time in
+    # torch's ``_call_impl``, per layer and step). A replay then neither puts the unsharded
+    # parameters on the module nor the sharded ones back (``params_on_modules=False``): no
+    # code of the module runs, the graph reads the gathered buffer. Eager calls (fallbacks,
+    # eval, verification, activation recompute) put them on as before. Only when FSDP's hooks
+    # are the module's only ones: a user's hook keeps its place before or after FSDP's.
+    forward_by_dispatcher = False
+
+    def hand_forward_to_dispatcher(self) -> bool:
+        """Remove the registration hooks (the dispatcher calls the handlers); False, and
+        nothing changes, when the module has hooks of its own."""
+        m = self.module
+        ours = {h.id for h in self._handles}
+        present = {*m._forward_pre_hooks, *m._forward_hooks}
+        if present != ours or m._backward_hooks or m._backward_pre_hooks:
+            return False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.forward_by_dispatcher = True
+        return True
+
+    def take_forward_back(self) -> None:
+        """The registration hooks again (the graphs were dropped)."""
+        if self.forward_by_dispatcher:
+            self.forward_by_dispatcher = False
+            self.register_hooks()
+
     # The hooks themselves. Sentinels (hooks/module_hooks.py, [Note: sentinel hooks]) name
     # the methods the capture layer runs instead of them around warmup and capture.
     @mark(CAPTURE_TIME_FN, "pre_forward")
@@ -231,7 +263,7 @@ class FSDPState:
         self.reshard_after_forward = False
 
     # ------------------------------------------------------------------ forward
-    def pre_forward(self) -> None:
+    def pre_forward(self, *, params_on_modules: bool = True) -> None:
         if self.root is None:
             self.lazy_init()
         if in_backward():  # activation recompute: weights are gathered by pre_backward
@@ -261,7 +293,7 @@ class FSDPState:
             nxt = self._neighbour(+1)
             if nxt is not None:
                 nxt.unshard()
-            self.wait_for_unshard()
+            self.wait_for_unshard(params_on_modules)
 
     def post_forward(self) -> None:
         if in_backward():  # recompute must not reshard what the running backward needs
@@ -279,7 +311,10 @@ class FSDPState:
                     self.allocator.forward_boundary()  # [Note: weight slots during backward]
 
     # ------------------------------------------------------------------ backward
-    def pre_backward(self) -> None:
+    def pre_backward(self, *, params_on_modules: bool = True, zero_grads: bool = True) -> None:
+        """``params_on_modules``/``zero_grads`` False: a replay whose backward graph zeroes
+        the gradients itself and runs no module code ([Note: forward handlers in the
+        dispatcher], capture/graphed.py [Note: gradients of graphed modules])."""
         if self._pre_backward_done:
             return
         root = self.root
@@ -293,9 +328,9 @@ class FSDPState:
             prev = self._neighbour(-1)
             if prev is not None and not prev.is_root:
                 prev.unshard()
-            self.wait_for_unshard()  # also puts the unsharded params on the modules
+            self.wait_for_unshard(params_on_modules)  # and puts the params on the modules
             for group in self.groups:
-                group.prepare_grads(self.allocator)
+                group.prepare_grads(self.allocator, zero=zero_grads)
 
     def post_backward(self) -> None:
         if self._post_backward_done:
@@ -335,10 +370,11 @@ class FSDPState:
         for group in self.groups:
             group.unshard(self.allocator)
 
-    def wait_for_unshard(self) -> None:
+    def wait_for_unshard(self, params_on_modules: bool = True) -> None:
         for group in self.groups:
             group.wait_unshard()
-            group.use_unsharded()
+            if params_on_modules:
+                group.use_unsharded()
 
     def reshard(self) -> None:
         for group in self.groups:

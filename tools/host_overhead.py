@@ -8,6 +8,11 @@ Python that a GPU host runs between replays - FSDP hooks, dispatcher, replay Fun
 minus the CUDA API calls themselves (their counts per layer are printed with ``--cuda``).
 
     python tools/host_overhead.py [--steps 200] [--profile] [--cuda]
+    torchrun --nproc-per-node 2 tools/host_overhead.py --real [--bf16] [--profile]
+
+``--real`` runs the same tiny model on real GPUs over NCCL (no fakes; one process per GPU,
+under torchrun): its step is host-bound, so the times are the GPU host's cost per layer of
+FSDP's work, the collectives' launches and the graph replays, CUDA API calls included.
 
 ``--cuda`` additionally fakes a CUDA CommContext (streams, events, NVTX) with counting
 stand-ins, to count the CUDA API calls FSDP issues per layer and direction. graph_fsdp's NVTX
@@ -76,6 +81,9 @@ class _FakeGraph:
     def replay(self):
         COUNTS["graph.replay"] += 1
 
+    def reset(self):
+        pass
+
 
 @contextlib.contextmanager
 def _graph_ctx(graph, pool=None, stream=None):
@@ -99,6 +107,7 @@ def install_fakes(cuda_comm: bool) -> None:
     tc.stream = _stream_ctx
     tc.current_stream = _current_stream
     tc.synchronize = lambda *a, **k: None
+    tc.is_current_stream_capturing = lambda: False
     tc.graph_pool_handle = lambda: None
     tc.get_rng_state = lambda *a, **k: torch.get_rng_state()
     tc.set_rng_state = lambda *a, **k: None
@@ -182,6 +191,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=16, help="real GPUs: e.g. 1024 (bench h1024)")
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=64)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cuda", action="store_true", help="count (fake) CUDA API calls")
     ap.add_argument("--eager", action="store_true", help="no graphs (eager FSDP layers)")
@@ -191,16 +204,33 @@ def main() -> None:
     ap.add_argument(
         "--nvtx", action="store_true", help="with --cuda: emit graph_fsdp's NVTX ranges (as nsys)"
     )
+    ap.add_argument("--real", action="store_true", help="real GPUs and NCCL (under torchrun)")
+    ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
+    ap.add_argument(
+        "--c10d", action="store_true", help="collectives through torch.distributed's Python"
+    )
     args = ap.parse_args()
+    if args.c10d:
+        import graph_fsdp.comm as comm  # noqa: PLC0415
+
+        comm.DIRECT_COLLECTIVES = False
 
     if args.nvtx:
         os.environ["GRAPH_FSDP_NVTX"] = "1"
-    install_fakes(args.cuda)
+    if not args.real:
+        install_fakes(args.cuda)
     if args.breakdown:
         install_timers()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    device = "cpu"
+    if args.real:
+        rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+        dist.init_process_group("nccl", device_id=torch.device(device))
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
 
     from graph_fsdp.capture.runner import LayerwiseGraphs  # noqa: PLC0415
@@ -208,10 +238,20 @@ def main() -> None:
     from graph_fsdp.train import TrainConfig, make_optimizer, shard_model  # noqa: PLC0415
 
     mcfg = GPTConfig(
-        vocab_size=64, num_layers=args.layers, hidden_size=16, num_attention_heads=2, seq_length=8
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        seq_length=args.seq,
     )
-    cfg = TrainConfig(model=mcfg, allocator="double_buffer", persist_on_alloc_fail=True)
-    model = build_model(mcfg, device="cpu")
+    cfg = TrainConfig(
+        model=mcfg,
+        allocator="double_buffer",
+        persist_on_alloc_fail=True,
+        bf16=args.bf16,
+        fused_optimizer=args.real,
+    )
+    model = build_model(mcfg, device=device)
     if not args.bare:
         model = shard_model(model, cfg)
     opt = make_optimizer(model.parameters(), cfg)
@@ -219,14 +259,16 @@ def main() -> None:
     if not (args.eager or args.bare):
         graphs = LayerwiseGraphs(model, impl="torch", scopes=[], warmup_steps=2, warmup_iters=1)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 64, (1, 8), generator=g)
-    y = torch.randint(0, 64, (1, 8), generator=g)
+    x = torch.randint(0, args.vocab, (1, args.seq), generator=g).to(device)
+    y = torch.randint(0, args.vocab, (1, args.seq), generator=g).to(device)
+    sync = torch.cuda.synchronize if args.real else (lambda: None)
 
-    fwd, bwd = [], []
+    fwd, bwd, steps = [], [], []
 
     def step(prof=None):
         if graphs is not None:
             graphs.before_step()
+        sync()
         if prof:
             prof.enable()
         t0 = time.perf_counter()
@@ -238,10 +280,13 @@ def main() -> None:
             prof.disable()
         opt.step()
         opt.zero_grad()
+        sync()
+        steps.append(time.perf_counter() - t0)
         return t1 - t0, t2 - t1
 
     for _ in range(5):
         step()
+    steps.clear()
     if graphs is not None:
         assert graphs.captured, "graphs were not captured"
     COUNTS.clear()
@@ -260,7 +305,12 @@ def main() -> None:
         return sorted(v)[len(v) // 2] * 1e6 / L
 
     mode = "bare" if args.bare else "eager" if args.eager else "graphed"
-    print(f"{mode}: host us/layer  forward {med(fwd):.1f}  backward {med(bwd):.1f}")
+    if dist.get_rank() == 0:
+        where = f"real {torch.cuda.get_device_name()}" if args.real else "fakes"
+        print(
+            f"{mode} ({where}): host us/layer  forward {med(fwd):.1f}  backward {med(bwd):.1f}"
+            f"  step {med(steps) * L / 1e3:.2f} ms"
+        )
     if args.breakdown:
         n = args.steps * L
         for k in sorted(TIMES):
@@ -268,9 +318,12 @@ def main() -> None:
     if args.cuda:
         per = {k: v / (args.steps * L) for k, v in sorted(COUNTS.items())}
         print("fake CUDA calls per layer per step (fwd+bwd):", per)
-    if prof:
+    if prof and dist.get_rank() == 0:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(45)
+        stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
+        stats.print_stats(45)
+        stats.print_callers(r"copy_|mul_|zero_|add_|all_gather|reduce_scatter")
+        stats.print_callees(r"pre_forward|param_group.py.*\(unshard\)|_replay_backward")
         print(s.getvalue())
     if args.digest:
         import hashlib  # noqa: PLC0415

@@ -66,6 +66,9 @@ class CallSignature:
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
         self.samples = [flat[i].detach().clone() for i in self.tensor_index]
+        self.sample_ptrs = [flat[i].data_ptr() for i in self.tensor_index]
+        """The recorded call's tensor addresses: which were another callable's outputs
+        ([Note: chained static buffers])."""
         self.n_plain_args: int | None = (
             len(args) if not kwargs and all(isinstance(a, torch.Tensor) for a in args) else None
         )
@@ -287,6 +290,14 @@ class CapturedCallable:
         in the replay]), or None."""
         self.static_grad_outputs: list[torch.Tensor | None] = []
         self.static_grad_inputs: list[torch.Tensor | None] = []
+        self.zeroes_grads_of = None
+        """The FSDP state of the unit this callable wholly is (torch backend): its backward
+        graph zeroes the unit's gradient buffers before adding into them."""
+        self.recorded_output_ptrs: list[int] = []
+        """Addresses of the recorded call's output tensors."""
+        self.chained: tuple[tuple[int, int], ...] = ()
+        """``(j, i)``: static input ``j`` is output ``i`` of the callable captured just before
+        (torch backend, [Note: chained static buffers])."""
         # te backend: the module TE returned (its forward replays) and its anchor input
         self.te_callable: nn.Module | None = None
         self.te_anchor: torch.Tensor | None = None
@@ -312,8 +323,11 @@ class CapturedCallable:
         self.static_inputs, self.static_outputs = [], []
         self.static_grad_outputs, self.static_grad_inputs = [], []
         self.params, self.replay_anchor, self.out_nondiff = (), (), ()
+        self.zeroes_grads_of = None
+        self.chained = ()
         if self.unit_state is not None:
             self.unit_state.backward_by_replay = False
+            self.unit_state.take_forward_back()
             self.unit_state = None
 
     # ------------------------------------------------------------------ eager pieces
@@ -368,6 +382,10 @@ class CapturedCallable:
         grads = torch.autograd.grad(
             [o for o, _ in pairs], inputs + params, [g for _, g in pairs], allow_unused=True
         )
+        if self.zeroes_grads_of is not None:
+            for group in self.zeroes_grads_of.groups:
+                if group.grad_full is not None:
+                    group.grad_full.zero_()
         for p, g in zip(params, grads[len(inputs) :]):
             if g is None:
                 continue
@@ -431,7 +449,7 @@ def _replay_backward(ctx, *grads: torch.Tensor | None):
     cap: CapturedCallable = ctx.cap
     state = cap.unit_state
     if state is not None:  # [Note: backward handlers in the replay]
-        state.pre_backward()
+        state.pre_backward(params_on_modules=False, zero_grads=False)
     with nvtx_range(f"graph_fsdp/replay_backward/{cap.name}"):
         for static, g in zip(cap.static_grad_outputs, grads):
             if static is None:
@@ -491,6 +509,35 @@ def backward_step(
     return grads
 
 
+# [Note: chained static buffers] When the recorded step passed one callable's output
+# straight into the next one (a stack of layers), the torch backend captures the next
+# forward graph reading the previous graph's static output in place, and the previous
+# backward graph reading the next one's static input gradient in place: at replay the
+# tensors arrive at those addresses already, so neither the input copy before a forward
+# replay nor the gradient copy before a backward replay is issued (two device copies and
+# their launches per layer and step). The previous graph's output stays allocated as long as
+# the graphs (it is its static output), and it is only rewritten by that graph's next
+# replay, after the backward that reads it. A call whose chained input arrives from
+# anywhere else runs eagerly (runner.py's dispatcher): copying it in would overwrite the
+# previous graph's output, which its backward graph may read.
+def _chain(prev: CapturedCallable, cap: CapturedCallable) -> tuple[tuple[int, int], ...]:
+    pairs = []
+    for j, ptr in enumerate(cap.signature.sample_ptrs):
+        for i, out_ptr in enumerate(prev.recorded_output_ptrs):
+            if ptr != out_ptr or i >= len(prev.static_outputs):
+                continue
+            src, dst = prev.static_outputs[i], cap.static_inputs[j]
+            if (src.shape, src.stride(), src.dtype, src.device) == (
+                dst.shape,
+                dst.stride(),
+                dst.dtype,
+                dst.device,
+            ):
+                pairs.append((j, i))
+                break
+    return tuple(pairs)
+
+
 def capture_torch(
     caps: list[CapturedCallable],
     hooks: list[CaptureHooks],
@@ -512,14 +559,29 @@ def capture_torch(
             for cap, h, out in reversed(list(zip(caps, hooks, outs))):
                 backward_step(cap, h, out, tracker)
             del outs
+        prev = None
         for cap, h in zip(caps, hooks):
+            cap.chained = _chain(prev, cap) if prev is not None else ()
+            for j, i in cap.chained:  # [Note: chained static buffers]
+                cap.static_inputs[j] = (
+                    prev.static_outputs[i]
+                    .detach()
+                    .requires_grad_(cap.static_inputs[j].requires_grad)
+                )
+            prev = cap
             cap.fwd_graph = torch.cuda.CUDAGraph()
             graph = torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream)
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
                 cap.static_outputs = forward_step(cap, h, tracker, graph)
             cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
             cap.out_nondiff = tuple(i for i, rg in enumerate(cap.out_requires_grad) if not rg)
+        nxt = None
         for cap, h in reversed(list(zip(caps, hooks))):
+            for j, i in nxt.chained if nxt is not None else ():
+                grad = nxt.static_grad_inputs[j]
+                if grad is not None and cap.static_grad_outputs[i] is not None:
+                    cap.static_grad_outputs[i] = grad.detach()
+            nxt = cap
             cap.bwd_graph = torch.cuda.CUDAGraph()
             graph = torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream)
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):

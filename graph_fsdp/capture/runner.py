@@ -29,6 +29,7 @@ from contextlib import nullcontext
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from graph_fsdp.buffers.allocator import nvtx_range
 from graph_fsdp.capture.full_iteration import (
@@ -320,6 +321,10 @@ class LayerwiseGraphs(RunnerLifecycle):
         self._renew_params(units)
         for cap in self.caps:
             cap.prepare()
+            # A torch-backend capture of a whole unit zeroes its gradients in the backward
+            # graph (graphed.py [Note: gradients of graphed modules]).
+            whole_unit = self.impl == "torch" and cap.module is cap.target.unit
+            cap.zeroes_grads_of = units[id(cap.module)] if whole_unit else None
         extracted = {}
         try:
             for module in {id(m): m for c in self.caps for m in (c.module, c.target.unit)}.values():
@@ -356,6 +361,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                 if cap.module is cap.target.unit:  # [Note: backward handlers in the replay]
                     cap.unit_state = unit_states[id(cap.module)]
                     cap.unit_state.backward_by_replay = True
+                    cap.unit_state.hand_forward_to_dispatcher()
         for state in units.values():
             state.reshard()
         self.captured_generation = root.allocator.generation
@@ -403,24 +409,58 @@ class LayerwiseGraphs(RunnerLifecycle):
 def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
     """The target's new ``forward``: replay when the call matches the capture, else eager."""
 
-    def forward(*args, **kwargs):
+    def replayable(args, kwargs):
+        """The call's tensors when it replays, else None (a call that does not match the
+        capture is counted and warned about; the recording step records the signature)."""
         training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
         if cap.captured and training_call and not graphs.force_eager:
             tensors = cap.signature.tensors_of(args, kwargs)
-            if tensors is not None:
-                return cap.replay(tensors)
-            cap.fallbacks += 1
-            if cap.fallbacks == 1:
-                warnings.warn(
-                    f"{cap.name}: call ({describe_call(args, kwargs)}) does not match "
-                    f"the captured signature ({cap.signature.describe()}); running it eagerly",
-                    stacklevel=2,
-                )
-        elif graphs.recording and training_call and cap.signature is None:
+            if tensors is not None and cap.chained:  # graphed.py [Note: chained static buffers]
+                static = cap.static_inputs
+                for j, _ in cap.chained:
+                    if tensors[j].data_ptr() != static[j].data_ptr():
+                        tensors = None
+                        break
+            if tensors is None:
+                cap.fallbacks += 1
+                if cap.fallbacks == 1:
+                    warnings.warn(
+                        f"{cap.name}: call ({describe_call(args, kwargs)}) does not match "
+                        f"the captured signature ({cap.signature.describe()}); running it "
+                        "eagerly",
+                        stacklevel=4,
+                    )
+            return tensors
+        if graphs.recording and training_call and cap.signature is None:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
+        return None
+
+    def run(tensors, args, kwargs):
+        if tensors is not None:
+            return cap.replay(tensors)
         if cap.unit_state is not None:  # the replay owns the unit's backward handlers
             return cap.unit_state.forward_with_backward_handlers(cap.orig_forward, args, kwargs)
         return cap.orig_forward(*args, **kwargs)
+
+    def forward(*args, **kwargs):
+        tensors = replayable(args, kwargs)
+        state = cap.unit_state
+        if state is None or not state.forward_by_dispatcher:
+            out = run(tensors, args, kwargs)
+            if graphs.recording:
+                record_outputs(out)
+            return out
+        # The unit's forward handlers ([Note: forward handlers in the dispatcher]): a replay
+        # leaves the sharded parameters on the module.
+        state.pre_forward(params_on_modules=tensors is None)
+        out = run(tensors, args, kwargs)
+        state.post_forward()
+        return out
+
+    def record_outputs(out) -> None:
+        if not cap.recorded_output_ptrs and cap.signature is not None:
+            flat = tree_flatten(out)[0]
+            cap.recorded_output_ptrs = [t.data_ptr() for t in flat if isinstance(t, torch.Tensor)]
 
     forward._graph_fsdp_dispatcher = cap
     return forward

@@ -2,14 +2,18 @@
 
 While a whole-layer torch graph is captured its unit's ``backward_by_replay`` is set: FSDP's
 registration hooks stand aside and the dispatcher registers the handlers for every eager call
-(``FSDPState.forward_with_backward_handlers``). The replay side needs a GPU
-(tests/gpu/test_cuda_graphs_gpu.py); here every layer takes the eager side, which must train
-exactly like the hooks, with the same order of handlers.
+(``FSDPState.forward_with_backward_handlers``); with the hooks handed to the dispatcher
+([Note: forward handlers in the dispatcher], state.py) it runs ``pre_forward`` and
+``post_forward`` too. The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py); here
+every layer takes the eager side, which must train exactly like the hooks, with the same
+order of handlers.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
 from graph_fsdp.testing import spawn
@@ -18,19 +22,27 @@ from graph_fsdp.train import TrainConfig, shard_model
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 
 
-def _dispatch_like_runner(layer: torch.nn.Module) -> None:
+def _dispatch_like_runner(layer: torch.nn.Module, forward_handlers: bool) -> None:
     """What runner._dispatcher does for an eager call of a unit whose replay owns its
-    backward handlers."""
+    backward handlers (and, ``forward_handlers``, its forward handlers)."""
     state, orig = layer._fsdp_state, layer.forward
 
     def forward(*args, **kwargs):
-        return state.forward_with_backward_handlers(orig, args, kwargs)
+        if not state.forward_by_dispatcher:
+            return state.forward_with_backward_handlers(orig, args, kwargs)
+        state.pre_forward()
+        out = state.forward_with_backward_handlers(orig, args, kwargs)
+        state.post_forward()
+        return out
 
     state.backward_by_replay = True
+    if forward_handlers:
+        assert state.hand_forward_to_dispatcher()
+        assert not layer._forward_pre_hooks and not layer._forward_hooks
     layer.forward = forward
 
 
-def _train(rank: int, world: int, by_replay: bool) -> dict:
+def _train(rank: int, world: int, by_replay: bool, forward_handlers: bool = False) -> dict:
     cfg = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3)
     torch.manual_seed(0)
     model = shard_model(build_model(TINY, device="cpu"), cfg)
@@ -46,7 +58,7 @@ def _train(rank: int, world: int, by_replay: bool) -> dict:
 
             setattr(state, phase, traced)
         if by_replay:
-            _dispatch_like_runner(layer)
+            _dispatch_like_runner(layer, forward_handlers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -65,9 +77,10 @@ def _train(rank: int, world: int, by_replay: bool) -> dict:
     return {"losses": losses, "params": params, "order": list(order)}
 
 
-def test_dispatcher_registered_handlers_train_like_the_hooks():
+@pytest.mark.parametrize("forward_handlers", [False, True], ids=["backward", "forward_too"])
+def test_dispatcher_registered_handlers_train_like_the_hooks(forward_handlers):
     hooks = spawn(_train, 2, False)
-    dispatched = spawn(_train, 2, True)
+    dispatched = spawn(_train, 2, True, forward_handlers)
     for h, d in zip(hooks, dispatched):
         assert d["losses"] == h["losses"]
         assert all(torch.equal(d["params"][n], v) for n, v in h["params"].items())
@@ -80,3 +93,70 @@ def test_dispatcher_registered_handlers_train_like_the_hooks():
             "pre_backward:1",
             "post_backward:1",
         ]
+
+
+def _hand_over(rank: int, world: int) -> dict:
+    cfg = TrainConfig(model=TINY, strategy="optim_grads_params")
+    model = shard_model(build_model(TINY, device="cpu"), cfg)
+    first, second = transformer_layers(model)[:2]
+    s1, s2 = first._fsdp_state, second._fsdp_state
+    handles = s1._handles
+    out = {"handed": s1.hand_forward_to_dispatcher()}
+    out["hooks_while_handed"] = len(first._forward_pre_hooks) + len(first._forward_hooks)
+    s1.take_forward_back()
+    out["hooks_after"] = len(first._forward_pre_hooks) + len(first._forward_hooks)
+    out["flag_after"] = s1.forward_by_dispatcher
+    out["new_handles"] = s1._handles is not handles
+    # A module with a hook of its own keeps FSDP's hooks where they are.
+    second.register_forward_hook(lambda m, a, o: None)
+    out["handed_with_user_hook"] = s2.hand_forward_to_dispatcher()
+    out["hooks_with_user_hook"] = len(second._forward_pre_hooks) + len(second._forward_hooks)
+    return out
+
+
+def test_forward_hooks_come_off_only_when_they_are_fsdps_alone():
+    for r in spawn(_hand_over, 2):
+        assert r["handed"] and r["hooks_while_handed"] == 0
+        assert r["hooks_after"] == 4 and not r["flag_after"] and r["new_handles"]
+        assert not r["handed_with_user_hook"] and r["hooks_with_user_hook"] == 5
+
+
+def _sharded_through_replay_handlers(rank: int, world: int) -> dict:
+    """The replay side's handler calls (no module code runs): the module keeps its sharded
+    parameters through ``pre_forward(params_on_modules=False)`` and ``post_forward``."""
+    cfg = TrainConfig(model=TINY, strategy="optim_grads_params")
+    model = shard_model(build_model(TINY, device="cpu"), cfg)
+    layer = transformer_layers(model)[1]
+    x, y = synthetic_batch(TINY, 2, 0, rank=rank, device=torch.device("cpu"))
+    model(x, y).backward()  # lazy init, forward order
+    state = layer._fsdp_state
+    sharded = {n: p for n, p in layer.named_parameters()}
+    state.pre_forward(params_on_modules=False)
+    during = all(p is sharded[n] for n, p in layer.named_parameters())
+    gathered = all(g.full is not None and g._holds_full for g in state.groups)
+    state.post_forward()
+    after = all(p is sharded[n] for n, p in layer.named_parameters())
+    state.pre_forward()  # an eager call: the unsharded parameters go on the module
+    unsharded = all(
+        isinstance(p, nn.Parameter) and p is not sharded[n] for n, p in layer.named_parameters()
+    )
+    state.post_forward()
+    back = all(p is sharded[n] for n, p in layer.named_parameters())
+    return {
+        "during": during,
+        "gathered": gathered,
+        "after": after,
+        "unsharded": unsharded,
+        "back": back,
+    }
+
+
+def test_replay_handlers_leave_the_sharded_parameters_on_the_module():
+    for r in spawn(_sharded_through_replay_handlers, 2):
+        assert r == {
+            "during": True,
+            "gathered": True,
+            "after": True,
+            "unsharded": True,
+            "back": True,
+        }
