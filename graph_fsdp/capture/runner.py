@@ -415,21 +415,24 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
         training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
         if cap.captured and training_call and not graphs.force_eager:
             tensors = cap.signature.tensors_of(args, kwargs)
-            if tensors is not None and cap.chained:  # graphed.py [Note: chained static buffers]
+            unchained = None
+            if tensors is not None:  # graphed.py [Note: chained static buffers]
                 static = cap.static_inputs
                 for j, _ in cap.chained:
                     if tensors[j].data_ptr() != static[j].data_ptr():
-                        tensors = None
+                        tensors, unchained = None, j
                         break
             if tensors is None:
                 cap.fallbacks += 1
                 if cap.fallbacks == 1:
-                    warnings.warn(
-                        f"{cap.name}: call ({describe_call(args, kwargs)}) does not match "
-                        f"the captured signature ({cap.signature.describe()}); running it "
-                        "eagerly",
-                        stacklevel=4,
+                    why = (
+                        f"call ({describe_call(args, kwargs)}) does not match the captured "
+                        f"signature ({cap.signature.describe()})"
+                        if unchained is None
+                        else f"tensor input {unchained} is not the previous graphed module's "
+                        "output, as it was at capture (the graph reads that output in place)"
                     )
+                    warnings.warn(f"{cap.name}: {why}; running it eagerly", stacklevel=4)
             return tensors
         if graphs.recording and training_call and cap.signature is None:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
