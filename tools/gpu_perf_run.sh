@@ -12,6 +12,8 @@
 #   2. graph-fsdp profile --memory at h2048 (MEMORY_SHAPES="h1024 h2048" for both): graph_fsdp
 #      eager (double buffer and dynamic allocator), graph_fsdp full_iteration, torch FSDP2
 #      eager; bytes at the peak by role.
+#   3. host time of a layerwise step per layer (tools/host_overhead.py --real, tiny and h1024)
+#      and per per-layer operation (tools/nccl_host_cost.py); HOST=0 skips it.
 #
 # Usage (repo root; results go to $OUT, default ./gpu_perf_out):
 #   OUT=/some/dir bash tools/gpu_perf_run.sh
@@ -136,6 +138,19 @@ done
 python -m graph_fsdp.bench.memory_model >"$WORK/memory_model.md" 2>>"$LOG"
 fi
 
+# HOST=1 (default on GPUs): the host time per layer of a layerwise step at h1024 and tiny
+# (tools/host_overhead.py --real), and per per-layer operation (tools/nccl_host_cost.py).
+if [[ "${HOST:-1}" == "1" && "${DRY:-0}" != "1" ]]; then
+  NPROC="${NPROC:-2}"
+  for model in tiny h1024; do
+    args=(--steps 300)
+    [[ $model == h1024 ]] && args=(--hidden 1024 --heads 16 --seq 1024 --vocab 32768 --steps 40)
+    step "host per layer ($model)" torchrun --nproc-per-node "$NPROC" tools/host_overhead.py \
+      --real --bf16 "${args[@]}"
+  done
+  step "host per operation" torchrun --nproc-per-node "$NPROC" tools/nccl_host_cost.py
+fi
+
 {
   echo "# issue 12 GPU run ($(date -u +%FT%TZ))"
   for f in "$OUT"/bench_h*.md; do
@@ -148,6 +163,14 @@ fi
     cat "$f"
   done
   echo
+  if grep -q "host us/layer\|^# host us per call" "$LOG"; then
+    echo "## Host time (tools/host_overhead.py --real, tools/nccl_host_cost.py)"
+    echo
+    echo '```'
+    grep -A14 "host us/layer\|^# host us per call" "$LOG" | grep -v "^W1\|OMP_NUM\|\*\*\*\*"
+    echo '```'
+    echo
+  fi
   echo "## Step results (rc per step)"
   grep '^=== .*rc=' "$LOG" | sed 's/$/  /'
 
