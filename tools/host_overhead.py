@@ -174,9 +174,9 @@ def install_timers() -> None:
     from graph_fsdp.state import FSDPState  # noqa: PLC0415
 
     for name, label in [
-        ("_pre_forward_hook", "fwd: pre_forward hook"),
+        ("pre_forward", "fwd: pre_forward (gather, prefetch)"),
         ("_register_post_backward_hook", "fwd: post-backward registration (+_PostBackward fwd)"),
-        ("_post_forward_hook", "fwd: post_forward hook (reshard)"),
+        ("post_forward", "fwd: post_forward (reshard)"),
         ("_register_pre_backward_hook", "fwd: pre-backward registration"),
         ("pre_backward", "bwd: pre_backward"),
         ("post_backward", "bwd: post_backward (reduce, reshard)"),
