@@ -42,6 +42,12 @@ def _entry(
         LOCAL_RANK=str(rank),
     )
     ok = False
+    if backend == "gloo":
+        # One intra-op thread per rank, as torchrun's default OMP_NUM_THREADS=1: several ranks
+        # on a few cores oversubscribe them, and multi-threaded CPU kernels (MKL, OpenMP) can
+        # then sum in another order from run to run, which breaks bit-exact comparisons
+        # between two launches (seen twice in CI-like runs on 2 cores).
+        torch.set_num_threads(1)
     try:
         if backend == "nccl":
             from graph_fsdp.capture.te_backend import preload_te  # noqa: PLC0415
