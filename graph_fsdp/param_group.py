@@ -395,9 +395,7 @@ class FlatParamGroup:
             self.grads_in_autograd = True
             return
         self.grads_in_autograd = False
-        grad_full = allocator.allocate(
-            self.grad_key, self.layout.total, self.compute_dtype, self.device
-        )
+        grad_full = self._allocate_grad_full(allocator)
         if zero:
             grad_full.zero_()
         if self.grad_full is not grad_full or self._grads_attached_to is not self.full:
@@ -414,9 +412,7 @@ class FlatParamGroup:
     def collect_grads(self, allocator: BufferAllocator) -> None:
         """Copy autograd's gradients into ``grad_full`` (on the main stream) and drop them."""
         self.grads_in_autograd = False
-        grad_full = allocator.allocate(
-            self.grad_key, self.layout.total, self.compute_dtype, self.device
-        )
+        grad_full = self._allocate_grad_full(allocator)
         self.grad_full = grad_full
         dst, src = [], []
         for ref, view in zip(self.params, self._grad_views_of(grad_full)):
@@ -428,6 +424,9 @@ class FlatParamGroup:
         grad_full.zero_()
         if dst:
             torch._foreach_copy_(dst, src)
+
+    def _allocate_grad_full(self, allocator: BufferAllocator) -> torch.Tensor:
+        return allocator.allocate(self.grad_key, self.layout.total, self.compute_dtype, self.device)
 
     _grad_views: tuple | None = None
     """``(grad_full, one view per parameter)``, rebuilt when the allocator hands out another

@@ -572,13 +572,18 @@ def registered_layers(**kwargs) -> DoubleBufferAllocator:
     return allocator
 
 
+def layers_and_driver(kind: str):
+    """The layer stack's allocator of ``kind`` (double_buffer, or a trace pool planned from a
+    traced step) and a driver over it."""
+    if kind == "trace_pool":
+        return traced_pool(pin=False)
+    allocator = registered_layers()
+    return allocator, Driver(allocator)
+
+
 @pytest.mark.parametrize("kind", ["double_buffer", "trace_pool"])
 def test_backward_slots_released_between_steps(kind: str) -> None:
-    if kind == "trace_pool":
-        allocator, driver = traced_pool(pin=False)
-    else:
-        allocator = registered_layers()
-        driver = Driver(allocator)
+    allocator, driver = layers_and_driver(kind)
     objects: dict = {}
     for _ in range(4):
         driver.run(train_step())
@@ -631,11 +636,7 @@ def test_idle_weight_slots_released_after_forward(kind: str) -> None:
     # [Note: weight slots during backward]: at the forward boundary the weight slots no key
     # holds give their bytes back (the last unit, kept for backward, keeps its slot); the
     # next gather re-allocates them and values survive through the new bytes.
-    if kind == "trace_pool":
-        allocator, driver = traced_pool(pin=False)
-    else:
-        allocator = registered_layers()
-        driver = Driver(allocator)
+    allocator, driver = layers_and_driver(kind)
     for _ in range(3):
         driver.run(forward(keep_last=True))
         allocator.forward_boundary()
