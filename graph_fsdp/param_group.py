@@ -24,15 +24,17 @@ gather casts ``main_flat`` straight into this rank's part of ``full`` and all-ga
 place (``all_gather_into_tensor(full, full[lo:hi])``, NCCL's in-place form), as torch FSDP2
 does. The cast is 1/W of the unit per gather and gives the same values as a cached copy.
 
-[Note: gradients autograd creates] Under CUDA graphs (the "grad" role pinned, or a stream
-capturing) the unsharded parameters' ``.grad`` is preset to views of ``grad_full`` and zeroed
-before backward, so AccumulateGrad adds the gradients in place inside the graph and the
-reduction reads them at a fixed address. Eager steps leave ``.grad`` unset, as torch FSDP2
-does: AccumulateGrad keeps the gradient autograd computed, and the unit's post-backward
-copies them into ``grad_full`` (zeroed first: padding, parameters without a gradient). A
-zeroed preset would hold a unit-sized buffer *next to* each freshly computed gradient until
-the add - at the start of backward, the memory peak, that is the output projection's
-gradient twice. Values are the same bits (``0 + g == g``; the sign of a zero gradient aside).
+[Note: gradients autograd creates] Under layerwise CUDA graphs (the "grad" role pinned) the
+unsharded parameters' ``.grad`` is preset to views of ``grad_full`` and zeroed before
+backward, so the backward graph adds the gradients in place and the reduction reads them at
+the address it captured. Everywhere else - eager steps, and a full-iteration (or the user's
+own whole-step) capture, whose allocations all come from the graph's pool - ``.grad`` stays
+unset, as torch FSDP2 does: AccumulateGrad keeps the gradient autograd computed, and the
+unit's post-backward copies them into ``grad_full`` (zeroing only what no gradient covers:
+padding, parameters without a gradient). A zeroed preset would hold a unit-sized buffer
+*next to* each freshly computed gradient until the add - at the start of backward, the
+memory peak, that is the output projection's gradient twice - and the add reads both.
+Values are the same bits (``0 + g == g``; the sign of a zero gradient aside).
 
 [Note: HSDP ranges] With a 2-D (replicate R, shard S) mesh the layout is cut into R*S equal
 pieces of ``e`` elements in shard-major order: shard rank s holds (params, grads) the
@@ -49,12 +51,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range, stream_capturing
+from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range
 from graph_fsdp.buffers.layout import FlatLayout
 from graph_fsdp.comm import CommContext, all_gather, all_reduce, all_to_all, reduce_scatter
 
@@ -259,14 +262,29 @@ class FlatParamGroup:
                     )
                 else:
                     full = self._persistent_full
-                shard = self._compute_shard_in(full)
-                if self.placements.optim:
-                    all_gather(full, shard, comm, self.fqn)
+                graphs = self.comm_graphs
+                if graphs is not None and self.compute_shard is None and self.placements.optim:
+                    # One graph launch: comm_graphs.py [Note: communication graphs].
+                    key = ("gather", id(self), full.data_ptr(), self.main_flat.data_ptr())
+                    graphs.run(key, (id(self), "gather"), partial(self._gather_into, full))
+                    self._synced_version = self.main_flat._version
+                    self.dirty = False
+                else:
+                    self._gather_into(full)
                 # One event per group, re-recorded: ``wait_unshard`` waits on the latest
                 # record, exactly what a fresh event per gather gives (see comm.wait).
                 self.ag_event = self._ag_event_obj = comm.record(comm.ag_stream, self._ag_event_obj)
         self._rebuild_unsharded(full)
         self._holds_full = True
+
+    def _gather_into(self, full: torch.Tensor) -> None:
+        shard = self._compute_shard_in(full)
+        if self.placements.optim:
+            all_gather(full, shard, self.comm, self.fqn)
+
+    comm_graphs = None
+    """The ``CommGraphs`` a layerwise runner lends this group while its graphs are captured
+    (comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
 
     def _compute_shard_in(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard-group range in compute dtype, the input of the shard all-gather:
@@ -384,10 +402,10 @@ class FlatParamGroup:
 
     # ---------------------------------------------------------------- gradients
     def prepare_grads(self, allocator: BufferAllocator, *, zero: bool = True) -> None:
-        """Before the unit's backward: zeroed ``.grad`` views under graphs (``zero`` False:
-        the backward graph zeroes them), none in eager steps ([Note: gradients autograd
+        """Before the unit's backward: zeroed ``.grad`` views under layerwise graphs (``zero``
+        False: the backward graph zeroes them), none otherwise ([Note: gradients autograd
         creates])."""
-        if not (allocator.static_grads() or stream_capturing()):
+        if not allocator.static_grads():
             for ref in self.params:
                 if ref.unsharded is not None:
                     ref.unsharded.grad = None
@@ -414,16 +432,39 @@ class FlatParamGroup:
         self.grads_in_autograd = False
         grad_full = self._allocate_grad_full(allocator)
         self.grad_full = grad_full
-        dst, src = [], []
+        dst, src, covered = [], [], []
         for ref, view in zip(self.params, self._grad_views_of(grad_full)):
             p = ref.unsharded
-            if p is not None and p.grad is not None:
+            covered.append(p is not None and p.grad is not None)
+            if covered[-1]:
                 dst.append(view)
                 src.append(p.grad)
                 p.grad = None
-        grad_full.zero_()
+        gaps = self._gaps_of(grad_full, tuple(covered))
+        if gaps:
+            torch._foreach_zero_(gaps)
         if dst:
             torch._foreach_copy_(dst, src)
+
+    _gaps: tuple | None = None
+    """``(grad_full, covered, views of what those parameters leave uncovered)``."""
+
+    def _gaps_of(self, flat: torch.Tensor, covered: tuple[bool, ...]) -> list[torch.Tensor]:
+        """Views of ``flat`` outside the parameters flagged in ``covered``: alignment gaps,
+        the world-size padding, parameters without a gradient."""
+        cached = self._gaps
+        if cached is not None and cached[0] is flat and cached[1] == covered:
+            return cached[2]
+        gaps, pos = [], 0
+        for n, offset, cov in zip(self.layout.numels, self.layout.offsets, covered):
+            if cov:
+                if offset > pos:
+                    gaps.append(flat[pos:offset])
+                pos = offset + n
+        if flat.numel() > pos:
+            gaps.append(flat[pos:])
+        self._gaps = (flat, covered, gaps)
+        return gaps
 
     def _allocate_grad_full(self, allocator: BufferAllocator) -> torch.Tensor:
         return allocator.allocate(self.grad_key, self.layout.total, self.compute_dtype, self.device)
@@ -491,6 +532,15 @@ class FlatParamGroup:
                 self.accum_pending = True
                 allocator.free(self.grad_key, used_on=self._grad_streams())
                 return
+            graphs = self.comm_graphs
+            if (
+                graphs is not None
+                and self.placements.grads
+                and comm.replicate_size == 1
+                and not (self.fp32_accumulating and not self.accum_pending)
+            ):
+                self._reduce_by_graph(allocator, graphs, overwrite)
+                return
             if self.accum_pending:
                 src = self.accum.add_(src)
                 self.accum_pending = False
@@ -544,6 +594,62 @@ class FlatParamGroup:
                 allocator.free(self.comm_key, used_on=streams)
             if not grad_done:
                 allocator.free(self.grad_key, used_on=streams + self._main_streams())
+
+    def _reduce_by_graph(self, allocator: BufferAllocator, graphs, overwrite: bool) -> None:
+        """``reduce_grads``' plain one-mesh-dim reduction as one graph launch on the RS stream
+        (comm_graphs.py [Note: communication graphs]): the kernels of the eager path, the
+        slot hand-offs around them."""
+        comm_dtype = self.mp.comm_dtype()
+        accum = self.accum if self.accum_pending else None
+        self.accum_pending = False
+        src = self.grad_full if accum is None else accum
+        buf = None
+        if src.dtype != comm_dtype:
+            buf = allocator.allocate(self.comm_key, self.layout.total, comm_dtype, self.device)
+        direct = self._rs_direct() and overwrite
+        out = (
+            self.main_grad
+            if direct
+            else allocator.allocate(self.rs_key, self.shard_numel, comm_dtype, self.device)
+        )
+        key = (
+            "reduce",
+            id(self),
+            self.grad_full.data_ptr(),
+            accum is not None,
+            None if buf is None else buf.data_ptr(),
+            out.data_ptr(),
+            self.main_grad.data_ptr(),
+            overwrite,
+        )
+        kernels = partial(
+            self._reduction_kernels, accum, buf, out, direct=direct, overwrite=overwrite
+        )
+        graphs.run(key, (id(self), "reduce"), kernels)
+        streams = self._rs_streams()
+        if not direct:
+            allocator.free(self.rs_key, used_on=streams)
+        if buf is not None:
+            allocator.free(self.comm_key, used_on=streams)
+        allocator.free(self.grad_key, used_on=streams + self._main_streams())
+
+    def _reduction_kernels(self, accum, buf, out, *, direct: bool, overwrite: bool) -> None:
+        """Accumulate, cast, reduce-scatter and scale into ``main_grad``: what the eager
+        branch of ``reduce_grads`` queues for one mesh dimension, in the same order."""
+        src = self.grad_full
+        if accum is not None:
+            src = accum.add_(src)
+        if buf is not None:
+            buf.copy_(src)
+            src = buf
+        reduce_scatter(out, src, self.comm, self.fqn)
+        inv_world = 1.0 / self.comm.dp_size
+        if direct:
+            self.main_grad.mul_(inv_world)
+        elif overwrite:
+            self.main_grad.copy_(out).mul_(inv_world)
+        else:
+            self.main_grad.add_(out, alpha=inv_world)
 
     # [Note: reduce-scatter with fp32 accumulation] (MixedPrecisionPolicy's
     # reduce_scatter_fp32_accumulation, Megatron's reduce_scatter_with_fp32_accumulation)

@@ -97,6 +97,9 @@ class TrainConfig:
     cuda_graph_scope_modules: dict[str, list[str]] = field(default_factory=dict)
     """Scope -> submodule paths relative to each FSDP unit, replacing that scope's presets
     or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
+    cuda_graph_comm: bool = True
+    """Layerwise graphs: each unit's gather and reduction kernels replay as CUDA graphs
+    (comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
     cuda_graph_verify: bool = False
     """Check the first graphed step against an eager run of it from the same state and name
     the first module whose output differs (graph-fsdp compare turns it on)."""
@@ -275,6 +278,7 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
         warmup_steps=cfg.cuda_graph_warmup_steps,
         scope_modules=cfg.cuda_graph_scope_modules,
         verify=cfg.cuda_graph_verify,
+        comm_graphs=cfg.cuda_graph_comm,
     )
 
 

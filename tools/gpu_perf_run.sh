@@ -145,8 +145,10 @@ if [[ "${HOST:-1}" == "1" && "${DRY:-0}" != "1" ]]; then
   for model in tiny h1024; do
     args=(--steps 300)
     [[ $model == h1024 ]] && args=(--hidden 1024 --heads 16 --seq 1024 --vocab 32768 --steps 40)
-    step "host per layer ($model)" torchrun --nproc-per-node "$NPROC" tools/host_overhead.py \
-      --real --bf16 "${args[@]}"
+    for comm in "" --no-comm-graphs; do
+      step "host per layer ($model${comm:+, $comm})" torchrun --nproc-per-node "$NPROC" \
+        tools/host_overhead.py --real --bf16 "${args[@]}" $comm
+    done
   done
   step "host per operation" torchrun --nproc-per-node "$NPROC" tools/nccl_host_cost.py
 fi

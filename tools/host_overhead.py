@@ -209,6 +209,11 @@ def main() -> None:
     ap.add_argument(
         "--c10d", action="store_true", help="collectives through torch.distributed's Python"
     )
+    ap.add_argument(
+        "--no-comm-graphs",
+        action="store_true",
+        help="gathers and reductions issued eagerly (LayerwiseGraphs(comm_graphs=False))",
+    )
     args = ap.parse_args()
     if args.c10d:
         import graph_fsdp.comm as comm  # noqa: PLC0415
@@ -257,7 +262,14 @@ def main() -> None:
     opt = make_optimizer(model.parameters(), cfg)
     graphs = None
     if not (args.eager or args.bare):
-        graphs = LayerwiseGraphs(model, impl="torch", scopes=[], warmup_steps=2, warmup_iters=1)
+        graphs = LayerwiseGraphs(
+            model,
+            impl="torch",
+            scopes=[],
+            warmup_steps=2,
+            warmup_iters=1,
+            comm_graphs=not args.no_comm_graphs,
+        )
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, args.vocab, (1, args.seq), generator=g).to(device)
     y = torch.randint(0, args.vocab, (1, args.seq), generator=g).to(device)
@@ -305,6 +317,8 @@ def main() -> None:
         return sorted(v)[len(v) // 2] * 1e6 / L
 
     mode = "bare" if args.bare else "eager" if args.eager else "graphed"
+    if graphs is not None and not args.no_comm_graphs and args.real:
+        mode += f", comm graphs {rep['comm_graphs']}"
     if dist.get_rank() == 0:
         where = f"real {torch.cuda.get_device_name()}" if args.real else "fakes"
         print(

@@ -57,6 +57,9 @@ class BenchJob:
     graph_impls: tuple[str, ...] = ("none",)
     """Layerwise capture backends: one graphed row per backend and scope set."""
     scope_sets: list[list[str]] = field(default_factory=list)
+    compare_comm_graphs: bool = False
+    """Each layerwise row once more with its gathers and reductions eager
+    (``cuda_graph_comm`` off)."""
 
     @property
     def graphed(self) -> bool:
@@ -95,14 +98,18 @@ def plan_rows(job: BenchJob) -> list[Row]:
                 graphed = replace(
                     spec, cfg=replace(cfg, cuda_graph_impl=row_impl, cuda_graph_scope=list(scopes))
                 )
-                rows.append(
-                    Row(
-                        name=name,
-                        runner=run_graph_fsdp,
-                        spec=graphed,
-                        skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
+                skip = None if cfg.device == "cuda" else "CUDA graphs need a CUDA device"
+                rows.append(Row(name=name, runner=run_graph_fsdp, spec=graphed, skip=skip))
+                if job.compare_comm_graphs and "full_iteration" not in scopes:
+                    eager_comm = replace(graphed, cfg=replace(graphed.cfg, cuda_graph_comm=False))
+                    rows.append(
+                        Row(
+                            name=f"{name}, eager comm",
+                            runner=run_graph_fsdp,
+                            spec=eager_comm,
+                            skip=skip,
+                        )
                     )
-                )
     if "fsdp2" in job.rows:
         rows.append(Row(name="torch FSDP2", runner=run_fsdp2, spec=eager))
     if "fsdp2_cuda_graph" in job.rows:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -215,6 +215,10 @@ class BufferAllocator(ABC):
         """Whether graphs write the unsharded gradients at fixed addresses ("grad" pinned)."""
         return False
 
+    def owning_capture(self):
+        """Around a whole-step capture (slot allocators: [Note: slots in a capture's pool])."""
+        return nullcontext()
+
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
 
@@ -377,8 +381,22 @@ class SlotAllocator(BufferAllocator):
     # after the main stream got past the allocation). A held slot (the root, ZeRO-1/2 weights
     # kept after forward) stays. Only eager steps release: graphs read the slots at captured
     # addresses, so capture pins "param" as it pins "grad", and nothing is released while a
-    # stream captures (a user's own whole-step capture of an eager model included).
+    # stream captures (a user's own whole-step capture of an eager model included) - except in
+    # a capture that owns its slots ([Note: slots in a capture's pool]).
     FORWARD_RELEASABLE = BACKWARD_ROLES | {"param"}
+
+    # [Note: slots in a capture's pool] A full-iteration capture runs a whole step: nothing in
+    # a slot outlives the step, so the capture can give its slots the lifetimes eager steps
+    # give them. ``owning_capture`` releases every idle slot just before the capture (the
+    # device is synchronized), so the step re-makes them from the graph's private pool, and
+    # the boundaries inside the capture release those - freed bytes stay in that pool and
+    # later allocations of the same capture reuse them, at the addresses every replay uses.
+    # A slot the capture found holding bytes (held, or a user's capture without this scope)
+    # came from the default pool: freed during the capture, the caching allocator could hand
+    # those bytes to other tensors after it while the graph still writes them, so it keeps
+    # them. After the capture, eager steps release the pool's blocks back to the pool (only a
+    # capture into it can reuse them) and re-make slots from the default pool: the graph and
+    # the eager step never share a slot's bytes, and nothing reads a slot across a replay.
 
     def __init__(self, *, persist_on_alloc_fail: bool = False) -> None:
         super().__init__()
@@ -392,6 +410,8 @@ class SlotAllocator(BufferAllocator):
         """Slots released at step boundaries (computed from the plan and the pinned roles)."""
         self._after_forward: list[Slot] | None = None
         """Slots released at forward boundaries (likewise)."""
+        self._capture_kept: set[int] | None = None
+        """Inside ``owning_capture``: ids of the slots whose bytes predate the capture."""
 
     # -- subclass hooks ------------------------------------------------------------------
     def _plan(self) -> None:
@@ -469,16 +489,34 @@ class SlotAllocator(BufferAllocator):
             return
         if self._between_steps is None:
             self._between_steps = self._slots_serving_only(BACKWARD_ROLES)
-        for slot in self._between_steps:
-            slot.release_storage()
+        self._release(self._between_steps)
 
     def forward_boundary(self) -> None:
-        if not self._planned or stream_capturing():
+        if not self._planned or (stream_capturing() and self._capture_kept is None):
             return
         if self._after_forward is None:
             self._after_forward = self._slots_serving_only(self.FORWARD_RELEASABLE)
-        for slot in self._after_forward:
-            slot.release_storage()  # a held slot keeps its bytes
+        self._release(self._after_forward)
+
+    def _release(self, slots: list[Slot]) -> None:
+        kept = self._capture_kept if stream_capturing() else None
+        for slot in slots:
+            if kept is None or id(slot) not in kept:
+                slot.release_storage()  # a held slot keeps its bytes
+
+    @contextmanager
+    def owning_capture(self):
+        """Around a whole-step capture: its slots come from (and return to) the graph's pool
+        ([Note: slots in a capture's pool]). The caller synchronized the device."""
+        for slot in self.slots():
+            slot.release_storage()
+        self._capture_kept = {
+            id(s) for s in self.slots() if s.tensor is not None and not s.released
+        }
+        try:
+            yield
+        finally:
+            self._capture_kept = None
 
     def allocate(self, key, numel, dtype, device):
         slot = self._slot_for(key, numel, dtype, device)

@@ -431,15 +431,14 @@ class FullIterationGraphs(RunnerLifecycle):
         args, kwargs = sig.rebuild(pos.static_inputs)
         graph = torch.cuda.CUDAGraph()
         groups = [g for s in self.states for g in s.groups]
-        # The weight slots were made by eager steps, outside the graph's pool: the graph
-        # addresses them from now on ([Note: weight slots during backward]).
-        self._allocator.pin_roles(("param",))
         for g in groups:
             g.force_refresh = True
             g.pin_main_grad = True  # the graph reduces into it: [Note: releasable main grads]
             g.ensure_main_grad()
         try:
-            with self._tracker.active(), self._checksums():
+            # The slots come from the graph's pool: allocator.py [Note: slots in a capture's
+            # pool].
+            with self._tracker.active(), self._checksums(), self._allocator.owning_capture():
                 with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"):
                     with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
                         out = pos.fn(*args, **kwargs)

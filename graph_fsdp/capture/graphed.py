@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -66,13 +67,20 @@ class CallSignature:
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
         self.samples = [flat[i].detach().clone() for i in self.tensor_index]
-        self.sample_ptrs = [flat[i].data_ptr() for i in self.tensor_index]
+        self.sample_ptrs: list[int | None] = [flat[i].data_ptr() for i in self.tensor_index]
         """The recorded call's tensor addresses: which were another callable's outputs
-        ([Note: chained static buffers])."""
+        ([Note: chained static buffers]); None where ``keep_sources`` found no live output
+        there."""
         self.n_plain_args: int | None = (
             len(args) if not kwargs and all(isinstance(a, torch.Tensor) for a in args) else None
         )
         """``len(args)`` when the recorded call was positional tensors only (else None)."""
+
+    def keep_sources(self, live_outputs: set[int]) -> None:
+        """Forget the recorded addresses that belong to no live output of a graphed callable:
+        the caching allocator hands a freed output's bytes to the next tensor (a norm after a
+        residual add), whose equal address says nothing about where its values came from."""
+        self.sample_ptrs = [p if p in live_outputs else None for p in self.sample_ptrs]
 
     def tensors_of(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
         """The call's tensors in signature order, or None if the call does not match."""
@@ -295,6 +303,8 @@ class CapturedCallable:
         graph zeroes the unit's gradient buffers before adding into them."""
         self.recorded_output_ptrs: list[int] = []
         """Addresses of the recorded call's output tensors."""
+        self.recorded_outputs: list[weakref.ref] = []
+        """The recorded call's output tensors, while alive (``CallSignature.keep_sources``)."""
         self.chained: tuple[tuple[int, int], ...] = ()
         """``(j, i)``: static input ``j`` is output ``i`` of the callable captured just before
         (torch backend, [Note: chained static buffers])."""

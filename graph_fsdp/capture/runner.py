@@ -18,13 +18,17 @@ around either, since they live on ``__call__``. Capture (``_capture``):
    ``capture_time_hooks`` from them (hooks/module_hooks.py);
 3. with ``RootContext.capturing`` set (reductions skipped, grad buffers freed), warm up and
    capture with the chosen backend in a shared memory pool;
-4. restore the hooks (``finally``), reshard, and restore the RNG state.
+4. restore the hooks (``finally``), reshard, and restore the RNG state;
+5. lend every unit the runner's communication graphs (``comm_graphs``, on by default): each
+   unit's gather and reduction kernels become one graph launch (comm_graphs.py [Note:
+   communication graphs]); ``drop()`` takes them back.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -59,6 +63,7 @@ from graph_fsdp.capture.shutdown import RunnerLifecycle, find_graphs, reset_grap
 from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
+from graph_fsdp.comm_graphs import CommGraphs
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
 from graph_fsdp.state import FSDPState, in_backward
 
@@ -123,6 +128,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         warmup_iters: int = 3,
         scope_modules: ScopeModules | None = None,
         verify: bool | str = False,
+        comm_graphs: bool = True,
     ) -> None:
         from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
 
@@ -162,6 +168,8 @@ class LayerwiseGraphs(RunnerLifecycle):
         self.captures = 0
         self.recording = False
         self._pool = None
+        self.comm_graphs = comm_graphs
+        self._comm: CommGraphs | None = None
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -234,6 +242,7 @@ class LayerwiseGraphs(RunnerLifecycle):
 
     def drop(self) -> None:
         """Forget the graphs (the modules run eagerly until the next capture)."""
+        self._take_comm_graphs_back()
         for cap in self.caps:
             cap.drop()
         self.captured_generation = None
@@ -257,6 +266,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                 state.reshard()
 
     def _reset_graphs(self) -> None:
+        self._take_comm_graphs_back()
         for cap in self.caps:
             reset_graphs((cap.fwd_graph, cap.bwd_graph))
             if cap.te_callable is not None:
@@ -281,6 +291,7 @@ class LayerwiseGraphs(RunnerLifecycle):
             "capture_seconds": self.capture_seconds,
             "replays": sum(c.replays for c in self.caps),
             "eager_fallbacks": sum(c.fallbacks for c in self.caps),
+            "comm_graphs": self._comm.report() if self._comm is not None else self._comm_report,
             "verification": [vars(r) | {"summary": r.describe()} for r in self.verification],
         }
 
@@ -364,11 +375,36 @@ class LayerwiseGraphs(RunnerLifecycle):
                     cap.unit_state.hand_forward_to_dispatcher()
         for state in units.values():
             state.reshard()
+        self._lend_comm_graphs(root)
         self.captured_generation = root.allocator.generation
         self._verify_pending = bool(self.verify)
         self.captured_at_step = self.steps_seen
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
+
+    def _lend_comm_graphs(self, root) -> None:
+        """Every unit gathers and reduces through one ``CommGraphs`` (comm_graphs.py [Note:
+        communication graphs]): with NCCL over more than one rank, and buffers the graphs'
+        pinned roles keep in place."""
+        if not self.comm_graphs or not root.comm.cuda or root.comm.world_size < 2:
+            return
+        self._comm = CommGraphs(torch.cuda.graph_pool_handle())
+        for state in self.states:
+            for group in state.groups:
+                group.comm_graphs = self._comm
+
+    _comm_report: dict | None = None
+    """The last communication graphs' counters (kept after they are taken back)."""
+
+    def _take_comm_graphs_back(self) -> None:
+        comm, self._comm = self._comm, None
+        if comm is None:
+            return
+        for state in self.states:
+            for group in state.groups:
+                group.comm_graphs = None
+        self._comm_report = comm.report()
+        comm.reset()
 
     def _run_backend(self, hooks) -> None:
         """Warm up and capture every callable; a failure names the module that was running."""
@@ -436,6 +472,14 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
             return tensors
         if graphs.recording and training_call and cap.signature is None:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
+            cap.signature.keep_sources(
+                {
+                    t.data_ptr()
+                    for c in graphs.caps
+                    for ref in c.recorded_outputs
+                    if (t := ref()) is not None
+                }
+            )
         return None
 
     def run(tensors, args, kwargs):
@@ -463,7 +507,9 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
     def record_outputs(out) -> None:
         if not cap.recorded_output_ptrs and cap.signature is not None:
             flat = tree_flatten(out)[0]
-            cap.recorded_output_ptrs = [t.data_ptr() for t in flat if isinstance(t, torch.Tensor)]
+            outputs = [t for t in flat if isinstance(t, torch.Tensor)]
+            cap.recorded_output_ptrs = [t.data_ptr() for t in outputs]
+            cap.recorded_outputs = [weakref.ref(t) for t in outputs]
 
     forward._graph_fsdp_dispatcher = cap
     return forward

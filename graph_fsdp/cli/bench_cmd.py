@@ -61,6 +61,12 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         "rows run once, with torch.",
     )
     g.add_argument(
+        "--compare-comm-graphs",
+        action="store_true",
+        help="Run every layerwise graphed row a second time with --no-cuda-graph-comm "
+        "(gathers and reductions issued eagerly), in the same launch.",
+    )
+    g.add_argument(
         "--warmup-iters",
         type=int,
         default=3,
@@ -174,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
         rows=tuple(args.rows),
         graph_impls=tuple(impls),
         scope_sets=scope_sets,
+        compare_comm_graphs=args.compare_comm_graphs,
     )
     out = launch(res.plan, bench_worker, job)
     if out is None:

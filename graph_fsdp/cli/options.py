@@ -235,6 +235,15 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         help="Eager training steps before capture.",
     )
     g.add_argument(
+        "--cuda-graph-comm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Layerwise graphs: replay each FSDP unit's gather (cast + all-gather) and "
+        "reduction (cast + reduce-scatter + scaling) as CUDA graphs of their own, captured "
+        "on first use; the layers' graphs stay collective-free. --no-cuda-graph-comm: "
+        "issue them eagerly.",
+    )
+    g.add_argument(
         "--cuda-graph-scope-modules",
         nargs="+",
         default=None,
@@ -657,5 +666,6 @@ def resolve(
         cuda_graph_scope=list(graph_scope_sets[0]) if len(graph_scope_sets) == 1 else [],
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         cuda_graph_scope_modules=scope_modules,
+        cuda_graph_comm=args.cuda_graph_comm,
     )
     return Resolved(plan=plan, cfg=cfg)

@@ -670,10 +670,53 @@ def test_pinned_weight_slots_are_not_released_after_forward() -> None:
     assert {k: next(iter(driver.ptrs[k])) for k in ptrs} == ptrs
 
 
+def test_owning_capture_releases_only_slots_made_in_the_capture(monkeypatch) -> None:
+    # allocator.py [Note: slots in a capture's pool]: a whole-step capture starts with every
+    # idle slot released (the capture re-makes it from its pool) and releases at its forward
+    # boundary only slots it made; a slot already holding bytes (default pool) keeps them
+    # through the capture even once idle. Without the scope, a capture releases nothing.
+    import graph_fsdp.buffers.allocator as allocator_module
+
+    allocator = registered_layers(num_slots=3)  # weight slots: p0 p3 | p1 | p2
+    driver = Driver(allocator)
+    driver.run(train_step())
+    allocator.step_boundary()
+    driver.reset()
+    weights = [allocator._assignment[pkey(i)] for i in range(3)]
+    monkeypatch.setattr(allocator_module, "stream_capturing", lambda: True)
+    driver.run(forward(keep_last=True))
+    allocator.forward_boundary()  # a user's own capture: nothing released
+    assert not any(s.released for s in weights)
+    driver.run(backward())
+    allocator.step_boundary()
+    driver.reset()
+
+    last, before, made_here = weights  # held by p3 after forward | held into the capture | idle
+    driver.alloc(pkey(1))
+    with allocator.owning_capture():
+        assert not before.released
+        assert all(s.released for s in allocator.slots() if s is not before)
+        driver.free(pkey(1))
+        driver.run(forward(keep_last=True))
+        allocator.forward_boundary()
+        assert last.holder is not None and not last.released
+        assert before.holder is None and not before.released  # its bytes predate the capture
+        assert made_here.holder is None and made_here.released
+        driver.run(backward())
+        allocator.step_boundary()
+        driver.reset()
+    monkeypatch.setattr(allocator_module, "stream_capturing", lambda: False)
+    driver.run(forward(keep_last=True))
+    allocator.forward_boundary()  # eager again: every idle weight slot gives its bytes back
+    assert before.released and made_here.released and not last.released
+    driver.run(backward())
+
+
 def test_which_allocators_keep_gradients_at_fixed_addresses() -> None:
-    # param_group.py [Note: gradients autograd creates]: eager steps leave gradients to
-    # autograd unless graphs pinned them; a trace pool always presets them, so its plan,
-    # traced in eager steps, covers the longer lifetime graphs give them.
+    # param_group.py [Note: gradients autograd creates]: eager steps and whole-step captures
+    # leave gradients to autograd unless layerwise graphs pinned them; a trace pool always
+    # presets them, so its plan, traced in eager steps, covers the longer lifetime graphs
+    # give them.
     assert not DynamicAllocator().static_grads()
     allocator = registered_layers()
     assert not allocator.static_grads()

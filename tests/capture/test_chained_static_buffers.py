@@ -107,3 +107,18 @@ def test_layer_graphs_chain_and_fall_back_when_the_chain_breaks():
     assert r["fallbacks"]["layers.2"] == 1 and r["fallbacks"]["layers.1"] == 0, r
     # drop(): FSDP's four hooks are back (the third layer keeps the test's hook too).
     assert r["hooks_after_drop"] == [4, 4, 5], r
+
+
+def test_an_address_a_dead_output_left_behind_is_not_chained():
+    # The previous output was freed before this call (a residual add consumed it) and its
+    # bytes went to this input (the next norm's output): same address, unrelated values.
+    h = torch.randn(2, 4, 8)
+    prev = _prev([torch.empty(2, 4, 8)], [h])
+    signature = CallSignature((h,), {})
+    signature.keep_sources(set())  # no recorded output is alive any more
+    cap = SimpleNamespace(signature=signature, static_inputs=[torch.empty(2, 4, 8)])
+    assert _chain(prev, cap) == ()
+    signature = CallSignature((h,), {})
+    signature.keep_sources({h.data_ptr()})  # still alive: the input is that output
+    cap = SimpleNamespace(signature=signature, static_inputs=[torch.empty(2, 4, 8)])
+    assert _chain(prev, cap) == ((0, 0),)

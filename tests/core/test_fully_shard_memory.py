@@ -145,3 +145,66 @@ def test_backward_peak_holds_no_idle_weight_slots_or_reduction_buffers():
         assert res["losses"] == ref["losses"]
         assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"]))
         assert res["backward_start"]["grad"] > 0  # the preset views graphs write into
+
+
+class _ThirdLayerUnused(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(*s) for s in ((5, 7), (7, 3), (3, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))).sum()  # self.c gets no gradient
+
+
+def _grads_with_garbage_in_slots(rank: int, world: int) -> dict:
+    # param_group.py [Note: gradients autograd creates]: collecting autograd's gradients
+    # zeroes only what they do not cover. Every slot comes back full of NaN here, so a
+    # parameter without a gradient (the unused layer) or padding left unzeroed would show.
+    from graph_fsdp.buffers.allocator import Slot
+
+    materialise = Slot.materialise
+
+    def poisoned(self):
+        fresh = self.tensor is None or self.released
+        tensor = materialise(self)
+        if fresh:
+            tensor.fill_(float("nan"))
+        return tensor
+
+    Slot.materialise = poisoned
+    try:
+        torch.manual_seed(0)
+        plain = _ThirdLayerUnused()
+        model = _ThirdLayerUnused()
+        model.load_state_dict(plain.state_dict())
+        fully_shard(model, buffer_policy=BufferPolicy(allocator="double_buffer"))
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+        grads = []
+        for _ in range(2):
+            model(x).backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            for p in model.parameters():
+                p.grad = None
+        # The same step on the unsharded copy, its gradients averaged over ranks by hand.
+        plain(x).backward()
+        full = [
+            torch.zeros_like(p) if p.grad is None else p.grad / world for p in plain.parameters()
+        ]
+        for g in full:
+            torch.distributed.all_reduce(g)
+        return {"grads": grads, "full": full}
+    finally:
+        Slot.materialise = materialise
+
+
+def test_collected_gradients_zero_what_autograd_did_not_cover():
+    results = spawn(_grads_with_garbage_in_slots, 2)
+    full = results[0]["full"]
+    assert full[-1].abs().sum() == 0 and full[-2].abs().sum() == 0  # model.c: no gradient
+    for step in range(2):
+        for i, want in enumerate(full):
+            # Each rank holds a contiguous piece (or none) of every parameter's gradient.
+            pieces = [r["grads"][step][i] for r in results if r["grads"][step][i] is not None]
+            got = torch.cat(pieces)
+            assert torch.isfinite(got).all(), (step, i)
+            torch.testing.assert_close(got, want.flatten(), rtol=1e-6, atol=1e-6)

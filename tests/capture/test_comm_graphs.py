@@ -1,0 +1,154 @@
+"""Communication graphs (comm_graphs.py [Note: communication graphs]) on real gloo groups.
+
+CUDA graphs do not exist on CPU, so ``CommGraphs._capture`` is replaced by a recorder
+whose replay calls the captured function again on the tensors it was captured with - what
+a graph does at fixed addresses. What is tested is ours: which calls go through a graph,
+the keys (a moved buffer is a new capture, a group whose buffers keep moving stops being
+captured), that the Python side effects happen outside the captured function, and that
+training with every gather and reduction replayed stays bit-identical to eager. The real
+capture runs in tests/gpu (layerwise graphs lend every unit their communication graphs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
+from graph_fsdp.comm_graphs import MAX_CAPTURES, CommGraphs
+from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.testing import spawn
+
+TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
+
+
+class _Recorded:
+    """A stand-in graph: replay re-runs what was captured, on the same tensor objects."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+    def reset(self) -> None:
+        self.fn = None
+
+
+def _sound_keys(run):
+    """``CommGraphs.run`` checking that a key found again comes with the same kernels: the
+    same function over the same tensor objects and flags (else a replay would run another
+    variant or other buffers than the eager path would)."""
+
+    def checked(self, key, owner, fn):
+        graph = self.graphs.get(key)
+        if graph is not None:
+            was = graph.fn
+            assert was.func == fn.func and was.keywords == fn.keywords, key
+            assert all(a is b for a, b in zip(was.args, fn.args, strict=True)), key
+        return run(self, key, owner, fn)
+
+    return checked
+
+
+def _train(rank: int, world: int, graphs: bool, pin: bool, mixed: bool, comm=None):
+    """Six steps; ``mixed``: one or two microbatches (no_sync accumulation) and gradients
+    kept or set to None by the optimizer, changing from step to step."""
+    if graphs:
+        CommGraphs._capture = lambda self, fn: _Recorded(fn)
+        CommGraphs.run = _sound_keys(CommGraphs.run)
+    torch.manual_seed(0)
+    model = build_model(TINY, device="cpu")
+    # fp32 reduction by default (a cast kernel before it); ``comm`` bf16: the gradients as
+    # they are, the main gradients updated from a separate output (more keys share buffers).
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=comm)
+    buffers = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
+    for layer in transformer_layers(model):
+        fully_shard(layer, mp_policy=mp, buffer_policy=buffers)
+    fully_shard(model, mp_policy=mp, buffer_policy=buffers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    comm_graphs = CommGraphs(pool=None)
+    losses, keys_per_step = [], []
+    for step in range(6):
+        micro = 1 + step % 2 if mixed else 1
+        root = model._fsdp_state.root
+        if graphs and step == 1:  # after an eager step, as a layerwise runner lends them
+            for state in root.states:
+                for group in state.groups:
+                    group.comm_graphs = comm_graphs
+                    # Every buffer in place (what the GPU's caching allocator gives a steady
+                    # loop; CPU allocations move): keys repeat, replays must match them.
+                    group.pin_main_grad = pin
+                    group.ensure_main_grad()
+            if pin:
+                root.allocator.pin_roles(("param", "grad", "grad_comm", "rs_out"))
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            x, y = synthetic_batch(
+                TINY, micro_batch_size=2, step=10 * step + m + rank, device="cpu"
+            )
+            loss = model(x, y) / micro
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=not mixed or step % 3 == 0)
+        keys_per_step.append(len(comm_graphs.graphs))
+    return {
+        "losses": losses,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "report": comm_graphs.report(),
+        "captures": dict(comm_graphs.captures),
+        "keys_per_step": keys_per_step,
+        "groups": sum(len(s.groups) for s in model._fsdp_state.root.states),
+    }
+
+
+@pytest.mark.parametrize(
+    "mixed,comm",
+    [(False, None), (True, None), (True, torch.bfloat16)],
+    ids=["plain", "no_sync+accumulate", "no_sync+accumulate, bf16 reduction"],
+)
+def test_replayed_gathers_and_reductions_train_bit_identically(mixed, comm) -> None:
+    eager = spawn(_train, 2, False, True, mixed, comm)
+    replayed = spawn(_train, 2, True, True, mixed, comm)
+    for e, r in zip(eager, replayed):
+        assert e["losses"] == r["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(e["params"], r["params"]))
+        rep = r["report"]
+        assert rep["failed"] is None and rep["replays"] > 0, rep
+        # Every group's gathers and reductions went through graphs; the pinned slots keep
+        # the gather keys, so only reductions whose buffers moved were captured again.
+        owners = {kind for _, kind in r["captures"]}
+        assert owners == {"gather", "reduce"}, r["captures"]
+        assert all(n <= MAX_CAPTURES for n in r["captures"].values())
+        gathers = [n for (_, kind), n in r["captures"].items() if kind == "gather"]
+        assert len(gathers) == r["groups"] and set(gathers) == {1}, r["captures"]
+
+
+def test_buffers_that_keep_moving_stop_being_captured() -> None:
+    # Without pinned slots the weight slots are re-made after every forward (new bytes, new
+    # addresses): each new address is a capture, up to MAX_CAPTURES a group, then eager.
+    eager = spawn(_train, 2, False, False, False)
+    replayed = spawn(_train, 2, True, False, False)
+    for e, r in zip(eager, replayed):
+        assert e["losses"] == r["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(e["params"], r["params"]))
+        assert all(n <= MAX_CAPTURES for n in r["captures"].values())
+        assert r["report"]["replays"] + r["report"]["eager_calls"] > 0
+
+
+def test_a_failed_capture_leaves_every_call_eager() -> None:
+    calls = []
+
+    def failing_capture(self, fn):
+        self.failed = "RuntimeError: no graphs here"
+        return None
+
+    CommGraphs._capture, original = failing_capture, CommGraphs._capture
+    try:
+        graphs = CommGraphs(pool=None)
+        graphs.run(("k",), ("owner", "gather"), lambda: calls.append(1))
+        graphs.run(("k",), ("owner", "gather"), lambda: calls.append(2))
+    finally:
+        CommGraphs._capture = original
+    assert calls == [1, 2] and graphs.report()["eager_calls"] == 2 and not graphs.graphs
