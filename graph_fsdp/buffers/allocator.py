@@ -379,10 +379,13 @@ class SlotAllocator(BufferAllocator):
     # re-allocates them (``prepare`` on the main stream, before the all-gather stream waits
     # for it: the bytes come from the pool activations use, and the gather writes them only
     # after the main stream got past the allocation). A held slot (the root, ZeRO-1/2 weights
-    # kept after forward) stays. Only eager steps release: graphs read the slots at captured
-    # addresses, so capture pins "param" as it pins "grad", and nothing is released while a
-    # stream captures (a user's own whole-step capture of an eager model included) - except in
-    # a capture that owns its slots ([Note: slots in a capture's pool]).
+    # kept after forward) stays. ``step_boundary`` releases the same slots: after backward
+    # the root's weight slot is idle too, and the optimizer step (a foreach AdamW's fp32
+    # temporaries) can be the peak of a small model; FSDP2 frees the root's weights after
+    # backward as well. Only eager steps release weight slots: layerwise graphs read them at
+    # captured addresses, so their capture pins "param" as it pins "grad", and nothing is
+    # released while a stream captures (a user's own whole-step capture of an eager model
+    # included) - except in a capture that owns its slots ([Note: slots in a capture's pool]).
     FORWARD_RELEASABLE = BACKWARD_ROLES | {"param"}
 
     # [Note: slots in a capture's pool] A full-iteration capture runs a whole step: nothing in
@@ -407,7 +410,8 @@ class SlotAllocator(BufferAllocator):
         self._planned = False
         self.pinned_roles: set[str] = set()
         self._between_steps: list[Slot] | None = None
-        """Slots released at step boundaries (computed from the plan and the pinned roles)."""
+        """Slots released at step boundaries (computed from the plan and the pinned roles):
+        backward and weight slots ([Note: weight slots during backward])."""
         self._after_forward: list[Slot] | None = None
         """Slots released at forward boundaries (likewise)."""
         self._capture_kept: set[int] | None = None
@@ -488,7 +492,7 @@ class SlotAllocator(BufferAllocator):
         if not self._planned:
             return
         if self._between_steps is None:
-            self._between_steps = self._slots_serving_only(BACKWARD_ROLES)
+            self._between_steps = self._slots_serving_only(self.FORWARD_RELEASABLE)
         self._release(self._between_steps)
 
     def forward_boundary(self) -> None:
