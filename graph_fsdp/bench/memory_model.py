@@ -13,8 +13,8 @@ What each role is (see ``param_group.py``'s table):
   graphs), as FSDP2 holds its sharded grads. No compute-dtype shard: each gather casts
   straight into the param slot (``param_group.py`` [Note: copy-in all-gather]);
 - double-buffer slots, reserved for the run (these are their sizes; their bytes come and go:
-  weight slots no unit holds are given back after forward, backward-only slots between steps
-  - ``allocator.py`` [Note: weight slots during backward], [Note: backward slots between
+  weight slots no unit holds are given back after forward and between steps, backward-only
+  slots between steps - ``allocator.py`` [Note: weight slots during backward], [Note: backward slots between
   steps]): ``slot:param`` / ``slot:grad`` (unsharded compute-dtype
   weights and gradients, ``min(num_slots, units of that size)`` per size class),
   ``slot:grad_comm`` (the fp32 copy of the gradients that feeds an fp32 reduce-scatter:

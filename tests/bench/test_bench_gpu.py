@@ -85,8 +85,10 @@ def test_memory_breakdown_accounts_for_the_peak(engine: str, cfg_kw: dict) -> No
         # Released between steps and re-allocated in backward ([Note: releasable main
         # grads]): all live at the optimizer step (eager peaks) and pinned under capture.
         checked.append("main_grads")
-        if cfg_kw["allocator"] == "double_buffer":
-            checked.append("slot:param")
+        if cfg_kw["allocator"] == "double_buffer" and "cuda_graph_scope" not in cfg_kw:
+            # The step boundary gave the idle weight slots' bytes back ([Note: weight slots
+            # during backward]): none is live at the optimizer step.
+            assert "slot:param" not in roles, roles
     for role in checked:
         # Live at the peak; blocks are the tensors' bytes rounded up to 512.
         known = out["known_bytes"][role]

@@ -266,9 +266,11 @@ def test_model_matches_a_real_run() -> None:
     job = MemoryJob(cfg=cfg, engine="graph_fsdp", warmup=1, output_dir="unused")
     result = spawn(memory_worker, 2, job)[0]
     roles = graph_fsdp_roles(Shape(model=TINY, world_size=2))
-    # Between steps the backward-only slots hold no bytes ([Note: backward slots between steps]).
-    assert roles["slot:grad"] and roles["slot:grad_comm"]
-    between_steps = {k: v for k, v in roles.items() if k not in ("slot:grad", "slot:grad_comm")}
+    # Between steps no slot holds bytes: the backward-only slots and the idle weight slots give
+    # theirs back ([Note: backward slots between steps], [Note: weight slots during backward]).
+    slots = ("slot:param", "slot:grad", "slot:grad_comm")
+    assert all(roles[k] for k in slots)
+    between_steps = {k: v for k, v in roles.items() if k not in slots}
     assert result["known_bytes"] == between_steps
     assert "CPU" in result["note"]
 
