@@ -54,30 +54,25 @@ class CommGraphs:
     def run(self, key: Hashable, owner: Hashable, fn: Callable[[], None]) -> None:
         """Run ``fn`` (kernels only, on the current stream) as the graph of ``key``:
         replayed if captured, captured then replayed if new, eagerly otherwise."""
-        graph = self.graphs.get(key)
+        graph = None if stream_capturing() else self.graphs.get(key) or self._new(key, owner, fn)
         if graph is None:
-            if self.failed is not None or stream_capturing():
-                self.eager_calls += 1
-                fn()
-                return
-            count = self.captures.get(owner, 0)
-            if count >= MAX_CAPTURES:
-                self.eager_calls += 1
-                fn()
-                return
-            self.captures[owner] = count + 1
-            graph = self._capture(fn)
-            if graph is None:
-                self.eager_calls += 1
-                fn()
-                return
-            self.graphs[key] = graph
-        elif stream_capturing():
             self.eager_calls += 1
             fn()
             return
         graph.replay()
         self.replays += 1
+
+    def _new(self, key: Hashable, owner: Hashable, fn: Callable[[], None]):
+        """The graph of ``fn`` for ``key``, or None: capturing failed before, ``owner``
+        used up its captures, or this capture failed."""
+        count = self.captures.get(owner, 0)
+        if self.failed is not None or count >= MAX_CAPTURES:
+            return None
+        self.captures[owner] = count + 1
+        graph = self._capture(fn)
+        if graph is not None:
+            self.graphs[key] = graph
+        return graph
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         graph = torch.cuda.CUDAGraph()

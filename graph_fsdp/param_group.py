@@ -558,7 +558,6 @@ class FlatParamGroup:
             grad_done = src is not self.grad_full
             if grad_done:
                 allocator.free(self.grad_key, used_on=self._grad_streams() + self._main_streams())
-            inv_world = 1.0 / comm.dp_size
             direct = self.placements.grads and self._rs_direct() and overwrite
             used_rs = self.placements.grads and not (direct and not self.over_replicas)
             if self.placements.grads:
@@ -579,12 +578,7 @@ class FlatParamGroup:
             with comm.on(comm.rep_stream) if replicas else nullcontext():
                 if replicas:
                     out = self._reduce_over_replicas(allocator, out, direct)
-                if direct:
-                    self.main_grad.mul_(inv_world)
-                elif overwrite:
-                    self.main_grad.copy_(out).mul_(inv_world)
-                else:
-                    self.main_grad.add_(out, alpha=inv_world)
+                self._scale_into_main_grad(out, direct=direct, overwrite=overwrite)
             streams = self._rs_streams()
             if used_rs:
                 allocator.free(self.rs_key, used_on=streams)
@@ -643,6 +637,11 @@ class FlatParamGroup:
             buf.copy_(src)
             src = buf
         reduce_scatter(out, src, self.comm, self.fqn)
+        self._scale_into_main_grad(out, direct=direct, overwrite=overwrite)
+
+    def _scale_into_main_grad(self, out, *, direct: bool, overwrite: bool) -> None:
+        """``main_grad`` (=, or += under accumulation) the reduced ``out`` / data-parallel
+        size; ``direct``: the reduction wrote ``main_grad`` itself, scale it in place."""
         inv_world = 1.0 / self.comm.dp_size
         if direct:
             self.main_grad.mul_(inv_world)

@@ -409,11 +409,9 @@ class SlotAllocator(BufferAllocator):
         self._dedicated: dict[Key, Slot] = {}
         self._planned = False
         self.pinned_roles: set[str] = set()
-        self._between_steps: list[Slot] | None = None
-        """Slots released at step boundaries (computed from the plan and the pinned roles):
-        backward and weight slots ([Note: weight slots during backward])."""
-        self._after_forward: list[Slot] | None = None
-        """Slots released at forward boundaries (likewise)."""
+        self._releasable: list[Slot] | None = None
+        """Slots the step and forward boundaries release, backward and weight slots ([Note:
+        weight slots during backward]; computed from the plan and the pinned roles)."""
         self._capture_kept: set[int] | None = None
         """Inside ``owning_capture``: ids of the slots whose bytes predate the capture."""
 
@@ -448,7 +446,7 @@ class SlotAllocator(BufferAllocator):
             )
         dedicated = Slot(numel, dtype, device, label=f"dedicated[{key!r}]")
         self._dedicated[key] = dedicated
-        self._between_steps = self._after_forward = None
+        self._releasable = None
         self._views.pop(key, None)
         self.stats.reserved["dedicated"] = (
             self.stats.reserved.get("dedicated", 0) + dedicated.nbytes
@@ -460,7 +458,7 @@ class SlotAllocator(BufferAllocator):
             with nvtx_range(f"graph_fsdp/allocator/plan/{type(self).__name__}"):
                 self._plan()
             self._planned = True
-            self._between_steps = self._after_forward = None
+            self._releasable = None
 
     def prepare(self, keys):
         self._ensure_planned()
@@ -471,7 +469,7 @@ class SlotAllocator(BufferAllocator):
 
     def pin_roles(self, roles):
         self.pinned_roles.update(roles)
-        self._between_steps = self._after_forward = None
+        self._releasable = None
         # Slots not created yet are created at their first use and never released.
         for key, slot in [*self._assignment.items(), *self._dedicated.items()]:
             if key_role(key) in self.pinned_roles and slot.tensor is not None:
@@ -489,22 +487,19 @@ class SlotAllocator(BufferAllocator):
         return [s for s in self.slots() if by_slot[id(s)] <= releasable]
 
     def step_boundary(self) -> None:
-        if not self._planned:
-            return
-        if self._between_steps is None:
-            self._between_steps = self._slots_serving_only(self.FORWARD_RELEASABLE)
-        self._release(self._between_steps)
+        if self._planned:
+            self._release()
 
     def forward_boundary(self) -> None:
         if not self._planned or (stream_capturing() and self._capture_kept is None):
             return
-        if self._after_forward is None:
-            self._after_forward = self._slots_serving_only(self.FORWARD_RELEASABLE)
-        self._release(self._after_forward)
+        self._release()
 
-    def _release(self, slots: list[Slot]) -> None:
+    def _release(self) -> None:
+        if self._releasable is None:
+            self._releasable = self._slots_serving_only(self.FORWARD_RELEASABLE)
         kept = self._capture_kept if stream_capturing() else None
-        for slot in slots:
+        for slot in self._releasable:
             if kept is None or id(slot) not in kept:
                 slot.release_storage()  # a held slot keeps its bytes
 
@@ -544,7 +539,7 @@ class SlotAllocator(BufferAllocator):
         for slot in [*set(self._assignment.values()), *self._dedicated.values()]:
             slot.drop()
         self._views.clear()
-        self._between_steps = self._after_forward = None
+        self._releasable = None
         self.generation += 1
 
     def slots(self) -> list[Slot]:
