@@ -358,14 +358,17 @@ class FlatParamGroup:
 
         Before CUDA graph capture: a leaf's AccumulateGrad node is bound to the stream it was
         created on, and one kept alive from an eager step (a live ``loss``) would make the
-        capture stream wait on the default stream.
+        capture stream wait on the default stream. A weight slot released between steps
+        (allocator.py [Note: weight slots during backward]) has no bytes to view: its
+        parameters are built when the next gather re-makes it.
         """
         if self.full is None:
             return
         for ref in self.params:
             ref.unsharded = None
         self._unsharded_built = False
-        self._rebuild_unsharded(self.full)
+        if self.full.untyped_storage().nbytes():
+            self._rebuild_unsharded(self.full)
 
     def use_unsharded(self) -> None:
         for ref in self.params:

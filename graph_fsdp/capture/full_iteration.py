@@ -397,7 +397,7 @@ class FullIterationGraphs(RunnerLifecycle):
             saved=before,
             after=after,
         )
-        record_verification(self.verification, result, self.verify)
+        record_verification(self.verification, result, self.verify, self._tracker)
         return out
 
     @contextmanager
@@ -488,10 +488,16 @@ def check_verify_option(verify) -> None:
         )
 
 
-def record_verification(results: list[VerifyResult], result: VerifyResult, mode) -> None:
+def record_verification(
+    results: list[VerifyResult], result: VerifyResult, mode, tracker: ModuleTracker
+) -> None:
     results.append(result)
     if result.identical:
         return
+    result.capture_queries = [
+        f"{site}{f' (in {module})' if module else ''}"
+        for site, module in tracker.capture_queries.items()
+    ]
     if mode == "raise":
         raise GraphVerificationError(result.describe())
     warnings.warn(result.describe(), stacklevel=3)

@@ -237,7 +237,7 @@ class LayerwiseGraphs(RunnerLifecycle):
             run_graphed=run,
             device=next(self.model.parameters()).device,
         )
-        record_verification(self.verification, result, self.verify)
+        record_verification(self.verification, result, self.verify, self._tracker)
         return out
 
     def drop(self) -> None:

@@ -12,10 +12,25 @@ it (the diagnosis runs after the capture code unwound). Both hooks are
 installed only for the capture and removed in ``finally``; they do host bookkeeping only,
 so nothing of them enters a graph. :func:`explain_capture_failure` turns the exception
 into a :class:`CaptureFailedError` naming that module and the fix for the kind of failure.
+
+[Note: capture-state queries] A capture that succeeds can still record other work than an
+eager step runs: code that asks ``torch.cuda.is_current_stream_capturing()`` gets True only
+while a graph is recorded, and may branch on it (HuggingFace transformers does, to keep its
+attention-mask shortcut, which reads a tensor on the host, out of captures: the graph then
+runs SDPA with a materialized mask where eager runs it with ``is_causal=True``). While the
+tracker is active, that function (``torch.cuda`` and ``torch.cuda.graphs`` both export it)
+is wrapped: each call outside torch and graph_fsdp that gets True records its call site and
+two callers', with the module running (:attr:`ModuleTracker.capture_queries`, kept over the
+tracker's life). A verification step that finds graphed != eager names these sites
+(verify.py), so the report points at the line that branched, not only at the first module
+whose output differs. Host bookkeeping only: nothing enters a graph.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +41,13 @@ from torch.nn.modules.module import (
     register_module_forward_pre_hook,
 )
 from torch.utils._pytree import tree_flatten
+
+_QUERY_OWNERS = (torch.cuda, torch.cuda.graphs)
+"""Modules exporting ``is_current_stream_capturing`` (see [Note: capture-state queries])."""
+_OURS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.rsplit(".", 2)[0]])
+)
+"""Directories of torch and graph_fsdp: their own capture checks are not the model's."""
 
 _TAG = "graph_fsdp_module"
 """Key in ``grad_fn.metadata``: the innermost tracked module whose output the node made."""
@@ -53,6 +75,10 @@ class ModuleTracker:
         self.context: list[tuple[str, str]] = []
         self.failure: tuple[str | None, str | None] | None = None
         """Where an exception left a :meth:`phase` (kept: unwinding pops the phase)."""
+        self.capture_queries: dict[str, str | None] = {}
+        """Call site -> module running, of code outside torch and graph_fsdp that asked
+        ``is_current_stream_capturing()`` during a capture and got True ([Note: capture-state
+        queries])."""
         self._handles: list = []
         self._active = False
 
@@ -69,13 +95,39 @@ class ModuleTracker:
             register_module_forward_hook(self._post_forward),
         ]
         self._active = True
+        originals = [(m, m.is_current_stream_capturing) for m in _QUERY_OWNERS]
+        for owner, original in originals:
+            owner.is_current_stream_capturing = self._watched(original)
         try:
             yield self
         finally:
+            for owner, original in originals:
+                owner.is_current_stream_capturing = original
             for h in self._handles:
                 h.remove()
             self._handles = []
             self._active = False
+
+    def _watched(self, original):
+        @functools.wraps(original)
+        def is_current_stream_capturing() -> bool:
+            capturing = original()
+            if capturing:
+                self._note_query(sys._getframe(1))
+            return capturing
+
+        return is_current_stream_capturing
+
+    def _note_query(self, frame) -> None:
+        if frame.f_code.co_filename.startswith(_OURS):
+            return  # torch's or our own check: not a branch of the model
+        # The asking line and two callers: helpers wrap the query (transformers:
+        # is_cuda_stream_capturing <- is_tracing <- the mask code that branches).
+        sites = []
+        while frame is not None and len(sites) < 3:
+            sites.append(_site(frame))
+            frame = frame.f_back
+        self.capture_queries.setdefault(" <- ".join(sites), self._current()[0])
 
     @contextmanager
     def phase(self, name: str, kind: str) -> Iterator[None]:
@@ -142,6 +194,16 @@ class ModuleTracker:
         if self.last_backward is not None:
             return self.last_backward, "backward"
         return None, None
+
+
+def _site(frame) -> str:
+    """``path:line in function``, the path from its package down (site-packages cut off)."""
+    path = frame.f_code.co_filename
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            path = path.rsplit(marker, 1)[1]
+            break
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 _CAUSES = (

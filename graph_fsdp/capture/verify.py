@@ -256,6 +256,10 @@ class VerifyResult:
     differing_grads: list[str] = field(default_factory=list)
     modules_checked: int = 0
     note: str = ""
+    capture_queries: list[str] = field(default_factory=list)
+    """Code that branched on ``is_current_stream_capturing()`` while the graphs were captured
+    (tracker.py [Note: capture-state queries]), with the module running; set only when the
+    step differs."""
 
     def describe(self) -> str:
         if self.identical:
@@ -273,11 +277,21 @@ class VerifyResult:
             parts.append("the step's outputs (loss) differ")
         if self.differing_grads:
             parts.append(f"gradients differ in {', '.join(self.differing_grads[:4])}")
-        hint = (
-            " - the module's Python may take another branch under stream capture (e.g. a check "
-            "of torch.cuda.is_current_stream_capturing()) or pick other kernels: keep it out of "
-            "the captured scopes, or run with deterministic algorithms"
-        )
+        if self.capture_queries:
+            hint = (
+                " - the model asked torch.cuda.is_current_stream_capturing() while the graphs "
+                f"were captured and got True at {'; '.join(self.capture_queries[:3])}: that "
+                "code runs another branch in the graph than in an eager step. Keep it out of "
+                "the captured scopes (layerwise scopes that leave it eager), or make both "
+                "branches compute the same (e.g. hand HuggingFace models a ready 4-D attention "
+                "mask)"
+            )
+        else:
+            hint = (
+                " - the module's Python may take another branch under stream capture or pick "
+                "other kernels: keep it out of the captured scopes, or run with deterministic "
+                "algorithms"
+            )
         return f"{self.what}: graphed != eager: " + "; ".join(parts) + hint + self.note
 
 

@@ -19,6 +19,7 @@ from graph_fsdp.capture.scopes import Target
 from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
+    VerifyResult,
     first_difference,
     tensor_checksum,
     verify_step,
@@ -404,3 +405,54 @@ def test_a_handled_exception_in_a_phase_is_not_the_failure():
         with tracker.phase("b", "backward"):
             pass
         assert tracker.running() == (None, None)
+
+
+class _BranchesOnCapture(nn.Module):
+    """What HuggingFace's mask code does: another computation while a graph is captured."""
+
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing():
+            return x * 2
+        return x
+
+
+def test_capture_state_queries_name_the_site_and_module(monkeypatch):
+    from graph_fsdp.buffers import allocator
+    from graph_fsdp.capture.full_iteration import record_verification
+
+    model = _model(_BranchesOnCapture())
+    tracker = ModuleTracker.for_model(model)
+
+    def capturing(value: bool) -> None:  # stand-in for the CUDA query (CPU builds lack it)
+        for owner in (torch.cuda, torch.cuda.graphs):
+            monkeypatch.setattr(owner, "is_current_stream_capturing", lambda: value)
+
+    capturing(False)
+    with tracker.active():  # no capture running: nothing asked got True
+        model(torch.randn(2, 4))
+    assert tracker.capture_queries == {}
+    capturing(True)
+    with tracker.active():
+        model(torch.randn(2, 4))
+        assert torch.cuda.graphs.is_current_stream_capturing()  # this file is the model's
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert allocator.stream_capturing()  # graph_fsdp's own check: no branch of the model
+    # Restored: the (patched) originals, not the watchers.
+    assert torch.cuda.is_current_stream_capturing.__name__ == "<lambda>"
+    sites = list(tracker.capture_queries.items())
+    assert len(sites) == 2, sites
+    (site, module), (site2, module2) = sites
+    assert "test_verify_and_diagnosis.py:" in site and " in forward <- " in site
+    assert module == "1.1"
+    assert " in test_capture_state_queries_name_the_site_and_module" in site2 and module2 is None
+    results = []
+    with pytest.warns(UserWarning) as warned:
+        record_verification(
+            results, VerifyResult("step", identical=False, outputs_equal=False), True, tracker
+        )
+    assert results[0].capture_queries[0].endswith("(in 1.1)")
+    text = str(warned[0].message)
+    assert "got True at " in text and "in forward <- " in text, text
+    same = VerifyResult("step", identical=True, outputs_equal=True)
+    record_verification(results, same, True, tracker)
+    assert same.capture_queries == []  # named only when graphed != eager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
+from graph_fsdp.fully_shard import collect_states
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
 from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
@@ -113,9 +114,12 @@ def _slots_at_the_backward_peak(
 
     model.final_norm.register_forward_hook(at_norm_output_grad)
     out: dict = {"losses": []}
+    groups = [g for s in collect_states(model) for g in s.groups]
     for step in range(3):
         if pin_grads and step == 1:
             alloc().pin_roles(("grad",))  # what a layerwise capture does
+        for g in groups:  # what a capture does first: fresh leaves over released slots too
+            g.renew_unsharded()
         x, y = synthetic_batch(TINY, micro_batch_size=2, step=step + rank, device="cpu")
         loss = model(x, y)
         out.setdefault("after_forward", _slot_bytes(alloc()))

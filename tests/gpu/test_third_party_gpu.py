@@ -11,8 +11,10 @@ pass every 5 steps, against the eager run of the same model:
   ``mlp``): every loss, eval loss and final parameter bit-identical, and the verification
   step (``verify=True``) reports graphed == eager;
 - ``full_iteration``: either bit-identical, or flagged by the verification step with the first
-  differing module named (HuggingFace builds its attention mask another way under stream
-  capture), or refused at capture with the running module named.
+  differing module and the transformers line that asked whether a capture runs named
+  (HuggingFace builds its attention mask another way under stream capture), or refused at
+  capture with the running module named; with a ready 4-D attention mask handed in (both
+  runs then compute the same attention), bit-identical.
 """
 
 from __future__ import annotations
@@ -70,7 +72,13 @@ def _batch(step: int, micro: int, rank: int, device: torch.device) -> torch.Tens
     return torch.randint(0, VOCAB, (MBS, SEQ), generator=gen).to(device)
 
 
-def _train(rank: int, impl: str, scopes: list[str]) -> dict:
+def _causal_mask(device: torch.device) -> torch.Tensor:
+    """A ready 4-D boolean causal mask: HuggingFace uses it as given, eager or captured."""
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool, device=device).tril()
+    return causal.expand(MBS, 1, SEQ, SEQ)
+
+
+def _train(rank: int, impl: str, scopes: list[str], mask4d: bool = False) -> dict:
     from graph_fsdp.capture import CaptureFailedError, FullIterationGraphs, LayerwiseGraphs
     from graph_fsdp.checkpoint import full_state_dict
 
@@ -84,8 +92,10 @@ def _train(rank: int, impl: str, scopes: list[str]) -> dict:
     else:
         graphs = LayerwiseGraphs(model, impl=impl, scopes=scopes, warmup_steps=2, verify=True)
 
+    mask = {"attention_mask": _causal_mask(device)} if mask4d else {}
+
     def step_fn(input_ids, labels, *, scale):
-        out = model(input_ids=input_ids, labels=labels, use_cache=False)
+        out = model(input_ids=input_ids, labels=labels, use_cache=False, **mask)
         (out.loss * scale).backward()
         return out
 
@@ -109,7 +119,8 @@ def _train(rank: int, impl: str, scopes: list[str]) -> dict:
                 model.eval()
                 with torch.no_grad():
                     x = _batch(i, 99, rank, device)
-                    evals.append(model(input_ids=x, labels=x, use_cache=False).loss.item())
+                    out = model(input_ids=x, labels=x, use_cache=False, **mask)
+                    evals.append(out.loss.item())
                 model.train()
     except CaptureFailedError as err:
         return {"refused": str(err), "module": err.module}
@@ -122,12 +133,14 @@ def _train(rank: int, impl: str, scopes: list[str]) -> dict:
     }
 
 
-def _family(rank: int, world: int, variants: list[tuple[str, list[str]]]) -> dict:
+def _family(
+    rank: int, world: int, variants: list[tuple[str, list[str]]], mask4d: bool = False
+) -> dict:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    out = {"eager": _train(rank, "eager", [])}
+    out = {"eager": _train(rank, "eager", [], mask4d)}
     for impl, scopes in variants:
-        out[f"{impl}:{' '.join(scopes) or 'layer'}"] = _train(rank, impl, scopes)
+        out[f"{impl}:{' '.join(scopes) or 'layer'}"] = _train(rank, impl, scopes, mask4d)
         torch.cuda.empty_cache()
     return out
 
@@ -179,10 +192,15 @@ def test_huggingface_llama_layerwise_graphs_are_bit_exact(backend):
     assert not problems, "\n".join(problems)
 
 
-def test_huggingface_llama_full_iteration_is_exact_or_flagged():
-    res = spawn(_family, 2, [("torch", ["full_iteration"])], backend="nccl", timeout=900)[0]
+@pytest.mark.parametrize("mask4d", [False, True], ids=["own-mask", "4d-mask"])
+def test_huggingface_llama_full_iteration_is_exact_or_flagged(mask4d):
+    """Without a mask HuggingFace asks whether a capture runs and builds another attention
+    under one; the verification must name that line. With a ready 4-D mask both runs
+    compute the same: bit-identical."""
+    variants = [("torch", ["full_iteration"])]
+    res = spawn(_family, 2, variants, mask4d, backend="nccl", timeout=900)[0]
     run = res["torch:full_iteration"]
-    if "refused" in run:  # capture failed: the error must name the module that was running
+    if "refused" in run and not mask4d:  # the error must name the module that was running
         assert run["module"], run["refused"]
         assert "while the" in run["refused"], run["refused"]
         return
@@ -191,11 +209,13 @@ def test_huggingface_llama_full_iteration_is_exact_or_flagged():
     assert run["owned"], "the returned loss must not be overwritten by the next replay"
     problems = _bit_identical(res["eager"], run, "full_iteration")
     flagged = [c for c in checks if not c["identical"]]
-    if not problems:
-        assert not flagged, [c["summary"] for c in flagged]
+    if not problems or mask4d:
+        assert not problems and not flagged, problems + [c["summary"] for c in flagged]
         return
-    # Not bit-identical: the verification step must have caught it, naming the module.
+    # Not bit-identical: the verification step must have caught it, naming the module and
+    # the transformers code that branched on the capture.
     assert flagged, f"full_iteration differs from eager but verification passed: {problems}"
     first = flagged[0]
     assert first["first_module"] or first["differing_grads"], first["summary"]
+    assert any("transformers" in q for q in first["capture_queries"]), first["summary"]
     print("full_iteration flagged:", first["summary"])
