@@ -346,6 +346,14 @@ def _no_match_message(
         _is_moe_block(c) for _, u in units for c in u.children()
     ):
         notes.append("the units have no MoE block (a dense model): drop the moe scopes")
+    for scope in missing:
+        heads = {sp.path.split(".")[0] for sp in paths[scope] if sp.needs == "dense"}
+        moe_at = sorted(h for h in heads if any(_is_moe_block(_lookup(u, h)) for _, u in units))
+        if moe_at:
+            notes.append(
+                f"{', '.join(moe_at)} is an MoE block here and scope {scope} takes dense MLPs "
+                "only: use moe (the whole block) or moe_router (its router)"
+            )
     preset_heads = {sp.path.split(".")[0] for ps in SCOPE_PRESETS.values() for sp in ps}
     example = next((n for n in found if n not in preset_heads), "PATH")
     return (

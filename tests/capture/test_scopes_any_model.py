@@ -117,6 +117,9 @@ def test_presets_for_every_family():
 def test_mlp_scope_skips_moe_blocks_and_moe_scopes_skip_dense_mlps():
     with pytest.raises(GraphConfigError, match="mlp: no module"):
         select_targets(units(lambda: mcore_layer(True), 1), ["mlp"])
+    with pytest.raises(GraphConfigError) as err:  # HuggingFace Mixtral: mlp is the MoE block
+        select_targets(units(hf_qwen_moe_layer, 1), ["mlp"])
+    assert "mlp is an MoE block here and scope mlp takes dense MLPs only: use moe" in str(err.value)
     with pytest.raises(GraphConfigError, match="a dense model"):
         select_targets(units(hf_llama_layer, 1), ["moe"])
 

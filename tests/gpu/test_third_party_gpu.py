@@ -1,4 +1,4 @@
-"""A model nobody here wrote: HuggingFace ``LlamaForCausalLM`` under graph_fsdp (NCCL, 2 GPUs).
+"""Models nobody here wrote: HuggingFace decoders under graph_fsdp (NCCL, 2 GPUs).
 
 Random init from a small ``LlamaConfig`` (4 layers, GQA: 8 heads over 2 KV heads, sdpa
 attention, no downloads), ``fully_shard`` per decoder layer (``model.model.layers``) and the
@@ -15,6 +15,11 @@ pass every 5 steps, against the eager run of the same model:
   (HuggingFace builds its attention mask another way under stream capture), or refused at
   capture with the running module named; with a ready 4-D attention mask handed in (both
   runs then compute the same attention), bit-identical.
+
+Qwen2 (biased q/k/v) and Mixtral (top-2 MoE, transformers 5 naming: ``mlp`` is the sparse
+block, ``mlp.gate`` its router) run the same way: ``attn``, ``mlp`` / ``moe_router`` /
+``attn moe`` scopes with the model's own mask and ``full_iteration`` with a 4-D mask, each
+bit-identical or refused with the module named.
 """
 
 from __future__ import annotations
@@ -44,11 +49,19 @@ def _has_te() -> bool:
         return False
 
 
-def _model(device: torch.device):
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # biased q/k/v projections
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),  # top-2 MoE
+}
+
+
+def _model(device: torch.device, family: str = "llama"):
     from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.fully_shard import fully_shard
 
-    config = transformers.LlamaConfig(
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
         vocab_size=VOCAB,
         hidden_size=256,
         intermediate_size=512,
@@ -57,9 +70,10 @@ def _model(device: torch.device):
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
         attn_implementation="sdpa",
+        **extra,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(device)
+    model = getattr(transformers, model_cls)(config).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
     for layer in model.model.layers:
@@ -78,12 +92,14 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
     return causal.expand(MBS, 1, SEQ, SEQ)
 
 
-def _train(rank: int, impl: str, scopes: list[str], mask4d: bool = False) -> dict:
+def _train(
+    rank: int, impl: str, scopes: list[str], mask4d: bool = False, family: str = "llama"
+) -> dict:
     from graph_fsdp.capture import CaptureFailedError, FullIterationGraphs, LayerwiseGraphs
     from graph_fsdp.checkpoint import full_state_dict
 
     device = torch.device("cuda", rank)
-    model = _model(device)
+    model = _model(device, family)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if impl == "eager":
         graphs = FullIterationGraphs(model, eager=True, warmup_steps=1)
@@ -134,13 +150,18 @@ def _train(rank: int, impl: str, scopes: list[str], mask4d: bool = False) -> dic
 
 
 def _family(
-    rank: int, world: int, variants: list[tuple[str, list[str]]], mask4d: bool = False
+    rank: int,
+    world: int,
+    variants: list[tuple[str, list[str]]],
+    mask4d: bool = False,
+    family: str = "llama",
 ) -> dict:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    out = {"eager": _train(rank, "eager", [], mask4d)}
+    out = {"eager": _train(rank, "eager", [], mask4d, family)}
     for impl, scopes in variants:
-        out[f"{impl}:{' '.join(scopes) or 'layer'}"] = _train(rank, impl, scopes, mask4d)
+        key = f"{impl}:{' '.join(scopes) or 'layer'}"
+        out[key] = _train(rank, impl, scopes, mask4d, family)
         torch.cuda.empty_cache()
     return out
 
@@ -219,3 +240,47 @@ def test_huggingface_llama_full_iteration_is_exact_or_flagged(mask4d):
     assert first["first_module"] or first["differing_grads"], first["summary"]
     assert any("transformers" in q for q in first["capture_queries"]), first["summary"]
     print("full_iteration flagged:", first["summary"])
+
+
+# Other decoders: partial scopes with the model's own mask, full_iteration with a ready 4-D
+# mask. A scope whose capture is refused (e.g. MoE expert dispatch reading routing results on
+# the host) must name the module; every scope that captures is bit-identical to eager.
+OTHERS = {
+    "qwen2": ([("torch", ["attn"]), ("torch", ["mlp"])], [("torch", ["full_iteration"])]),
+    "mixtral": (
+        [("torch", ["attn"]), ("torch", ["moe_router"]), ("torch", ["attn", "moe"])],
+        [("torch", ["full_iteration"])],
+    ),
+}
+
+
+def _both(rank: int, world: int, family: str) -> dict:
+    plain, masked = OTHERS[family]
+    return {
+        "own-mask": _family(rank, world, plain, False, family),
+        "4d-mask": _family(rank, world, masked, True, family),
+    }
+
+
+@pytest.mark.parametrize("family", list(OTHERS))
+def test_other_huggingface_decoders_are_bit_exact_or_refused(family):
+    res = spawn(_both, 2, family, backend="nccl", timeout=900)[0]
+    problems, refused = [], []
+    for mask, runs in res.items():
+        eager = runs.pop("eager")
+        assert len(eager["losses"]) == STEPS
+        for key, run in runs.items():
+            if "refused" in run:  # the error names the module and the way out
+                assert run["module"] and "while the" in run["refused"], run["refused"]
+                refused.append(f"{mask} {key}: {run['refused'][:300]}")
+                continue
+            report = run["report"]
+            assert report["captures"] == 1 and report["replays"] > 0, report
+            assert report["eager_fallbacks"] == 0, report
+            problems += [c["summary"] for c in report["verification"] if not c["identical"]]
+            problems += _bit_identical(eager, run, f"{mask} {key}")
+            assert run["owned"]
+    print(f"{family} refused:", refused)
+    assert not problems, "\n".join(problems)
+    # The attention scope captures on every decoder (nothing in it reads the host).
+    assert not any(" torch:attn:" in r for r in refused), refused
