@@ -21,9 +21,10 @@ runs SDPA with a materialized mask where eager runs it with ``is_causal=True``).
 tracker is active, that function (``torch.cuda`` and ``torch.cuda.graphs`` both export it)
 is wrapped: each call outside torch and graph_fsdp that gets True records its call site and
 two callers', with the module running (:attr:`ModuleTracker.capture_queries`, kept over the
-tracker's life). A verification step that finds graphed != eager names these sites
-(verify.py), so the report points at the line that branched, not only at the first module
-whose output differs. Host bookkeeping only: nothing enters a graph.
+tracker's life; code that bound the function to a name of its own at import is not seen).
+A verification step that finds graphed != eager names these sites (verify.py), so the
+report points at the line that branched, not only at the first module whose output differs.
+Host bookkeeping only: nothing enters a graph.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from torch.utils._pytree import tree_flatten
 
 _QUERY_OWNERS = (torch.cuda, torch.cuda.graphs)
 """Modules exporting ``is_current_stream_capturing`` (see [Note: capture-state queries])."""
-_OURS = tuple(
-    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.rsplit(".", 2)[0]])
+_OURS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 )
 """Directories of torch and graph_fsdp: their own capture checks are not the model's."""
 
