@@ -42,11 +42,21 @@ def _mark_updated(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if groups is None or optimizer._graph_fsdp_nparams != sum(
         len(g["params"]) for g in optimizer.param_groups
     ):
+        params = [p for pg in optimizer.param_groups for p in pg["params"]]
+        replaced = [p for p in params if getattr(p, "_graph_fsdp_sharded_as", None) is not None]
+        if replaced:
+            names = [
+                f"{p._graph_fsdp_sharded_as._graph_fsdp_fqn} of {p._graph_fsdp_sharded_as._graph_fsdp_unit}"
+                for p in replaced[:3]
+            ]
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds {len(replaced)} parameter(s) that fully_shard "
+                f"replaced by sharded ones ({', '.join(names)}{', ...' if len(replaced) > 3 else ''}): "
+                "they no longer get gradients and this step trained nothing. Create the "
+                "optimizer after fully_shard, from model.parameters()"
+            )
         groups = {
-            id(g): g
-            for pg in optimizer.param_groups
-            for p in pg["params"]
-            if (g := getattr(p, "_graph_fsdp_group", None)) is not None
+            id(g): g for p in params if (g := getattr(p, "_graph_fsdp_group", None)) is not None
         }
         optimizer._graph_fsdp_groups = list(groups.values())
         optimizer._graph_fsdp_nparams = sum(len(g["params"]) for g in optimizer.param_groups)
@@ -236,6 +246,8 @@ def _managed_params(
                     "apply fully_shard to children (layers) first, then to their parents and "
                     "the root last"
                 )
+            if getattr(p, "_graph_fsdp_sharded_as", None) is not None:
+                raise ValueError(_tied_message(module, f"{prefix}{name}", p._graph_fsdp_sharded_as))
             entry = found.setdefault(id(p), (prefix + name, [], p))
             entry[1].append((m, name))
         for child_name, child in m._modules.items():
@@ -244,6 +256,22 @@ def _managed_params(
 
     visit(module, "")
     return list(found.values())
+
+
+def _tied_message(module: nn.Module, name: str, sharded: nn.Parameter) -> str:
+    """[Note: tied parameters]: ``name`` holds the original of ``sharded``, another unit's."""
+    tied_to = next(
+        (n for n, q in module.named_parameters(remove_duplicate=False) if q is sharded),
+        f"{sharded._graph_fsdp_fqn} of {sharded._graph_fsdp_unit}",
+    )
+    return (
+        f"parameter {name} of {type(module).__name__} is the same tensor as {tied_to} (tied "
+        "weights), which an earlier "
+        f"fully_shard sharded in another unit: a tied parameter must belong to one unit, or "
+        "the copies would train apart. Apply fully_shard to a module that holds every use of "
+        f"it (a tied embedding and output layer: do not fully_shard the module holding "
+        f"{tied_to} by itself, leave both to the root's fully_shard), or untie them first"
+    )
 
 
 def _materialise(module: nn.Module, device: torch.device) -> None:
@@ -425,10 +453,17 @@ def fully_shard(
         )
         for dt, ents in by_dtype.items()
     ]
+    originals = {ref_fqn: p for ref_fqn, _, p in entries}
     for g in groups:
         for ref in g.params:
             ref.sharded._graph_fsdp_sharded = True
             ref.sharded._graph_fsdp_fqn = ref.fqn
+            # [Note: tied parameters] Only this unit's modules get the sharded parameter; a
+            # module elsewhere holding the same tensor (tied embedding and output layer
+            # sharded apart) would keep the original and train it on its own. The original
+            # is marked, and a later fully_shard that meets it refuses (_managed_params).
+            ref.sharded._graph_fsdp_unit = type(module).__name__
+            originals[ref.local_fqn]._graph_fsdp_sharded_as = ref.sharded
         g.use_sharded(initial=True)
     state = FSDPState(
         module,

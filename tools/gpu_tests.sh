@@ -19,7 +19,7 @@ OUT="${OUT:-$PWD/gpu_tests_out}"
 mkdir -p "$OUT"
 
 declare -A LIMIT=(
-  [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=300 [capture_safety]=300
+  [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [bench]=400
 )
 declare -A ARGS=(

@@ -242,7 +242,8 @@ def _leaf_paths(spec) -> list[str]:
 
 def _structure(spec) -> str:
     try:
-        args, kwargs = spec.children_specs
+        # torch >= 2.13 deprecates ``children_specs`` for ``children()``; 2.11 has only it.
+        args, kwargs = spec.children() if hasattr(spec, "children") else spec.children_specs
         return (
             f"{args.num_children} positional and keywords {list(kwargs.context)} "
             f"({spec.num_leaves} leaves)"

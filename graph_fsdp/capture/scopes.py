@@ -44,6 +44,8 @@ SCOPE_PRESETS: dict[str, tuple[ScopePath, ...]] = {
     "attn": (
         ScopePath("self_attention", family="graph_fsdp, TransformerEngine, Megatron-Core"),
         ScopePath("self_attn", family="HuggingFace"),
+        ScopePath("attn", family="HuggingFace GPT-2, GPT-J"),
+        ScopePath("attention", family="HuggingFace GPT-NeoX"),
     ),
     "mlp": (
         ScopePath("mlp", "dense", "graph_fsdp, Megatron-Core, HuggingFace"),

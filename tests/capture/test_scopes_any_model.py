@@ -114,6 +114,30 @@ def test_presets_for_every_family():
     assert names(select_targets(old, ["moe_router"])) == ["layers.0.block_sparse_moe.gate"]
 
 
+@pytest.mark.parametrize(
+    ("family", "attn"),
+    [
+        ("GPT2", "attn"),
+        ("GPTNeoX", "attention"),
+        ("Falcon", "self_attention"),
+        ("Phi", "self_attn"),
+    ],
+)
+def test_presets_on_real_huggingface_decoders(family, attn):
+    """Real HuggingFace layers (random init, no download): attn and mlp name their blocks."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64
+    )
+    model = getattr(
+        transformers, f"{family}ForCausalLM" if family != "GPT2" else "GPT2LMHeadModel"
+    )(config)
+    layers = model.base_model.h if hasattr(model.base_model, "h") else model.base_model.layers
+    got = select_targets([(f"layers.{i}", m) for i, m in enumerate(layers)], ["attn", "mlp"])
+    assert names(got) == [f"layers.{i}.{m}" for i in range(2) for m in (attn, "mlp")]
+    assert [t.scope for t in got] == ["attn", "mlp"] * 2
+
+
 def test_mlp_scope_skips_moe_blocks_and_moe_scopes_skip_dense_mlps():
     with pytest.raises(GraphConfigError, match="mlp: no module"):
         select_targets(units(lambda: mcore_layer(True), 1), ["mlp"])
@@ -135,23 +159,23 @@ def test_mcore_moe_preprocess_is_not_a_module():
 
 
 def test_no_match_error_lists_the_units_children_and_scope_modules():
-    layer = lambda: Box(attention=Box(wq=Leaf()), feed_forward=Leaf(), norm=nn.LayerNorm(4))  # noqa: E731
+    layer = lambda: Box(mixer=Box(wq=Leaf()), feed_forward=Leaf(), norm=nn.LayerNorm(4))  # noqa: E731
     with pytest.raises(GraphConfigError) as err:
         select_targets(units(layer), ["attn"])
     msg = str(err.value)
-    assert "attention (Box), feed_forward (Leaf), norm (LayerNorm)" in msg
-    assert "self_attention, self_attn" in msg  # what the presets looked for
-    assert "scope_modules={'attn': 'attention'}" in msg
-    assert "--cuda-graph-scope-modules attn=attention" in msg
+    assert "mixer (Box), feed_forward (Leaf), norm (LayerNorm)" in msg
+    assert "self_attention, self_attn, attn, attention" in msg  # what the presets looked for
+    assert "scope_modules={'attn': 'mixer'}" in msg
+    assert "--cuda-graph-scope-modules attn=mixer" in msg
     got = select_targets(
         units(layer),
         ["attn", "mlp"],
-        scope_modules={"attn": "attention", "mlp": ["ffn", "feed_forward"]},
+        scope_modules={"attn": "mixer", "mlp": ["ffn", "feed_forward"]},
     )
     assert names(got) == [
-        "layers.0.attention",
+        "layers.0.mixer",
         "layers.0.feed_forward",
-        "layers.1.attention",
+        "layers.1.mixer",
         "layers.1.feed_forward",
     ]
 

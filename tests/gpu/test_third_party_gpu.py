@@ -51,8 +51,14 @@ def _has_te() -> bool:
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # biased q/k/v projections
+    # biased q/k/v projections; tied embedding and output layer (as Qwen2-0.5B), both root's
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),  # top-2 MoE
+    # Learned positions, LayerNorm + GELU, Conv1D projections, tied by default, layers in
+    # ``transformer.h`` and attention named ``attn``.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    # Parallel residual, partial rotary, attention named ``attention``, untied ``embed_out``.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
 }
 
 
@@ -74,9 +80,12 @@ def _model(device: torch.device, family: str = "llama"):
     )
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).to(device)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == config.tie_word_embeddings, (family, tied)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
-    for layer in model.model.layers:
+    base = model.base_model
+    for layer in base.h if hasattr(base, "h") else base.layers:
         fully_shard(layer, mp_policy=mp, buffer_policy=bp)
     return fully_shard(model, mp_policy=mp, buffer_policy=bp)
 
@@ -257,6 +266,8 @@ OTHERS = {
         [("torch", ["attn"]), ("torch", ["moe_router"]), ("torch", ["attn", "moe"])],
         [("torch", ["full_iteration"])],
     ),
+    "gpt2": ([("torch", []), ("torch", ["attn", "mlp"])], [("torch", ["full_iteration"])]),
+    "gpt_neox": ([("torch", []), ("torch", ["attn", "mlp"])], [("torch", ["full_iteration"])]),
 }
 
 
