@@ -3,6 +3,7 @@
 from graph_fsdp.api import STRATEGIES, BufferPolicy, MixedPrecisionPolicy, placements_for
 from graph_fsdp.distributed import init_distributed
 from graph_fsdp.fully_shard import FSDPModule, fully_shard, synchronize_param_gather
+from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.lifecycle import iter_full_params
 from graph_fsdp.state import TrainingState
 
@@ -12,6 +13,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "TrainingState",
+    "clip_grad_norm_",
     "fully_shard",
     "init_distributed",
     "iter_full_params",

@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
 from graph_fsdp.comm import CommContext
+from graph_fsdp.grad_norm import clip_grad_norm_, install_torch_clip
 from graph_fsdp.param_group import FlatParamGroup
 from graph_fsdp.state import FSDPState
 
@@ -112,31 +113,10 @@ class FSDPModule:
                     group.attach_sharded_grads()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the sharded gradients by the global norm (all ranks' shards together)."""
-        states = collect_states(self)
-        grads = [
-            p.grad
-            for s in states
-            for g in s.groups
-            for p in g.sharded_params()
-            if p.grad is not None
-        ]
-        device = states[0].groups[0].device
-        if norm_type != 2.0:
-            raise ValueError(f"clip_grad_norm_ supports norm_type=2.0 only, got {norm_type}")
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += g.float().pow(2).sum()
-        if states[0].placements.optim:
-            comm = states[0].comm
-            dist.all_reduce(local, group=comm.group)
-            if states[0].placements.optim_over_replicas and comm.replicate_size > 1:
-                dist.all_reduce(local, group=comm.replicate_group)
-        total = local.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
+        """Clip the sharded gradients by the global norm (all ranks' shards together,
+        grad_norm.py [Note: global gradient norm])."""
+        params = [p for s in collect_states(self) for g in s.groups for p in g.sharded_params()]
+        return clip_grad_norm_(params, max_norm, norm_type)
 
     def fsdp_memory_report(self) -> dict:
         """Bytes by kind: persistent FSDP tensors and the allocator's roles and peaks."""
@@ -387,6 +367,7 @@ def fully_shard(
     global _STEP_HOOK
     if _STEP_HOOK is None:
         _STEP_HOOK = register_optimizer_step_post_hook(_mark_updated)
+        install_torch_clip()  # grad_norm.py [Note: global gradient norm]
     placements = placements_for(strategy, optim_over_replicas=optim_over_replicas)
     mp = mp_policy or MixedPrecisionPolicy()
     buffer_policy = buffer_policy or BufferPolicy()

@@ -20,6 +20,7 @@ from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.fully_shard import fully_shard
+from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.models import GPTConfig, build_model, sharding_units, transformer_layers
 
 
@@ -46,6 +47,8 @@ class TrainConfig:
     """AdamW learning rate."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    clip_grad: float = 0.0
+    """Global gradient-norm clipping before each optimizer step (0: off)."""
     bf16: bool = False
     """bf16 compute weights with fp32 main weights and grads."""
     grad_comm_dtype: str | None = None
@@ -178,9 +181,11 @@ class MixedPrecisionReference:
         if cfg.bf16:
             model.to(torch.bfloat16)
 
-    def step(self) -> None:
+    def step(self, clip_grad: float = 0.0) -> None:
         for m, p in zip(self.master, self.params):
             m.grad = p.grad.float() if p.grad is not None else None
+        if clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.master, clip_grad)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -331,8 +336,10 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                     # No live autograd graph is kept (it would pin AccumulateGrad streams).
                     step_loss += eager_forward_backward(model, x, y, denom, clock)
         if reference:
-            trainer.step()
+            trainer.step(cfg.clip_grad)
         else:
+            if cfg.clip_grad > 0:  # the global norm: grad_norm.py
+                clip_grad_norm_(model.parameters(), cfg.clip_grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if not reference and world_size > 1:

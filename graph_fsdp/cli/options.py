@@ -110,6 +110,13 @@ def add_training_args(
     g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
     g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=0.0,
+        help="Clip the gradients to this global L2 norm before each optimizer step (over "
+        "every rank's shards: graph_fsdp.clip_grad_norm_); 0: off. Megatron's default is 1.0.",
+    )
+    g.add_argument(
         "--bf16",
         action="store_true",
         help="bf16 compute weights with fp32 main weights and gradients.",
@@ -533,6 +540,15 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
             raise CLIError(f"{_flag(name)} {value} must be >= 1")
 
 
+def check_clip_grad(args: argparse.Namespace) -> None:
+    value = args.clip_grad
+    if not (value >= 0 and value != float("inf")):  # NaN fails both
+        raise CLIError(
+            f"--clip-grad {value} must be a finite norm >= 0 (e.g. 1.0, Megatron's default; "
+            "0 turns clipping off)"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Resolution
 # --------------------------------------------------------------------------------------------
@@ -599,6 +615,7 @@ def resolve(
     """
     plan = resolve_plan(args.device, args.nproc)
     check_positive(args, "train_iters", "micro_batch_size")
+    check_clip_grad(args)
     if args.eval_interval < 0:
         raise CLIError(f"--eval-interval {args.eval_interval} must be >= 0 (0: never)")
     if args.cuda_graph_warmup_steps < 0:
@@ -652,6 +669,7 @@ def resolve(
         steps=args.train_iters,
         lr=args.lr,
         weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
         bf16=args.bf16,
         grad_comm_dtype="bf16" if args.grad_comm_dtype == "bf16" else None,
         reduce_scatter_fp32_accumulation=fp32_accumulation,

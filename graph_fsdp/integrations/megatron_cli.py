@@ -25,7 +25,12 @@ from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch, resolve_plan
-from graph_fsdp.cli.options import allocator_of, check_graph_environment, grad_accumulation
+from graph_fsdp.cli.options import (
+    allocator_of,
+    check_clip_grad,
+    check_graph_environment,
+    grad_accumulation,
+)
 from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS
 
@@ -284,6 +289,8 @@ def base_train_config(args: argparse.Namespace, model, plan, **fields):
     """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
     from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
 
+    check_clip_grad(args)
+
     base = dict(
         model=model,
         strategy=args.data_parallel_sharding_strategy,
@@ -292,6 +299,7 @@ def base_train_config(args: argparse.Namespace, model, plan, **fields):
         steps=args.train_iters,
         lr=args.lr,
         weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
         bf16=args.bf16,
         allocator=allocator_of(args),
         persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,

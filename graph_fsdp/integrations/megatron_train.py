@@ -46,6 +46,8 @@ class MCoreTrainConfig:
     """AdamW learning rate."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
+    clip_grad: float = 0.0
+    """Global gradient-norm clipping before each optimizer step (0: off)."""
     bf16: bool = True
     """bf16 compute weights, fp32 main weights and grads."""
     allocator: str = "dynamic"
@@ -226,6 +228,8 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
                     step_loss += graphs.forward_backward(micro, x, y, cfg.grad_accum)
                 else:
                     step_loss += eager_forward_backward(lm, x, y, cfg.grad_accum)
+        if cfg.clip_grad > 0:  # graph_fsdp's parameters: routed to grad_norm.py
+            torch.nn.utils.clip_grad_norm_(lm.parameters(), cfg.clip_grad)
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_loss = step_loss.detach().float()

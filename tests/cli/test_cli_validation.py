@@ -160,6 +160,8 @@ FP32_ACCUM = "--ddp-reduce-scatter-with-fp32-accumulation"
             ["(HSDP) drop it"],
         ),
         (["--save-interval", "2"], ["--save-interval is given without --save"]),
+        (["--clip-grad", "-1"], ["--clip-grad -1.0 must be a finite norm >= 0"]),
+        (["--clip-grad", "nan"], ["--clip-grad nan must be a finite norm >= 0"]),
         (["--load", "/nonexistent/ckpt"], ["--load /nonexistent/ckpt: no such checkpoint"]),
         (
             ["--data-path", "/nonexistent/tokens.bin"],

@@ -51,6 +51,18 @@ def test_uneven_and_empty_shards_with_fused_adamw_four_ranks():
     assert_matches_reference(spawn(run, 4, cfg), reference_for(cfg, 4))
 
 
+@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
+def test_clip_grad_clips_by_the_global_norm_as_the_reference(strategy):
+    """TrainConfig.clip_grad (``--clip-grad``): the norm of the whole gradient over every
+    rank's shards (grad_norm.py), as the unsharded reference clips; small enough to clip."""
+    cfg = TrainConfig(model=TINY, strategy=strategy, steps=3, clip_grad=0.05)
+    ref = reference_for(cfg, 2)
+    unclipped = reference_for(dataclasses.replace(cfg, clip_grad=0.0), 2)
+    moved = max((ref["params"][k] - v).abs().max().item() for k, v in unclipped["params"].items())
+    assert moved > 1e-4  # it clips (AdamW's steps change little: its updates are normalised)
+    assert_matches_reference(spawn(run, 2, cfg), ref)
+
+
 def test_no_sync_accumulation_equals_large_batch():
     cfg = TrainConfig(model=TINY, strategy="optim_grads_params", steps=2, grad_accum=3)
     assert_matches_reference(spawn(run, 2, cfg), reference_for(cfg, 2))

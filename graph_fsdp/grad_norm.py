@@ -1,0 +1,126 @@
+"""Gradient norms and clipping over sharded parameters.
+
+[Note: global gradient norm] A sharded parameter holds this rank's piece of the main weights
+and, after backward, of their gradients: the norm of the whole gradient needs every rank's
+pieces. ``torch.nn.utils.clip_grad_norm_`` sees plain tensors and would clip each rank's
+pieces by that rank's own norm - different coefficients on different ranks, silently not the
+clipping of the unsharded model (torch FSDP2 gets it right through DTensor). So
+``clip_grad_norm_`` here sums each element once: a group's contributions are reduced over
+the ranks that own disjoint pieces (the shard group when the optimizer is sharded, and the
+replicas when it is sharded over them too); gradients held whole on every rank (``no_shard``,
+replicas of one shard) and parameters graph_fsdp does not manage count once, as torch
+counts them. ``fully_shard`` routes ``torch.nn.utils.clip_grad_norm_`` here whenever the
+parameters include graph_fsdp's (``install_torch_clip``), so training loops written for
+FSDP2, DDP or HuggingFace's Trainer clip by the global norm unchanged; a reference bound
+before the first ``fully_shard`` call (``from torch.nn.utils import clip_grad_norm_`` at
+import time) is not rerouted - call ``graph_fsdp.clip_grad_norm_`` or the model's method.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+def _reduction_groups(group) -> list:
+    """Process groups over which ``group``'s gradient pieces are disjoint."""
+    comm = group.comm
+    out = []
+    if group.placements.optim and comm.world_size > 1:
+        out.append(comm.group)
+    if group.over_replicas:
+        out.append(comm.replicate_group)
+    return out
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole (unsharded) gradient
+    ([Note: global gradient norm]); every rank must call it with the same parameters.
+    ``foreach`` is accepted for torch's signature (the foreach kernels are always used)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    if math.isnan(norm_type) or norm_type <= 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    # Contributions per set of reduction groups: one collective per set, in a fixed order.
+    partial: dict[tuple, list[torch.Tensor]] = {}
+    keys: dict[tuple, list] = {}
+    grads: list[torch.Tensor] = []
+    device = None
+    for p in params:
+        group = getattr(p, "_graph_fsdp_group", None)
+        over = _reduction_groups(group) if group is not None else []
+        key = tuple(id(g) for g in over)
+        keys.setdefault(key, over)
+        partial.setdefault(key, [])
+        if device is None:
+            device = group.device if group is not None else p.device
+        if p.grad is None:
+            continue
+        g = p.grad
+        grads.append(g)
+        if g.numel():
+            partial[key].append(g)
+    if device is None:
+        return torch.zeros(())
+    inf = math.isinf(norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for key, gs in partial.items():  # first-seen order: the same on every rank
+        if gs:
+            norms = torch._foreach_norm([g.float() for g in gs], norm_type)
+            stacked = torch.stack([n.to(device) for n in norms])
+            local = stacked.max() if inf else stacked.pow(norm_type).sum()
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=device)
+        for pg in keys[key]:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
+        total = torch.maximum(total, local) if inf else total + local
+    if not inf:
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
+            " so it cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, dtype), gs in by_dtype.items():
+        torch._foreach_mul_(gs, coef.to(device=dev, dtype=dtype))
+    return total
+
+
+_TORCH_CLIP = None
+
+
+def install_torch_clip() -> None:
+    """Route ``torch.nn.utils.clip_grad_norm_`` to :func:`clip_grad_norm_` for parameter
+    lists that hold graph_fsdp's sharded parameters (others go to torch's, unchanged)."""
+    global _TORCH_CLIP
+    if _TORCH_CLIP is not None:
+        return
+    import torch.nn.utils as nn_utils  # noqa: PLC0415
+    import torch.nn.utils.clip_grad as clip_grad  # noqa: PLC0415
+
+    original = _TORCH_CLIP = nn_utils.clip_grad_norm_
+
+    def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(getattr(p, "_graph_fsdp_group", None) is not None for p in params):
+            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    routed.__doc__ = original.__doc__
+    routed.__wrapped__ = original
+    routed._graph_fsdp_routed = True
+    nn_utils.clip_grad_norm_ = routed
+    clip_grad.clip_grad_norm_ = routed
