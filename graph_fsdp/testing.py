@@ -17,6 +17,21 @@ import torch.multiprocessing as mp
 
 from graph_fsdp.distributed import init_distributed
 
+GPU_TEST_WORLD = int(os.environ.get("GRAPH_FSDP_GPU_TEST_WORLD", "2"))
+"""Ranks (one GPU each) the multi-GPU tests spawn: 2, or 1 for a single-GPU smoke run
+(``GRAPH_FSDP_GPU_TEST_WORLD=1``, tools/gpu_tests.sh ``WORLD=1``); the tests that need
+several ranks by construction skip below 2."""
+
+
+def needs_gpus(world: int | None = None):
+    """``skipif`` marker: fewer CUDA GPUs than ``world`` (default ``GPU_TEST_WORLD``)."""
+    import pytest  # noqa: PLC0415 (tests only)
+
+    world = GPU_TEST_WORLD if world is None else world
+    return pytest.mark.skipif(
+        torch.cuda.device_count() < world, reason=f"needs {world} CUDA GPU(s)"
+    )
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -10,10 +10,12 @@
 # third_party, capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to
 # $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
+# WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run where only one GPU is
+# lent: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
 set -u -o pipefail
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore GRAPH_FSDP_GPU_TEST_WORLD="${WORLD:-2}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-$PWD/gpu_tests_out}"
 mkdir -p "$OUT"

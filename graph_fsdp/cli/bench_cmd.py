@@ -141,6 +141,11 @@ def reduction_label(cfg) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.clip_grad:
+        raise CLIError(
+            f"--clip-grad {args.clip_grad}: bench times the same unclipped step in every row "
+            "(the peers' rows do not clip); drop it (train and compare take it)"
+        )
     if args.model != "gpt":
         from graph_fsdp.integrations import megatron_bench  # noqa: PLC0415
 

@@ -131,6 +131,11 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
     lm = gm.build_gpt(dataclasses.replace(cfg.model, bf16=cfg.bf16), device)
     if cfg.engine == "megatron_fsdp":
+        if cfg.clip_grad > 0:
+            raise ValueError(
+                f"clip_grad={cfg.clip_grad} is wired for graph_fsdp's engine only (the global "
+                "norm over its shards); the megatron_fsdp row trains unclipped: set clip_grad=0"
+            )
         return _build_megatron_fsdp(cfg, lm, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
     bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)

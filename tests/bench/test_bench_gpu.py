@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from graph_fsdp.bench.memory import MemoryJob, memory_worker
 from graph_fsdp.bench.peers import BenchSpec, run_unsharded, run_unsharded_captured
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus, spawn
 from graph_fsdp.train import TrainConfig
 
 for _var, _value in (
@@ -28,7 +28,7 @@ for _var, _value in (
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    needs_gpus(),
 ]
 
 MODEL = GPTConfig(
@@ -47,7 +47,7 @@ def _both_unsharded(rank: int, world_size: int, spec: BenchSpec):
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_unsharded_eager_and_captured_agree(grad_accum: int) -> None:
     spec = BenchSpec(cfg=_cfg(grad_accum=grad_accum), warmup=3, steps=5)
-    eager, captured = spawn(_both_unsharded, 2, spec, backend="nccl")[0]
+    eager, captured = spawn(_both_unsharded, WORLD, spec, backend="nccl")[0]
     assert len(eager["times"]) == len(captured["times"]) == 5
     # Same data, weights and kernels; the captured graph accumulates microbatches into
     # the same fixed .grad: the losses agree to bf16 noise.
@@ -73,7 +73,7 @@ def test_unsharded_eager_and_captured_agree(grad_accum: int) -> None:
 )
 def test_memory_breakdown_accounts_for_the_peak(engine: str, cfg_kw: dict) -> None:
     job = MemoryJob(cfg=_cfg(steps=2, **cfg_kw), engine=engine, warmup=3, output_dir="unused")
-    out = spawn(memory_worker, 2, job, backend="nccl")[0]
+    out = spawn(memory_worker, WORLD, job, backend="nccl")[0]
     peak, roles = out["peak_allocated_bytes"], out["by_role"]
     assert out["trace_events"] > 0 and peak > 0
     assert sum(roles.values()) == peak

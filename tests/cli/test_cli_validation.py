@@ -235,6 +235,12 @@ def test_compare_scope_sets_are_validated(capsys: pytest.CaptureFixture) -> None
     assert "--scopes only" in err
 
 
+def test_bench_refuses_clip_grad(capsys: pytest.CaptureFixture) -> None:
+    for model in ("gpt", "mcore-gpt"):
+        err = error_of(capsys, "bench", "--model", model, "--clip-grad", "1.0")
+        assert "--clip-grad 1.0: bench times the same unclipped step in every row" in err
+
+
 def test_bench_and_profile_check_capture_warmup(capsys: pytest.CaptureFixture) -> None:
     for command in ("bench", "profile"):
         err = error_of(

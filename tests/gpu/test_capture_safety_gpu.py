@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus, spawn
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    needs_gpus(),
 ]
 
 MODEL = GPTConfig(
@@ -117,7 +118,7 @@ def _all(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_all, 2, backend="nccl", timeout=900)[0]
+    return spawn(_all, WORLD, backend="nccl", timeout=900)[0]
 
 
 def test_step_api_full_iteration_is_bit_exact_and_owned(results):
@@ -183,7 +184,7 @@ def _fail(rank: int, world: int, kind: str, fault: str) -> dict:
 @pytest.mark.parametrize("fault", ["item", "copy"])
 def test_capture_failure_names_the_module(kind, fault):
     # A short join timeout: the ranks report before tearing down NCCL after a failed capture.
-    r = spawn(_fail, 2, kind, fault, backend="nccl", timeout=180)[0]
+    r = spawn(_fail, WORLD, kind, fault, backend="nccl", timeout=180)[0]
     expected = "layers.2.mlp"
     assert r["module"] == expected and r["phase"] == "forward", r["text"]
     assert f"while the forward of {expected} was running" in r["text"]

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus, spawn
 from graph_fsdp.train import TrainConfig, run
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    needs_gpus(),
 ]
 
 
@@ -113,7 +114,7 @@ def family_results(request):
     if family == "te_layers" and not HAS_TE:
         pytest.skip("TransformerEngine is not installed")
     with tempfile.TemporaryDirectory() as root:
-        results = spawn(_train_family, 2, family, root, backend="nccl", timeout=1200)
+        results = spawn(_train_family, WORLD, family, root, backend="nccl", timeout=1200)
     return family, results[0]
 
 
@@ -221,7 +222,7 @@ def _lockstep(
 @pytest.mark.parametrize("impl", BACKENDS)
 @pytest.mark.parametrize("scopes", [["attn"], []], ids=["attn", "layer"])
 def test_fallback_eval_and_recapture_stay_bit_exact(impl, scopes):
-    res = spawn(_lockstep, 2, impl, scopes, backend="nccl")[0]
+    res = spawn(_lockstep, WORLD, impl, scopes, backend="nccl")[0]
     graphed, eager = res["losses"]
     assert graphed == eager, (graphed, eager)
     differ = [n for n, v in res["params"][1].items() if not torch.equal(res["params"][0][n], v)]
@@ -238,7 +239,7 @@ def test_fallback_eval_and_recapture_stay_bit_exact(impl, scopes):
 def test_layer_whose_input_requires_no_grad_is_bit_exact(impl):
     """Frozen embeddings: layer 0's recorded input requires no grad, yet its parameters do;
     the replay must still run its backward (torch: the anchor leaf) and train layer 0."""
-    res = spawn(_lockstep, 2, impl, [], True, backend="nccl")[0]
+    res = spawn(_lockstep, WORLD, impl, [], True, backend="nccl")[0]
     graphed, eager = res["losses"]
     assert graphed == eager, (graphed, eager)
     first, last = res["params"][1], res["params"][0]

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus, spawn
 from graph_fsdp.train import TrainConfig, run
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    needs_gpus(),
 ]
 
 SMALL = GPTConfig(
@@ -23,8 +24,8 @@ SMALL = GPTConfig(
 
 def test_bf16_parity_with_single_gpu_reference():
     cfg = TrainConfig(model=SMALL, bf16=True, steps=5, device="cuda", micro_batch_size=2)
-    ref = run(0, 2, dataclasses.replace(cfg, mode="reference"))
-    res = spawn(run, 2, cfg, backend="nccl")
+    ref = run(0, WORLD, dataclasses.replace(cfg, mode="reference"))
+    res = spawn(run, WORLD, cfg, backend="nccl")
     # bf16 compute: the reference accumulates both microbatches' grads in bf16, FSDP
     # reduces them in fp32, so agreement is to bf16 rounding, not bitwise.
     for a, b in zip(res[0]["losses"], ref["losses"]):
@@ -76,8 +77,9 @@ def _profile_overlap(rank: int, world: int) -> dict:
     return {"comm_us": total_comm, "overlapped_us": overlapped, "n_comm": len(comm)}
 
 
+@pytest.mark.skipif(WORLD < 2, reason="one rank issues no collectives to overlap")
 def test_all_gather_and_reduce_scatter_overlap_compute():
-    stats = spawn(_profile_overlap, 2, backend="nccl")
+    stats = spawn(_profile_overlap, WORLD, backend="nccl")
     for s in stats:
         assert s["n_comm"] > 0
         # Judged from kernel intervals, not wall clock. With every collective on the main
@@ -136,8 +138,8 @@ def _addresses(rank: int, world: int, allocator: str, pin: bool) -> dict:
     "allocator,pin", [("double_buffer", True), ("trace_pool", True), ("double_buffer", False)]
 )
 def test_static_allocator_bit_identical_and_addresses_constant(allocator, pin):
-    dynamic = spawn(_addresses, 2, "dynamic", False, backend="nccl")
-    static = spawn(_addresses, 2, allocator, pin, backend="nccl")
+    dynamic = spawn(_addresses, WORLD, "dynamic", False, backend="nccl")
+    static = spawn(_addresses, WORLD, allocator, pin, backend="nccl")
     assert dynamic[0]["losses"] == static[0]["losses"]
     steady = static[0]["ptrs"][2:]  # the trace pool plans after its first step
     if pin:  # what graphs pin keeps its address (and its bytes)

@@ -25,6 +25,8 @@ import pytest
 import torch
 
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus
 
 GPU_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -79,7 +81,7 @@ def _shutdown_rank(rank: int, mode: str, port: int) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    os.environ.update(WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     model, opt = _build(rank)
@@ -97,11 +99,11 @@ def _shutdown_main(mode: str) -> None:
 
     from graph_fsdp.testing import free_port
 
-    mp.spawn(_shutdown_rank, args=(mode, free_port()), nprocs=2, join=True)
+    mp.spawn(_shutdown_rank, args=(mode, free_port()), nprocs=WORLD, join=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus()
 @pytest.mark.parametrize("mode", ["full_iteration", "layerwise"])
 def test_graphed_script_exits_cleanly(mode):
     env = {**os.environ, **GPU_ENV}
@@ -127,7 +129,7 @@ def test_graphed_script_exits_cleanly(mode):
     total = time.monotonic() - start
     assert proc.returncode == 0, out[-4000:]
     destroys = [json.loads(line)["destroy_s"] for line in out.splitlines() if '"destroy_s"' in line]
-    assert len(destroys) == 2, out[-4000:]
+    assert len(destroys) == WORLD, out[-4000:]
     record = {"test": "shutdown", "mode": mode, "destroy_s": destroys, "script_s": total}
     print(json.dumps(record))
     assert max(destroys) < SHUTDOWN_BOUND_S
@@ -188,12 +190,12 @@ def _graphed_cycle(rank: int, world_size: int, mode: str) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus()
 @pytest.mark.parametrize("mode", ["full_iteration", "layerwise"])
 def test_graphs_replay_bit_identically_after_offload_cycle(mode):
     from graph_fsdp.testing import spawn
 
-    result = spawn(_graphed_cycle, 2, mode, backend="nccl")[0]
+    result = spawn(_graphed_cycle, WORLD, mode, backend="nccl")[0]
     plain, cycled = result["losses"]["plain"], result["losses"]["cycled"]
     freed = {k: result[k] for k in ("offload_params", "offload_grads", "offload_optimizer")}
     print(
@@ -275,11 +277,11 @@ def _offload_cost(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_gpus()
 def test_optimizer_offload_step_time():
     from graph_fsdp.testing import spawn
 
-    result = spawn(_offload_cost, 2, backend="nccl")[0]
+    result = spawn(_offload_cost, WORLD, backend="nccl")[0]
     device_ms = result["device"]["median_ms"]
     record = {
         "test": "optimizer_offload_step_time",

@@ -24,11 +24,12 @@ from statistics import median
 import pytest
 import torch
 
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus, spawn
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    needs_gpus(),
 ]
 
 
@@ -186,7 +187,7 @@ MOE_VARIANTS = {
 
 def test_mcore_gpt_graphed_bit_identical_to_eager() -> None:
     dense, _ = _models()
-    out = spawn(_family, 2, dense, DENSE_VARIANTS, ("te", ("attn",)), backend="nccl")[0]
+    out = spawn(_family, WORLD, dense, DENSE_VARIANTS, ("te", ("attn",)), backend="nccl")[0]
     problems = _check(out, DENSE_VARIANTS)
     assert not problems, "\n".join(problems)
     _check_megatron_fsdp(out)
@@ -194,7 +195,9 @@ def test_mcore_gpt_graphed_bit_identical_to_eager() -> None:
 
 def test_mcore_moe_graphed_bit_identical_to_eager() -> None:
     _, moe = _models()
-    out = spawn(_family, 2, moe, MOE_VARIANTS, ("te", ("attn", "moe_router")), backend="nccl")[0]
+    out = spawn(_family, WORLD, moe, MOE_VARIANTS, ("te", ("attn", "moe_router")), backend="nccl")[
+        0
+    ]
     timing = {
         label: {
             "median_step_ms": median(out[label]["times"][3:]) * 1e3,
@@ -218,7 +221,7 @@ PREPROCESS_VARIANTS = {
 def test_mcore_moe_preprocess_graphed_bit_identical_to_eager() -> None:
     """moe_preprocess: the dispatcher's preprocess state comes back from the graph outputs."""
     _, moe = _models()
-    out = spawn(_family, 2, moe, PREPROCESS_VARIANTS, None, backend="nccl")[0]
+    out = spawn(_family, WORLD, moe, PREPROCESS_VARIANTS, None, backend="nccl")[0]
     timing = {
         label: {
             "median_step_ms": median(out[label]["times"][3:]) * 1e3,
@@ -241,7 +244,7 @@ def test_cli_trains_mcore_moe_with_graphs(tmp_path) -> None:
         sys.executable, "-m", "graph_fsdp.cli.main", "train", "--model", "mcore-moe",
         "--moe-shared-expert-intermediate-size", "256", "--transformer-impl",
         "transformer_engine", "--bf16", "--num-layers", "2", "--hidden-size", "128",
-        "--seq-length", "64", "--vocab-size", "512", "--train-iters", "6", "--nproc", "2",
+        "--seq-length", "64", "--vocab-size", "512", "--train-iters", "6", "--nproc", str(WORLD),
         "--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail",
         "--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "moe_router",
         "--use-megatron-schedule", "--log-json", str(log),
@@ -262,7 +265,7 @@ def test_cli_trains_mcore_moe_with_graphs(tmp_path) -> None:
 CLI_SHAPE = ["--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128"]
 CLI_COMMON = [
     "--transformer-impl", "transformer_engine", "--bf16", "--num-layers", "2", *CLI_SHAPE,
-    "--vocab-size", "512", "--nproc", "2", "--lr", "1e-2", "--deterministic",
+    "--vocab-size", "512", "--nproc", str(WORLD), "--lr", "1e-2", "--deterministic",
     "--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail", "--cuda-graph-impl", "te",
 ]  # fmt: skip
 CLI_MOE = [

@@ -29,11 +29,12 @@ import os
 import pytest
 import torch
 
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp.testing import needs_gpus, spawn
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+    needs_gpus(),
 ]
 transformers = pytest.importorskip("transformers")
 
@@ -211,7 +212,7 @@ LAYERWISE = {
 def test_huggingface_llama_layerwise_graphs_are_bit_exact(backend):
     if backend == "te" and not _has_te():
         pytest.skip("TransformerEngine is not installed")
-    res = spawn(_family, 2, LAYERWISE[backend], backend="nccl", timeout=900)[0]
+    res = spawn(_family, WORLD, LAYERWISE[backend], backend="nccl", timeout=900)[0]
     eager = res["eager"]
     assert len(eager["losses"]) == STEPS and len(eager["evals"]) == STEPS // EVAL
     problems = []
@@ -233,7 +234,7 @@ def test_huggingface_llama_full_iteration_is_exact_or_flagged(mask4d):
     under one; the verification must name that line. With a ready 4-D mask both runs
     compute the same: bit-identical."""
     variants = [("torch", ["full_iteration"])]
-    res = spawn(_family, 2, variants, mask4d, backend="nccl", timeout=900)[0]
+    res = spawn(_family, WORLD, variants, mask4d, backend="nccl", timeout=900)[0]
     run = res["torch:full_iteration"]
     if "refused" in run:  # the error must name the module that was running
         assert not mask4d, run["refused"]  # with a ready mask nothing reads the host
@@ -281,7 +282,7 @@ def _both(rank: int, world: int, family: str) -> dict:
 
 @pytest.mark.parametrize("family", list(OTHERS))
 def test_other_huggingface_decoders_are_bit_exact_or_refused(family):
-    res = spawn(_both, 2, family, backend="nccl", timeout=900)[0]
+    res = spawn(_both, WORLD, family, backend="nccl", timeout=900)[0]
     problems, refused = [], []
     for mask, runs in res.items():
         eager = runs.pop("eager")
