@@ -254,6 +254,38 @@ def _tied_message(module: nn.Module, name: str, sharded: nn.Parameter) -> str:
     )
 
 
+def _full_tensor_loader(module: nn.Module, groups: list[FlatParamGroup]):
+    """``load_state_dict`` pre-hook: a value of a parameter's full (unsharded) shape - a
+    pretrained or unsharded checkpoint, present on every rank - loads as this rank's piece
+    of it (no collective); a value of the shard's shape loads as is (``model.state_dict()``
+    of the same sharding). The main weights change in place, so the next gather refreshes
+    the compute weights."""
+    paths = {id(m): name for name, m in module.named_modules()}
+    entries = [
+        (f"{paths[id(owner)]}.{name}" if paths[id(owner)] else name, ref, group)
+        for group in groups
+        for ref in group.params
+        for owner, name in ref.owners
+    ]
+
+    def hook(mod, state_dict, prefix, *args) -> None:
+        for key, ref, group in entries:
+            value = state_dict.get(prefix + key)
+            if not isinstance(value, torch.Tensor) or value.shape != ref.shape:
+                continue
+            if group._unsharded_on_modules:
+                raise RuntimeError(
+                    f"load_state_dict({prefix + key}) while {group.fqn}'s weights are gathered "
+                    "(between a forward and its backward): load between steps"
+                )
+            if value.shape == ref.sharded.shape:
+                continue  # this rank holds the whole parameter
+            n = ref.sharded.numel()
+            state_dict[prefix + key] = value.reshape(-1)[ref.global_offset : ref.global_offset + n]
+
+    return hook
+
+
 def _materialise(module: nn.Module, device: torch.device) -> None:
     """Meta-device init: allocate this unit's own params and run ``reset_parameters``."""
 
@@ -457,6 +489,7 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward and placements.params,
     )
     state.register_hooks()
+    module.register_load_state_dict_pre_hook(_full_tensor_loader(module, groups))
     module._fsdp_state = state
     cls = module.__class__
     if cls not in _CLASS_CACHE:

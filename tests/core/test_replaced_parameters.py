@@ -130,3 +130,34 @@ def test_an_optimizer_created_before_fully_shard_is_refused_at_its_step():
     assert "AdamW holds 7 parameter(s) that fully_shard replaced by sharded ones" in msg
     assert "embed.weight of TiedLM" in msg and "0.weight of Sequential" in msg
     assert "Create the optimizer after fully_shard" in msg
+
+
+def _load_full(rank: int, world: int) -> tuple[list[float], dict, dict]:
+    torch.manual_seed(0)
+    model = TiedLM()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    _train(model, world, rank)  # a step first: the compute weights exist and must refresh
+    torch.manual_seed(1)
+    model.load_state_dict(TiedLM().state_dict())  # full shapes, on every rank
+    loaded = full_state_dict(model)
+    own = {k: v.clone() for k, v in model.state_dict().items()}  # this rank's pieces
+    model.load_state_dict(own)  # the shards of the same sharding load as they are
+    losses, model = _train(model, world, rank)
+    return losses, loaded, full_state_dict(model)
+
+
+def test_a_full_state_dict_loads_into_the_sharded_model():
+    torch.manual_seed(1)
+    ref = TiedLM()
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_losses, ref = _train(ref, 2, None)
+    results = spawn(_load_full, 2)
+    mean = [sum(step) / len(step) for step in zip(*(losses for losses, _, _ in results))]
+    assert mean == pytest.approx(ref_losses, abs=1e-5)
+    for _, loaded, trained in results:
+        for name, value in ref.state_dict().items():
+            if name != "lm_head.weight":
+                assert torch.equal(loaded[name], initial[name]), name
+                assert torch.allclose(trained[name], value, atol=1e-6), name
