@@ -1,7 +1,8 @@
 """The parameters fully_shard replaces by sharded ones: tied parameters (one tensor used by two
 modules, e.g. a tied embedding and output layer) train as one inside a unit and are refused
 across units (fully_shard.py [Note: tied parameters]); an optimizer over the replaced
-originals is refused at its first step instead of silently training nothing."""
+originals is refused at its first step instead of silently training nothing; a full-shape
+state dict loads into the sharded parameters."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 8), generator=g)
 
 
-def _train(model: nn.Module, world: int, rank: int | None) -> tuple[list[float], dict]:
+def _train(model: nn.Module, world: int, rank: int | None) -> tuple[list[float], nn.Module]:
     """``rank`` None: the single-process reference over every rank's batch (mean of the
     per-rank losses, as the data-parallel gradient average)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -71,12 +71,21 @@ def _sharded(rank: int, world: int, family: str):
     return _train(model, [rank]), full_state_dict(model)
 
 
+def _all_families(rank: int, world: int) -> dict:
+    return {family: _sharded(rank, world, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs() -> list[dict]:
+    return spawn(_all_families, WORLD)  # one launch for every family
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_sharded_huggingface_decoder_trains_as_the_unsharded_one(family):
+def test_sharded_huggingface_decoder_trains_as_the_unsharded_one(family, sharded_runs):
     ref = _model(family)
     ref_losses, ref_norms = _train(ref, range(WORLD))
     assert min(ref_norms) > MAX_NORM  # every step clips
-    results = spawn(_sharded, WORLD, family)
+    results = [run[family] for run in sharded_runs]
     mean = [sum(s) / WORLD for s in zip(*(losses for (losses, _), _ in results))]
     assert mean == pytest.approx(ref_losses, abs=1e-5)
     expected = dict(ref.named_parameters())  # one name per tensor, as full_state_dict
