@@ -50,37 +50,34 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if math.isnan(norm_type) or norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-    # Contributions per set of reduction groups: one collective per set, in a fixed order.
-    partial: dict[tuple, list[torch.Tensor]] = {}
-    keys: dict[tuple, list] = {}
+    # Per set of reduction groups (keyed by identity): the groups and their gradients; one
+    # collective per set, in first-seen order - the same on every rank.
+    buckets: dict[tuple, tuple[list, list[torch.Tensor]]] = {}
     grads: list[torch.Tensor] = []
     device = None
     for p in params:
         group = getattr(p, "_graph_fsdp_group", None)
         over = _reduction_groups(group) if group is not None else []
-        key = tuple(id(g) for g in over)
-        keys.setdefault(key, over)
-        partial.setdefault(key, [])
+        bucket = buckets.setdefault(tuple(id(g) for g in over), (over, []))
         if device is None:
             device = group.device if group is not None else p.device
         if p.grad is None:
             continue
-        g = p.grad
-        grads.append(g)
-        if g.numel():
-            partial[key].append(g)
+        grads.append(p.grad)
+        if p.grad.numel():
+            bucket[1].append(p.grad)
     if device is None:
         return torch.zeros(())
     inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for key, gs in partial.items():  # first-seen order: the same on every rank
+    for over, gs in buckets.values():
         if gs:
             norms = torch._foreach_norm([g.float() for g in gs], norm_type)
             stacked = torch.stack([n.to(device) for n in norms])
             local = stacked.max() if inf else stacked.pow(norm_type).sum()
         else:
             local = torch.zeros((), dtype=torch.float32, device=device)
-        for pg in keys[key]:
+        for pg in over:
             dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=pg)
         total = torch.maximum(total, local) if inf else total + local
     if not inf:

@@ -33,6 +33,57 @@ def needs_gpus(world: int | None = None):
     )
 
 
+HF_DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    # biased q/k/v projections; tied embedding and output layer (as Qwen2-0.5B)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),  # top-2 MoE
+    # Learned positions, LayerNorm + GELU, Conv1D projections, tied by default, layers in
+    # ``transformer.h`` and attention named ``attn``.
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+    # Parallel residual, partial rotary, attention named ``attention``, untied ``embed_out``.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+}
+"""HuggingFace decoder families the tests train: (config class, model class, its settings)."""
+
+
+def hf_decoder(
+    family: str,
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    seq: int,
+    **config,
+):
+    """A HuggingFace causal LM of ``family`` (:data:`HF_DECODERS`; random init from seed 0, no
+    download, SDPA attention, 2 key/value heads); ``config`` adds or overrides settings."""
+    import transformers  # noqa: PLC0415 (tests only)
+
+    config_cls, model_cls, extra = HF_DECODERS[family]
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+        **{**extra, **config},
+    )
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg)
+
+
+def hf_decoder_layers(model) -> list:
+    """A HuggingFace causal LM's decoder layers (``transformer.h`` or ``model.layers``)."""
+    base = model.base_model
+    return base.h if hasattr(base, "h") else base.layers
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,6 +20,7 @@ from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_graph_args, scope_modules_of
 from graph_fsdp.cli.options import check_scopes as cli_check_scopes
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import hf_decoder_layers
 
 
 class Leaf(nn.Linear):
@@ -132,7 +133,7 @@ def test_presets_on_real_huggingface_decoders(family, attn):
     model = getattr(
         transformers, f"{family}ForCausalLM" if family != "GPT2" else "GPT2LMHeadModel"
     )(config)
-    layers = model.base_model.h if hasattr(model.base_model, "h") else model.base_model.layers
+    layers = hf_decoder_layers(model)
     got = select_targets([(f"layers.{i}", m) for i, m in enumerate(layers)], ["attn", "mlp"])
     assert names(got) == [f"layers.{i}.{m}" for i in range(2) for m in (attn, "mlp")]
     assert [t.scope for t in got] == ["attn", "mlp"] * 2

@@ -9,38 +9,20 @@ import torch
 
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.testing import spawn
+from graph_fsdp.testing import hf_decoder, hf_decoder_layers, spawn
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, STEPS, WORLD, MAX_NORM = 64, 16, 3, 2, 0.5
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),  # Conv1D, learned positions, tied
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),  # parallel residual
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),  # top-2 MoE
-}
+FAMILIES = ("llama", "gpt2", "gpt_neox", "mixtral")  # graph_fsdp.testing.HF_DECODERS
 
 
 def _model(family: str):
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-        # GPT-2 and GPT-NeoX default to dropout: both runs must compute the same function
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        **extra,
+    # GPT-2 and GPT-NeoX default to dropout: both runs must compute the same function
+    nodrop = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    return hf_decoder(
+        family, vocab=VOCAB, hidden=32, intermediate=64, layers=2, heads=4, seq=SEQ, **nodrop
     )
-    torch.manual_seed(0)
-    return getattr(transformers, model_cls)(config)
 
 
 def _loss(model, step: int, rank: int) -> torch.Tensor:
@@ -64,8 +46,7 @@ def _train(model, ranks) -> tuple[list[float], list[float]]:
 
 def _sharded(rank: int, world: int, family: str):
     model = _model(family)
-    base = model.base_model
-    for layer in base.h if hasattr(base, "h") else base.layers:
+    for layer in hf_decoder_layers(model):
         fully_shard(layer)
     fully_shard(model)
     return _train(model, [rank]), full_state_dict(model)
@@ -80,7 +61,7 @@ def sharded_runs() -> list[dict]:
     return spawn(_all_families, WORLD)  # one launch for every family
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sharded_huggingface_decoder_trains_as_the_unsharded_one(family, sharded_runs):
     ref = _model(family)
     ref_losses, ref_norms = _train(ref, range(WORLD))

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import hf_decoder, hf_decoder_layers, needs_gpus, spawn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,43 +50,18 @@ def _has_te() -> bool:
         return False
 
 
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    # biased q/k/v projections; tied embedding and output layer (as Qwen2-0.5B), both root's
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),  # top-2 MoE
-    # Learned positions, LayerNorm + GELU, Conv1D projections, tied by default, layers in
-    # ``transformer.h`` and attention named ``attn``.
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
-    # Parallel residual, partial rotary, attention named ``attention``, untied ``embed_out``.
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
-}
-
-
 def _model(device: torch.device, family: str = "llama"):
     from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.fully_shard import fully_shard
 
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-        **extra,
-    )
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(config).to(device)
+    model = hf_decoder(
+        family, vocab=VOCAB, hidden=256, intermediate=512, layers=4, heads=8, seq=SEQ
+    ).to(device)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    assert tied == config.tie_word_embeddings, (family, tied)
+    assert tied == model.config.tie_word_embeddings, (family, tied)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
-    base = model.base_model
-    for layer in base.h if hasattr(base, "h") else base.layers:
+    for layer in hf_decoder_layers(model):
         fully_shard(layer, mp_policy=mp, buffer_policy=bp)
     return fully_shard(model, mp_policy=mp, buffer_policy=bp)
 
