@@ -75,12 +75,15 @@ class CommGraphs:
         return graph
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        # graph_fsdp.capture imports this module
+        from graph_fsdp.capture.tracker import CAPTURE_ERROR_MODE, no_collection  # noqa: PLC0415
+
         graph = torch.cuda.CUDAGraph()
         if self.stream is None:
             self.stream = torch.cuda.Stream()
         try:
-            with torch.cuda.stream(self.stream):
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            with torch.cuda.stream(self.stream), no_collection():
+                graph.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
                 try:
                     fn()
                 finally:

@@ -7,7 +7,7 @@
 # Chunks (2x H200, 2026-11-23): megatron (test_megatron_gpu.py but its seq-64 attention
 # checks, ~6 min), megatron_attn (those checks, ~2 min), te (the
 # TransformerEngine-layer model of test_cuda_graphs_gpu.py), graphs (the rest of it),
-# third_party, capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to
+# third_party, hf_families (the sweep over HuggingFace families), capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to
 # $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run where only one GPU is
@@ -21,7 +21,7 @@ OUT="${OUT:-$PWD/gpu_tests_out}"
 mkdir -p "$OUT"
 
 declare -A LIMIT=(
-  [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [capture_safety]=300
+  [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [bench]=400
 )
 declare -A ARGS=(
@@ -29,7 +29,8 @@ declare -A ARGS=(
   [megatron_attn]="tests/gpu/test_megatron_gpu.py -k seq_64"
   [te]="tests/gpu/test_cuda_graphs_gpu.py -k te_layers"
   [graphs]="tests/gpu/test_cuda_graphs_gpu.py -k not te_layers"
-  [third_party]="tests/gpu/test_third_party_gpu.py"
+  [third_party]="tests/gpu/test_third_party_gpu.py -k not families"
+  [hf_families]="tests/gpu/test_third_party_gpu.py -k families"
   [capture_safety]="tests/gpu/test_capture_safety_gpu.py"
   [lifecycle]="tests/gpu/test_lifecycle_gpu.py"
   [hsdp]="tests/gpu/test_hsdp_gpu.py"
@@ -37,7 +38,7 @@ declare -A ARGS=(
   [bench]="tests/bench/test_bench_gpu.py"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party capture_safety lifecycle hsdp fully_shard bench)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard bench)
 
 status=0
 for chunk in "${CHUNKS[@]}"; do

@@ -86,7 +86,7 @@ class _FakeGraph:
 
 
 @contextlib.contextmanager
-def _graph_ctx(graph, pool=None, stream=None):
+def _graph_ctx(graph, pool=None, stream=None, capture_error_mode="global"):
     yield
 
 

@@ -69,7 +69,12 @@ from graph_fsdp.capture.graphed import CallSignature
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.shutdown import RunnerLifecycle, reset_graphs
 from graph_fsdp.capture.te_backend import attention_capture_guard
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.tracker import (
+    CAPTURE_ERROR_MODE,
+    ModuleTracker,
+    explain_capture_failure,
+    no_collection,
+)
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     GradState,
@@ -439,8 +444,13 @@ class FullIterationGraphs(RunnerLifecycle):
             # The slots come from the graph's pool: allocator.py [Note: slots in a capture's
             # pool].
             with self._tracker.active(), self._checksums(), self._allocator.owning_capture():
-                with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"):
-                    with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+                with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"), no_collection():
+                    with torch.cuda.graph(
+                        graph,
+                        pool=self._pool,
+                        stream=self.stream,
+                        capture_error_mode=CAPTURE_ERROR_MODE,
+                    ):
                         out = pos.fn(*args, **kwargs)
         except Exception as err:
             raise explain_capture_failure(

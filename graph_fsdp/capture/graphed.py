@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.buffers.allocator import nvtx_range
 from graph_fsdp.capture.scopes import GraphConfigError, Target
-from graph_fsdp.capture.tracker import ModuleTracker
+from graph_fsdp.capture.tracker import CAPTURE_ERROR_MODE, ModuleTracker
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 
@@ -581,7 +581,9 @@ def capture_torch(
                 )
             prev = cap
             cap.fwd_graph = torch.cuda.CUDAGraph()
-            graph = torch.cuda.graph(cap.fwd_graph, pool=pool, stream=stream)
+            graph = torch.cuda.graph(
+                cap.fwd_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE
+            )
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
                 cap.static_outputs = forward_step(cap, h, tracker, graph)
             cap.out_requires_grad = [o.requires_grad for o in cap.static_outputs]
@@ -594,7 +596,9 @@ def capture_torch(
                     cap.static_grad_outputs[i] = grad.detach()
             nxt = cap
             cap.bwd_graph = torch.cuda.CUDAGraph()
-            graph = torch.cuda.graph(cap.bwd_graph, pool=pool, stream=stream)
+            graph = torch.cuda.graph(
+                cap.bwd_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE
+            )
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):
                 cap.static_grad_inputs = backward_step(cap, h, cap.static_outputs, tracker, graph)
             # Drop the capture forward's autograd graph: only its buffers, owned by the

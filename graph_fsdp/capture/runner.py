@@ -61,7 +61,7 @@ from graph_fsdp.capture.scopes import (
 )
 from graph_fsdp.capture.shutdown import RunnerLifecycle, find_graphs, reset_graphs
 from graph_fsdp.capture.te_backend import attention_capture_guard
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
 from graph_fsdp.comm_graphs import CommGraphs
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
@@ -418,6 +418,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                 checksums,
                 attention_capture_guard(self.impl, self._tracker.names),
                 nvtx_range(f"graph_fsdp/capture/{self.impl}/{label}"),
+                no_collection(),
             ):
                 if self.impl == "te":
                     from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
@@ -442,6 +443,13 @@ class LayerwiseGraphs(RunnerLifecycle):
                 cap.tracker = None
 
 
+def under_activation_checkpoint() -> bool:
+    """A forward inside ``torch.utils.checkpoint`` (non-reentrant, the default of torch and
+    HuggingFace): its saved-tensor hooks are the innermost ones."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
 def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
     """The target's new ``forward``: replay when the call matches the capture, else eager."""
 
@@ -449,6 +457,16 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
         """The call's tensors when it replays, else None (a call that does not match the
         capture is counted and warned about; the recording step records the signature)."""
         training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
+        if training_call and under_activation_checkpoint():
+            raise GraphConfigError(
+                f"{cap.name} runs under activation checkpointing (torch.utils.checkpoint, e.g. "
+                "HuggingFace gradient_checkpointing_enable()): a layerwise graph keeps its "
+                "activations in static buffers, so recomputing it saves no memory, and the "
+                "recomputation in backward would run it eagerly where the forward replayed. "
+                "Turn checkpointing off for the layers with captured modules "
+                "(model.gradient_checkpointing_disable()), or capture the whole step "
+                "(full_iteration), whose graph records the recomputation too"
+            )
         if cap.captured and training_call and not graphs.force_eager:
             tensors = cap.signature.tensors_of(args, kwargs)
             unchained = None

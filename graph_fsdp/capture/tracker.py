@@ -25,13 +25,25 @@ tracker's life; code that bound the function to a name of its own at import is n
 A verification step that finds graphed != eager names these sites (verify.py), so the
 report points at the line that branched, not only at the first module whose output differs.
 Host bookkeeping only: nothing enters a graph.
+
+[Note: RNG after a failed capture] torch marks each CUDA generator as capturing when a graph
+capture begins and clears the mark when ``capture_end`` succeeds. A capture that fails at
+its end (e.g. a side stream forked into it and left unjoined because an exception unwound
+the step) never clears it: every later eager random op on that device (dropout) then fails
+with "Offset increment outside graph capture encountered unexpectedly", far from the cause.
+:func:`explain_capture_failure` (every failed capture goes through it) first ends an empty
+capture on the device, which clears the mark of every generator a graph registers and
+records nothing (its random offset increment is zero); eager random numbers then continue
+from where they were before the failed capture, as if it had not run.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -198,14 +210,32 @@ class ModuleTracker:
         return None, None
 
 
-def _site(frame) -> str:
-    """``path:line in function``, the path from its package down (site-packages cut off)."""
+def _site(frame, line: int | None = None) -> str:
+    """``path:line in function`` (``line``: default the frame's current one), the path from
+    its package down (site-packages cut off)."""
     path = frame.f_code.co_filename
     for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
         if marker in path:
             path = path.rsplit(marker, 1)[1]
             break
-    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return f"{path}:{frame.f_lineno if line is None else line} in {frame.f_code.co_name}"
+
+
+_NOT_MODEL_CODE = ("torch", "graph_fsdp", "contextlib", "functools")
+"""Modules whose frames a capture-failure site skips: the model's own line is the one to fix."""
+
+
+def _failing_line(err: BaseException) -> str | None:
+    """``path:line in function`` of the innermost frame of ``err``'s traceback in model code
+    (not torch, graph_fsdp or the standard helpers around them)."""
+    site = None
+    tb = err.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_globals.get("__name__", "")
+        if name.split(".", 1)[0] not in _NOT_MODEL_CODE:
+            site = _site(tb.tb_frame, tb.tb_lineno)
+        tb = tb.tb_next
+    return site
 
 
 _CAUSES = (
@@ -242,10 +272,52 @@ def _chain(err: BaseException) -> list[BaseException]:
     return out
 
 
+@contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's garbage collector off for the block ([Note: no garbage collection during a
+    capture]); back to what it was after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+CAPTURE_ERROR_MODE = "thread_local"
+"""``capture_error_mode`` of every capture graph_fsdp makes ([Note: no garbage collection
+during a capture])."""
+
+
+def release_generators(device: torch.device | None = None) -> None:
+    """Clear the capturing mark a failed capture left on ``device``'s CUDA generators
+    ([Note: RNG after a failed capture]); nothing changes after a capture that ended."""
+    if not torch.cuda.is_initialized():
+        return  # nothing was captured
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    with torch.cuda.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            graph.capture_begin()
+            graph.capture_end()
+        del graph
+
+
 def explain_capture_failure(
     err: BaseException, tracker: ModuleTracker, *, what: str, layerwise: bool
 ) -> CaptureFailedError:
-    """A :class:`CaptureFailedError` for ``err``, raised while capturing ``what``."""
+    """A :class:`CaptureFailedError` for ``err``, raised while capturing ``what``; the CUDA
+    generators are usable again ([Note: RNG after a failed capture])."""
+    try:
+        release_generators()
+        unreleased = ""
+    except Exception as exc:  # noqa: BLE001 - the diagnosis of ``err`` comes first
+        unreleased = (
+            f" (the CUDA generators could not be released: {exc}; random ops on this device "
+            "may fail until the process restarts)"
+        )
     chain = _chain(err)
     low = "\n".join(str(e) for e in chain).lower()
     cause = next(
@@ -253,12 +325,15 @@ def explain_capture_failure(
         "an operation CUDA graphs cannot record",
     )
     module, phase = tracker.running()
+    root = chain[-1]  # the first error; the later ones are consequences
+    line = _failing_line(root)
     if module:
         where = f"while the {phase} of {module} was running"
     elif layerwise:
         where = "outside the captured modules (in FSDP's capture-time hooks or the backend)"
     else:
         where = "outside every module of the model (in the step function itself)"
+    where += f", at {line}" if line else ""
     if layerwise:
         move = (
             "capture less: pick scopes that leave that module eager (e.g. scopes=['attn'] or "
@@ -269,12 +344,11 @@ def explain_capture_failure(
             "use layerwise graphs instead of full_iteration (LayerwiseGraphs / --cuda-graph-scope "
             "attn mlp ...) with that module outside the captured scopes, or run it eagerly"
         )
-    root = chain[-1]  # the first error; the later ones are consequences
     lines = str(root).strip().splitlines()
     first = f"{type(root).__name__}: {lines[0] if lines else ''}"
     return CaptureFailedError(
         f"CUDA graph capture of {what} failed {where}: {first}. "
-        f"Likely cause: {cause}. Fix the model there, or {move}.",
+        f"Likely cause: {cause}. Fix the model there, or {move}.{unreleased}",
         module=module,
         phase=phase,
     )

@@ -286,6 +286,17 @@ class VerifyResult:
                 "branches compute the same (e.g. hand HuggingFace models a ready 4-D attention "
                 "mask)"
             )
+        elif self.first_module is None and self.outputs_equal:
+            hint = (
+                f" - the forward is bit-identical ({self.modules_checked} module outputs) and "
+                "only gradients differ. With partial scopes the usual cause is a tensor that a "
+                "captured module takes as input and that is also used outside it or by another "
+                "captured module (a parallel attention + MLP block, attention reading the "
+                "residual stream): autograd adds up that tensor's gradient in another order "
+                "than in eager, with last-bit differences. Whole layers (no scopes) keep such "
+                "sums inside one graph; otherwise a backward kernel differs (run with "
+                "deterministic algorithms)"
+            )
         else:
             hint = (
                 " - the module's Python may take another branch under stream capture or pick "

@@ -256,6 +256,9 @@ def test_capture_failure_names_the_running_module(message, cause):
     assert err.module == "1.1" and err.phase == "forward"
     text = str(err)
     assert "while the forward of 1.1 was running" in text and cause in text, text
+    # the model's own line (the innermost frame outside torch and graph_fsdp)
+    line = _Fails.forward.__code__.co_firstlineno + 1
+    assert f"at {__file__}:{line} in forward" in text, text
     assert "use layerwise graphs instead of full_iteration" in text
     assert message.splitlines()[0] in text
     assert not module_globals._global_forward_hooks and not module_globals._global_forward_pre_hooks

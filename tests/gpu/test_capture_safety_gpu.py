@@ -8,7 +8,8 @@ On the reference GPT (bf16, double buffer, deterministic):
 - a module that computes something else under stream capture (``is_current_stream_capturing``,
   like HuggingFace's mask code) is flagged by the verification, naming that module;
 - a module that syncs with the host (``.item()``) or copies a CPU tensor to the GPU fails the
-  capture with ``CaptureFailedError`` naming that module.
+  capture with ``CaptureFailedError`` naming that module; eager random ops (dropout) work
+  after it, reproducing the same masks from the same seed.
 """
 
 from __future__ import annotations
@@ -169,6 +170,9 @@ def _fail(rank: int, world: int, kind: str, fault: str) -> dict:
     else:
         graphs = LayerwiseGraphs(model, impl="torch", scopes=["mlp"], warmup_steps=1)
     x, y = batch_for(cfg, 0, rank, device)
+    ones = torch.ones(64, device=device)
+    torch.cuda.manual_seed(7)
+    masks = [torch.nn.functional.dropout(ones, 0.5) for _ in range(2)]
     try:
         for _ in range(3):
             graphs.before_step()
@@ -176,7 +180,11 @@ def _fail(rank: int, world: int, kind: str, fault: str) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
     except CaptureFailedError as err:
-        return {"module": err.module, "phase": err.phase, "text": str(err)}
+        # Random ops work again and continue from the seed as before the capture.
+        torch.cuda.manual_seed(7)
+        again = [torch.nn.functional.dropout(ones, 0.5) for _ in range(2)]
+        reproduced = all(torch.equal(a, b) for a, b in zip(masks, again))
+        return {"module": err.module, "phase": err.phase, "text": str(err), "rng": reproduced}
     return {"module": None, "text": "no error"}
 
 
@@ -188,6 +196,7 @@ def test_capture_failure_names_the_module(kind, fault):
     expected = "layers.2.mlp"
     assert r["module"] == expected and r["phase"] == "forward", r["text"]
     assert f"while the forward of {expected} was running" in r["text"]
+    assert r["rng"], "eager dropout after the failed capture differs from before it"
     if kind == "full":
         assert "use layerwise graphs instead of full_iteration" in r["text"]
     else:
