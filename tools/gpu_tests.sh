@@ -7,8 +7,8 @@
 # Chunks (2x H200, 2026-11-23): megatron (test_megatron_gpu.py but its seq-64 attention
 # checks, ~6 min), megatron_attn (those checks, ~2 min), te (the
 # TransformerEngine-layer model of test_cuda_graphs_gpu.py), graphs (the rest of it),
-# third_party, hf_families (the sweep over HuggingFace families), capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to
-# $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
+# third_party, hf_families (the sweep over HuggingFace decoder families, ~2.5 min at world 1),
+# capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run where only one GPU is
 # lent: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.

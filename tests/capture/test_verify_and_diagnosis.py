@@ -459,3 +459,20 @@ def test_capture_state_queries_name_the_site_and_module(monkeypatch):
     same = VerifyResult("step", identical=True, outputs_equal=True)
     record_verification(results, same, True, tracker)
     assert same.capture_queries == []  # named only when graphed != eager
+
+
+def test_a_difference_in_gradients_only_names_the_summation_order():
+    """Forward bit-identical, gradients not: the summary says so and names the usual cause
+    under partial scopes (a captured module's input also used outside it), not a branch."""
+    grads_only = VerifyResult(
+        "layerwise step, scopes [attn mlp]",
+        identical=False,
+        outputs_equal=True,
+        differing_grads=["layers.0/accum"],
+        modules_checked=12,
+    )
+    text = grads_only.describe()
+    assert "forward is bit-identical (12 module outputs) and only gradients differ" in text
+    assert "in another order than in eager" in text and "another branch" not in text
+    forward = VerifyResult("step", identical=False, outputs_equal=True, first_module="1.1")
+    assert "another branch" in forward.describe()
