@@ -320,6 +320,16 @@ def _reject_nested(chosen: list[Target], flag: str) -> None:
                 )
 
 
+_SCOPE_WORDS = {
+    "attn": ("attn", "attention", "mixer"),
+    "mlp": ("mlp", "ffn", "feed_forward", "fc"),
+    "moe": ("moe", "expert", "sparse"),
+    "moe_router": ("gate", "router"),
+}
+"""Name fragments of a unit's children that a scope plausibly means: the example mapping in
+the error names such a child, else a placeholder (never an unrelated norm)."""
+
+
 def _no_match_message(
     units: list[tuple[str, nn.Module]],
     missing: list[str],
@@ -357,7 +367,11 @@ def _no_match_message(
                 "only: use moe (the whole block) or moe_router (its router)"
             )
     preset_heads = {sp.path.split(".")[0] for ps in SCOPE_PRESETS.values() for sp in ps}
-    example = next((n for n in found if n not in preset_heads), "PATH")
+    words = _SCOPE_WORDS.get(missing[0], ())
+    example = next(
+        (n for n in found if n not in preset_heads and any(w in n.lower() for w in words)),
+        "PATH",
+    )
     return (
         f"{flag} {' '.join(missing)}: no module of the model matches (looked for {looked} in "
         f"every FSDP unit; [moe]/[dense]: only where that submodule is / is not an MoE block). "

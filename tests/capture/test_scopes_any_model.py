@@ -168,6 +168,13 @@ def test_no_match_error_lists_the_units_children_and_scope_modules():
     assert "self_attention, self_attn, attn, attention" in msg  # what the presets looked for
     assert "scope_modules={'attn': 'mixer'}" in msg
     assert "--cuda-graph-scope-modules attn=mixer" in msg
+    # the example names a child the scope plausibly means, never the norm
+    with pytest.raises(GraphConfigError) as err:
+        select_targets(units(layer), ["mlp"])
+    assert "scope_modules={'mlp': 'feed_forward'}" in str(err.value)
+    with pytest.raises(GraphConfigError) as err:
+        select_targets(units(lambda: Box(norm=nn.LayerNorm(4), body=Leaf())), ["attn"])
+    assert "scope_modules={'attn': 'PATH'}" in str(err.value)
     got = select_targets(
         units(layer),
         ["attn", "mlp"],
