@@ -300,7 +300,7 @@ def release_generators(device: torch.device | None = None) -> None:
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(torch.cuda.Stream()):
-            graph.capture_begin()
+            graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
             graph.capture_end()
         del graph
 
