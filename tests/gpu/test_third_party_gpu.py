@@ -306,14 +306,14 @@ def test_other_huggingface_decoders_are_bit_exact_or_refused(family):
     assert not any(" torch:attn:" in r for r in refused), refused
 
 
-# Every other family of graph_fsdp.testing.HF_DECODERS, in one launch: whole layers and the
-# attn + mlp (dense) or attn + moe_router (MoE) scopes with the model's own mask, and
-# full_iteration with a ready 4-D mask (OPT: its own mask), each against its eager run. Whole layers and the full
-# iteration are bit-identical, or refused at capture naming the module and the model's line
-# (MoE expert dispatch reads routing results on the host). Partial scopes are bit-identical or
-# flagged by the verification step with a bit-identical forward: where a tensor feeds a
-# captured module and also something outside it (a parallel attention + MLP block, attention
-# reading the residual stream), autograd sums its gradient in another order than eager.
+# Every other family of graph_fsdp.testing.HF_DECODERS, in one launch, each variant against
+# its eager run: whole layers and the attn + mlp (dense) or attn + moe_router (MoE) scopes
+# with the model's own mask, and full_iteration with a ready 4-D mask (OPT: its own mask).
+# Whole layers and the full iteration are bit-identical, or refused at capture naming the
+# module and the model's line. Partial scopes are bit-identical or flagged by the
+# verification step with a bit-identical forward: where a tensor feeds a captured module and
+# also something outside it (a parallel attention + MLP block, attention reading the residual
+# stream), autograd sums its gradient in another order than eager.
 SWEPT = tuple(f for f in HF_DECODERS if f not in ("llama", *OTHERS) and hf_family_available(f))
 
 
@@ -349,8 +349,8 @@ def _sweep(rank: int, world: int, families: tuple[str, ...]) -> dict:
             moe, variants = _sweep_variants(family)
             out[family] = {
                 "moe": moe,
-                "own-mask": _family(rank, world, variants, False, family),
-                "4d-mask": _family(
+                "layerwise": _family(rank, world, variants, False, family),
+                "full": _family(
                     rank, world, [("torch", ["full_iteration"])], family not in OWN_MASK, family
                 ),
             }
@@ -372,12 +372,12 @@ def test_huggingface_families_sweep_bit_exact_or_refused(family, swept_families)
     res = swept_families[family]
     assert "error" not in res, res.get("error")
     problems, refused, flagged = [], [], []
-    for mask in ("own-mask", "4d-mask"):
-        runs = dict(res[mask])
+    for mode in ("layerwise", "full"):
+        runs = dict(res[mode])
         eager = runs.pop("eager")
         assert len(eager["losses"]) == STEPS
         for key, run in runs.items():
-            what = f"{mask} {key}"
+            what = f"{mode} {key}"
             if "refused" in run:  # the module, and the line of the model that broke it
                 assert run["module"] and "while the" in run["refused"], run["refused"]
                 assert ", at " in run["refused"], run["refused"]
