@@ -11,7 +11,6 @@ order of handlers.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -77,22 +76,30 @@ def _train(rank: int, world: int, by_replay: bool, forward_handlers: bool = Fals
     return {"losses": losses, "params": params, "order": list(order)}
 
 
-@pytest.mark.parametrize("forward_handlers", [False, True], ids=["backward", "forward_too"])
-def test_dispatcher_registered_handlers_train_like_the_hooks(forward_handlers):
-    hooks = spawn(_train, 2, False)
-    dispatched = spawn(_train, 2, True, forward_handlers)
-    for h, d in zip(hooks, dispatched):
-        assert d["losses"] == h["losses"]
-        assert all(torch.equal(d["params"][n], v) for n, v in h["params"].items())
-        # Each layer reduces right after its own backward, before the layer below starts:
-        # the post-backward handler ran from the backward, not from the final callback.
-        assert d["order"] == h["order"]
-        assert d["order"][:4] == [
-            "pre_backward:2",
-            "post_backward:2",
-            "pre_backward:1",
-            "post_backward:1",
-        ]
+def _three(rank: int, world: int) -> list[dict]:
+    """FSDP's hooks, then backward handlers from the dispatcher, then forward ones too: one
+    launch for the three trainings."""
+    return [
+        _train(rank, world, False),
+        _train(rank, world, True, False),
+        _train(rank, world, True, True),
+    ]
+
+
+def test_dispatcher_registered_handlers_train_like_the_hooks():
+    for hooks, *dispatched in spawn(_three, 2):
+        for d in dispatched:  # backward handlers only, forward ones too
+            assert d["losses"] == hooks["losses"]
+            assert all(torch.equal(d["params"][n], v) for n, v in hooks["params"].items())
+            # Each layer reduces right after its own backward, before the layer below starts:
+            # the post-backward handler ran from the backward, not from the final callback.
+            assert d["order"] == hooks["order"]
+            assert d["order"][:4] == [
+                "pre_backward:2",
+                "post_backward:2",
+                "pre_backward:1",
+                "post_backward:1",
+            ]
 
 
 def _hand_over(rank: int, world: int) -> dict:

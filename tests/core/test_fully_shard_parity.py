@@ -81,8 +81,11 @@ def test_moe_model_with_eval_passes():
     assert len(results[0]["eval_losses"]) == 2
 
 
-@pytest.mark.parametrize("allocator", ["double_buffer", "trace_pool"])
-def test_static_allocators_bit_identical_to_dynamic(allocator):
+def _runs(rank: int, world: int, cfgs: list[TrainConfig]) -> list[dict]:
+    return [run(rank, world, cfg) for cfg in cfgs]  # one launch for several trainings
+
+
+def test_static_allocators_bit_identical_to_dynamic():
     base = TrainConfig(
         model=MOE,
         strategy="optim_grads_params",
@@ -91,9 +94,15 @@ def test_static_allocators_bit_identical_to_dynamic(allocator):
         grad_accum=2,
         persist_on_alloc_fail=False,
     )
-    dynamic = spawn(run, 2, base)
-    static = spawn(run, 2, dataclasses.replace(base, allocator=allocator))
-    for d, s in zip(dynamic, static):
-        assert d["losses"] == s["losses"]
-        for name in d["params"]:
-            assert torch.equal(d["params"][name], s["params"][name]), name
+    allocators = ["double_buffer", "trace_pool"]
+    cfgs = [base] + [dataclasses.replace(base, allocator=a) for a in allocators]
+    per_rank = spawn(_runs, 2, cfgs)
+    for rank_runs in per_rank:
+        dynamic = rank_runs[0]
+        for allocator, static in zip(allocators, rank_runs[1:]):
+            assert dynamic["losses"] == static["losses"], allocator
+            for name in dynamic["params"]:
+                assert torch.equal(dynamic["params"][name], static["params"][name]), (
+                    allocator,
+                    name,
+                )
