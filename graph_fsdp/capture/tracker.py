@@ -290,13 +290,13 @@ CAPTURE_ERROR_MODE = "thread_local"
 during a capture])."""
 
 
-def release_generators(device: torch.device | None = None) -> None:
-    """Clear the capturing mark a failed capture left on ``device``'s CUDA generators
-    ([Note: RNG after a failed capture]); nothing changes after a capture that ended."""
+def release_generators() -> None:
+    """Clear the capturing mark a failed capture left on the current device's CUDA
+    generators ([Note: RNG after a failed capture]); nothing changes after a capture that
+    ended."""
     if not torch.cuda.is_initialized():
         return  # nothing was captured
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    with torch.cuda.device(device), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(torch.cuda.Stream()):

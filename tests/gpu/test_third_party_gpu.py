@@ -57,13 +57,16 @@ def _has_te() -> bool:
         return False
 
 
+def _decoder(family: str):
+    """The (CPU) decoder every test here trains, unsharded."""
+    return hf_decoder(family, vocab=VOCAB, hidden=256, intermediate=512, layers=4, heads=8, seq=SEQ)
+
+
 def _model(device: torch.device, family: str = "llama", checkpointing: bool = False):
     from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.fully_shard import fully_shard
 
-    model = hf_decoder(
-        family, vocab=VOCAB, hidden=256, intermediate=512, layers=4, heads=8, seq=SEQ
-    ).to(device)
+    model = _decoder(family).to(device)
     if checkpointing:  # HuggingFace's activation checkpointing of every decoder layer
         model.gradient_checkpointing_enable({"use_reentrant": False})
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
@@ -322,9 +325,7 @@ def _sweep_variants(family: str) -> tuple[bool, list[tuple[str, list[str]]]]:
     variants: whole layers and the scopes that name modules of the model."""
     from graph_fsdp.capture.scopes import GraphConfigError, _is_moe_block, select_targets
 
-    layers = hf_decoder_layers(
-        hf_decoder(family, vocab=VOCAB, hidden=256, intermediate=512, layers=4, heads=8, seq=SEQ)
-    )
+    layers = hf_decoder_layers(_decoder(family))
     moe = any(_is_moe_block(child) for layer in layers for child in layer.children())
     units = [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
     variants = [("torch", [])]
