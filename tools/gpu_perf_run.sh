@@ -154,7 +154,7 @@ if [[ "${HOST:-1}" == "1" && "${DRY:-0}" != "1" ]]; then
 fi
 
 {
-  echo "# issue 12 GPU run ($(date -u +%FT%TZ))"
+  echo "# GPU measurement run ($(date -u +%FT%TZ))"
   for f in "$OUT"/bench_h*.md; do
     [[ -f $f ]] && { echo; cat "$f"; }
   done
