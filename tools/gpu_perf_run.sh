@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU measurement run for issue 12 (speed and memory at realistic scale), ~6-8 min on
+# One GPU measurement run (speed and memory at realistic scale, docs/benchmarks.md), ~6-8 min on
 # 2x H200 (torch backend; TransformerEngine not needed), never more than BUDGET=540 s:
 #
 #   1. graph-fsdp bench at h1024 (16 layers, seq 1024, mbs 1, vocab 32768) and h2048
@@ -7,7 +7,7 @@
 #      faster of the two), graph_fsdp eager, layerwise torch graphs, full_iteration, torch
 #      FSDP2, FSDP2 + captured fwd/bwd, megatron_fsdp (skipped when not importable); bf16
 #      compute, fp32 main weights and fp32 gradient reduction, fused AdamW in every row (the
-#      bench's default); 5 warmup + 20 timed steps. SHAPES="h4096" adds issue 12's larger
+#      bench's default); 5 warmup + 20 timed steps. SHAPES="h4096" adds the larger
 #      shape (8 layers, hidden 4096, seq 4096, mbs 1).
 #   2. graph-fsdp profile --memory at h2048 (MEMORY_SHAPES="h1024 h2048" for both): graph_fsdp
 #      eager (double buffer and dynamic allocator), graph_fsdp full_iteration, torch FSDP2
@@ -52,7 +52,7 @@ else
       --vocab-size 32768 --micro-batch-size 1)
   H2=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
       --vocab-size 32768 --micro-batch-size 2)
-  # Issue 12's larger shape: the unsharded step (fp32 weights, grads, AdamW state: ~30 GB,
+  # The larger shape: the unsharded step (fp32 weights, grads, AdamW state: ~30 GB,
   # plus activations) still fits one GPU.
   H4=(--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096
       --vocab-size 32768 --micro-batch-size 1)
@@ -114,7 +114,7 @@ for shape in "${SHAPE_LIST[@]}"; do
   cp "$WORK/bench_$shape/results.md" "$OUT/bench_$shape.md" 2>/dev/null
 done
 
-# MEMORY_SHAPES="h1024 h2048" profiles memory at both of issue 12's shapes (default h2048).
+# MEMORY_SHAPES="h1024 h2048" profiles memory at both bench shapes (default h2048).
 read -r -a MEMORY_SHAPE_LIST <<<"${MEMORY_SHAPES:-h2048}"
 if [[ "${MEMORY:-1}" == "1" ]]; then
 for shape in "${MEMORY_SHAPE_LIST[@]}"; do
@@ -154,7 +154,7 @@ if [[ "${HOST:-1}" == "1" && "${DRY:-0}" != "1" ]]; then
 fi
 
 {
-  echo "# issue 12 GPU run ($(date -u +%FT%TZ))"
+  echo "# GPU measurement run ($(date -u +%FT%TZ))"
   for f in "$OUT"/bench_h*.md; do
     [[ -f $f ]] && { echo; cat "$f"; }
   done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU test suite in chunks that fit a remote command's time limit (the GPU host's device
-# tool stops a command at 600 s), each with its own limit, one summary per chunk.
+# The GPU test suite in chunks that each finish within 600 s (a remote command's time limit),
+# each with its own limit, one summary per chunk.
 #
 #   bash tools/gpu_tests.sh [CHUNK ...]     # default: every chunk, in this order
 #
@@ -10,8 +10,8 @@
 # third_party, hf_families (the sweep over HuggingFace decoder families, ~2.5 min at world 1),
 # capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
-# WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run where only one GPU is
-# lent: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
+# WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
+# machine: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
 set -u -o pipefail
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -1,4 +1,4 @@
-"""GPU checks of the issue-12 measurement tools (NCCL, 2 GPUs, small model, < 2 min).
+"""GPU checks of the measurement tools (NCCL, 2 GPUs, small model, < 2 min).
 
 - the unsharded baselines (eager, forward+backward captured) train the same model to the
   same loss;

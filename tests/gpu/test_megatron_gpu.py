@@ -272,9 +272,9 @@ CLI_MOE = [
     "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "256", *CLI_COMMON,
     "--cuda-graph-scope", "attn", "moe_router",
 ]  # fmt: skip
-# Session 5 ran these at seq 64, where TE's graphed attention differs from its eager one: a
-# resumed run, whose first steps are eager warmup, then differed from an uninterrupted
-# graphed run at the first resumed step.
+# Seq 128: at seq 64 TE's graphed attention differs from its eager one (te_backend.py [Note:
+# TE attention under capture]), so a resumed run, whose first steps are eager warmup, differs
+# from an uninterrupted graphed run at the first resumed step.
 CLI_GPT = ["--model", "mcore-gpt", *CLI_COMMON, "--cuda-graph-scope", "attn", "mlp"]
 
 
