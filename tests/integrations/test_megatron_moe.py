@@ -194,3 +194,25 @@ def test_settings_the_layer_refuses(kwargs: dict, expected: str) -> None:
 def test_the_default_config_has_no_problem() -> None:
     assert mm.grouped_mm_moe_problems(config()) == []
     assert mm.grouped_mm_moe_problems(config(gated_linear_unit=True, moe_aux_loss_coeff=1e-2)) == []
+
+
+def test_mcore_gpt_config_reaches_megatron() -> None:
+    """MCoreGPTConfig's MoE fields land in TransformerConfig and the layer spec."""
+    from graph_fsdp.integrations import megatron as gm
+
+    drop_pad = gm.MCoreGPTConfig(
+        num_experts=E,
+        transformer_impl="local",
+        moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True,
+        moe_aux_loss_coeff=1e-2,
+    )
+    tc = gm.transformer_config(drop_pad, torch.device("cpu"))
+    assert tc.moe_expert_capacity_factor == 1.0 and tc.moe_pad_expert_input_to_capacity
+    assert tc.moe_aux_loss_coeff == 1e-2 and tc.moe_router_load_balancing_type == "aux_loss"
+    assert gm.layer_spec(drop_pad).submodules.mlp.func is not mm.GroupedMMMoELayer
+    grouped = gm.MCoreGPTConfig(
+        num_experts=E, transformer_impl="local", moe_experts_impl="grouped_mm"
+    )
+    assert gm.layer_spec(grouped).submodules.mlp.func is mm.GroupedMMMoELayer
+    assert mm.grouped_mm_moe_problems(gm.transformer_config(grouped, torch.device("cpu"))) == []
