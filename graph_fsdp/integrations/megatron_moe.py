@@ -288,8 +288,8 @@ class GroupedMMExperts(MegatronModule):
 
     def _init_weights(self) -> None:
         """Each expert's matrix from an fp32 master, as Megatron initialises linear layers:
-        ``init_method`` for fc1, ``output_layer_init_method`` for fc2 (the distributions of
-        TEGroupedMLP's, not its draws)."""
+        ``init_method`` for fc1, ``output_layer_init_method`` for fc2, experts in order: the
+        distributions of TEGroupedMLP's weights (the same draws are not promised)."""
         cfg = self.config
         if not cfg.perform_initialization:
             return
