@@ -604,20 +604,21 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
     if "mlp" in scopes:
         raise GraphConfigError(
             "--cuda-graph-scope mlp: every layer of this Megatron-Core MoE GPT is an MoELayer, "
-            "so there is no dense MLP to capture; use moe_router (or moe)"
+            "so there is no dense MLP to capture; use moe_router"
         )
     if "moe_preprocess" in scopes and (
         cfg.moe_experts_impl == "grouped_mm" or cfg.moe_expert_capacity_factor is not None
     ):
         why = (
-            "the grouped_mm experts' dispatch has no host sync to split off"
+            "the grouped_mm experts' dispatch has no host sync to split off: capture moe or the "
+            "whole layer instead"
             if cfg.moe_experts_impl == "grouped_mm"
-            else "with a capacity factor its preprocess is not the dropless alltoall one"
+            else "with a capacity factor, capture moe or the whole layer with drop-padding "
+            "(moe_pad_expert_input_to_capacity=True) instead"
         )
         raise GraphConfigError(
             "--cuda-graph-scope moe_preprocess graphs the preprocess of Megatron's dropless "
-            f"alltoall dispatcher apart from its host-syncing dispatch; {why}: capture moe or the "
-            "whole layer instead"
+            f"alltoall dispatcher apart from its host-syncing dispatch; {why}"
         )
     return scopes
 

@@ -207,7 +207,7 @@ def test_capturable_scopes(cfg: gm.MCoreGPTConfig, scopes: list[str]) -> None:
         (DROP_ONLY, [], "set moe_pad_expert_input_to_capacity=True"),
         (DROP_PAD_ALLGATHER, ["moe"], "use moe_token_dispatcher_type='alltoall'"),
         (GROUPED, ["moe_router", "moe_preprocess"], "no host sync to split off"),
-        (DROP_PAD, ["moe_router", "moe_preprocess"], "capture moe or the whole layer"),
+        (DROP_PAD, ["moe_router", "moe_preprocess"], "capture moe or the whole layer with drop"),
         (GROUPED, ["mlp"], "no dense MLP"),
     ],
 )
