@@ -178,6 +178,21 @@ def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
     return torch.stack([r["lm loss"] for r in out]).sum() / len(batches)
 
 
+def _set_moe_aux_loss_scale(cfg: MCoreTrainConfig, device: torch.device) -> None:
+    """Megatron's schedule scales the gradient of the MoE auxiliary losses by 1 / microbatches
+    (``MoEAuxLossAutoScaler.set_loss_scale``), as it divides each microbatch's loss; graph_fsdp's
+    loop divides its losses the same way, so it sets the same scale. One tensor, filled in
+    place: captured graphs read it at a fixed address."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415
+
+    scale = 1.0 / cfg.grad_accum
+    current = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if current is None or current.device != device:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.full((1,), scale, device=device)
+    else:
+        current.fill_(scale)
+
+
 def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
     # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that cannot go.
     schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
@@ -199,6 +214,8 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     lm, opt = build_sharded(cfg, device)
+    if cfg.model.is_moe and not cfg.use_megatron_schedule:  # the schedule sets it per microbatch
+        _set_moe_aux_loss_scale(cfg, device)
     graphs = None
     if cfg.engine == "graph_fsdp":
         graphs = gm.make_graphs(
@@ -263,6 +280,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         result["cuda_graphs"] = graphs.report()
     if device.type == "cuda":
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_memory_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     # parallel_state stays initialised: the next run in this process reuses its groups
     # (re-creating them would build new NCCL communicators every run).
     return result
