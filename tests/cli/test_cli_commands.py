@@ -201,7 +201,11 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
         )
     )
     assert {p.name for p in out_dir.iterdir()} == {"results.md", "results.json", "results.png"}
-    rows = {r["name"]: r for r in json.loads((out_dir / "results.json").read_text())["rows"]}
+    report = json.loads((out_dir / "results.json").read_text())
+    # Stamped with the code that produced it (bench/provenance.py).
+    assert set(report["code"]) == {"commit", "dirty", "commit_source", "source_sha256"}
+    assert (out_dir / "results.md").read_text().splitlines()[2].startswith("Code: commit ")
+    rows = {r["name"]: r for r in report["rows"]}
     for name in ("graph_fsdp eager", "torch FSDP2", "unsharded eager (1 rank)"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["median_step_ms"] > 0 and "step_time_vs_ref" in rows[name]
