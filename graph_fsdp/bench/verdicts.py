@@ -171,7 +171,7 @@ def graph_verdict(
     ``comm_graphs``, ``scopes``), None when it reported none.
     """
     if report is None:
-        return {"graphs": "no report"}, "no graph report: the row may have run eagerly"
+        return {"graphs": "no report"}, "NOT GRAPHED: no graph report (it may have run eagerly)"
     comm, comm_failed = comm_status(report, comm_requested)
     fields = {
         "graph_captures": report.get("captures", 0),

@@ -126,7 +126,7 @@ def test_graph_verdicts() -> None:
     }
     assert graph_label(fields) == "1/40/0, comm not lent (one rank, or not NCCL)"
     cases = [
-        (None, "no graph report: the row may have run eagerly"),
+        (None, "NOT GRAPHED: no graph report (it may have run eagerly)"),
         ({**ok, "replays": 0}, "NOT GRAPHED: 0 replays"),
         ({**ok, "eager_fallbacks": 2}, "FELL BACK: 2 calls of captured modules ran eagerly"),
         ({**ok, "replays": 9}, "NOT GRAPHED: 9 replays over 10 timed steps"),

@@ -338,10 +338,13 @@ def test_compare_verdict_reports_the_verification():
     verdict = {"identical": True, "equal_steps": 3, "steps": 3, "params": 2}
     flagged = {
         "identical": False,
+        "verified": True,
+        "replays": 4,
+        "fallbacks": 0,
         "first_module": "model.layers.0.self_attn",
         "summary": "step: graphed != eager: first module whose output differs: ...",
     }
-    ok = {"identical": True, "summary": "step: graphed == eager bit for bit"}
+    ok = {"identical": True, "verified": True, "summary": "step: graphed == eager bit for bit"}
     clean = dict(verdict)
     add_verification(clean, {"cuda_graphs": {"verification": [ok]}})
     assert clean["identical"] and "verify: step: graphed == eager" in format_verdict("x", clean)
@@ -349,6 +352,20 @@ def test_compare_verdict_reports_the_verification():
     assert not verdict["identical"]
     text = format_verdict("torch [full_iteration]", verdict)
     assert "DIFFERENT" in text and "first at model.layers.0.self_attn" in text, text
+    # A verification whose graphed run replayed nothing proves nothing: NOT VERIFIED.
+    unverified = {
+        "identical": False,
+        "verified": False,
+        "replays": 0,
+        "fallbacks": 0,
+        "summary": "step: NOT VERIFIED: the graphed run replayed no graph (0 replays): ...",
+    }
+    plain = {"identical": True, "equal_steps": 3, "steps": 3, "params": 2}
+    add_verification(plain, {"cuda_graphs": {"verification": [unverified]}})
+    assert not plain["identical"] and "first_differing_module" not in plain
+    text = format_verdict("torch [attn]", plain)
+    assert "NOT VERIFIED: its verification step's graphed run had 0 replays" in text, text
+    assert "(numbers equal the reference)" in text and "IDENTICAL" not in text, text
 
 
 def _capture_like_worker(rank: int, world: int) -> dict:

@@ -162,6 +162,8 @@ def test_compare_strategies_identical_then_injected_difference(tmp_path) -> None
     assert "reference no_shard eager" in out and "deterministic algorithms on" in out
     assert re.search(r"optim_grads_params eager\s+IDENTICAL", out)
     assert json.loads(verdicts.read_text())["results"][0]["identical"] is True
+    assert "\ncode: commit " in out  # the commit that produced the verdicts (provenance.py)
+    assert json.loads(verdicts.read_text())["code"]["source_sha256"]
 
     proc = run_cli(
         "compare",
