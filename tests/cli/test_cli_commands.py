@@ -257,6 +257,9 @@ def test_profile_writes_traces_and_prints_summary(tmp_path) -> None:
     assert "graph_fsdp/forward/layers.0" in out and "graph_fsdp/backward/model" in out
     assert re.search(r"communication [\d.]+ ms/step of which [\d.]+ ms \(\d+%\) exposed", out)
     assert "gloo:all_gather" in out and "rank 1: mean step" in out
+    assert "\ncode: commit " in out
+    summary = json.loads((out_dir / "profile_summary.json").read_text())
+    assert summary["code"]["source_sha256"] and len(summary["ranks"]) == 2
 
 
 @pytest.mark.parametrize(
