@@ -36,6 +36,7 @@ from graph_fsdp.bench.verdicts import (
     MEMORY_KEYS,
     CudaCounters,
     RowMemory,
+    create_workspaces,
     graph_verdict,
     memory_fields,
 )
@@ -252,6 +253,8 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
     device = device_of(job.spec.cfg)
     cuda = device.type == "cuda"
     counters = CudaCounters(device) if cuda else None
+    if cuda:
+        create_workspaces(device)
     results = []
     for row in plan_rows(job):
         if row.skip is not None:

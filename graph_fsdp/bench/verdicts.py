@@ -13,9 +13,11 @@ The row's own peaks are the process peaks during the row minus those starting va
 ``own allocated = max_memory_allocated - start allocated`` and ``own reserved =
 max_memory_reserved - start reserved``. What this leaves out, and how much:
 
-- bytes the process keeps for its lifetime once some row created them (cuBLAS workspaces,
-  one per stream that ran a GEMM, a few MiB to tens of MiB each) count for the first row
-  that needs them only;
+- bytes the process keeps for its lifetime once some row created them count for the first
+  row that needs them only: cuBLAS workspaces, one per stream that ran a GEMM (32 MiB each
+  on H100/H200 with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``). :func:`create_workspaces` makes
+  the current stream's before the first row, so no row pays for those; a row that runs
+  GEMMs on a stream no earlier row used (a capture stream) still pays for that stream's;
 - a row can place blocks in free space inside segments the leftovers hold instead of
   reserving segments for them: its own reserved peak can be low by up to that free space,
   ``start reserved - start allocated`` (reported as ``start_reserved_slack_bytes``; after
@@ -78,6 +80,18 @@ class CudaCounters:
     def empty_cache(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
+
+
+def create_workspaces(device: torch.device) -> None:
+    """GEMMs on the current stream, forward and backward (fp32 and bf16, with and without
+    bias: cuBLAS and cuBLASLt; the backward's run on autograd's device thread, whose handle
+    has workspaces of its own) so that the workspaces the process keeps for its lifetime
+    exist before the first row ([Note: a row's own peak])."""
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        torch.nn.functional.linear(a, a, a[0]).sum().backward()
+        torch.mm(a, a).sum().backward()
+    torch.cuda.synchronize(device)
 
 
 MEMORY_KEYS = (

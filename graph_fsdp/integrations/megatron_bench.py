@@ -93,6 +93,7 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
         MEMORY_KEYS,
         CudaCounters,
         RowMemory,
+        create_workspaces,
         memory_fields,
     )
     from graph_fsdp.integrations.megatron_train import run  # noqa: PLC0415
@@ -100,6 +101,8 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     counters = CudaCounters(device) if cuda else None
+    if cuda:
+        create_workspaces(device)
     results = []
     for name, kind, scopes in job.rows:
         if kind != "none" and not cuda:
