@@ -64,9 +64,9 @@ def _train(rank: int, lend: bool, accumulate: bool) -> dict:
         run(key, owner, body)
 
     comm.run = counted
-    root = model._fsdp_state.root
     losses = []
     for step in range(STEPS):
+        root = model._fsdp_state.root  # set by the first forward (lazy init)
         if lend and step == 1:  # after an eager step, as a layerwise runner lends them
             root.allocator.pin_roles(("param", "grad", "grad_comm", "rs_out"))
             for state in root.states:
