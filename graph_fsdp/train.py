@@ -293,6 +293,8 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         torch.use_deterministic_algorithms(True)
     device = device_of(cfg)
+    if device.type == "cuda":  # the peaks reported are this run's (runs share a process)
+        torch.cuda.reset_peak_memory_stats(device)
     reference = cfg.mode == "reference"
     model = build_for(cfg, device)
     if reference:
@@ -385,7 +387,9 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     if graphs is not None:
         result["cuda_graphs"] = graphs.report()
     if cfg.device == "cuda":
+        # Allocated misses what graph replays use in their pools; reserved holds the pools.
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     if log is not None:
         log.close()
     return result

@@ -545,10 +545,13 @@ def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
 
 
 def write_result(result: dict, label: str, output_dir: str) -> str:
+    """``memory_<label>.json``, stamped with the code that produced it (provenance.py)."""
+    from graph_fsdp.bench.provenance import code_version  # noqa: PLC0415
+
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, f"memory_{label}.json")
     with open(path, "w") as f:
-        json.dump({"label": label, **result}, f, indent=2)
+        json.dump({"label": label, **result, "code": code_version()}, f, indent=2)
     return path
 
 
@@ -561,7 +564,17 @@ def merge(paths: list[str]) -> str:
         with open(path) as f:
             data = json.load(f)
         results[data.get("label", os.path.basename(path))] = data
-    text = format_table(results)
+    from graph_fsdp.bench.provenance import stamp_line  # noqa: PLC0415
+
+    stamps = {
+        label: stamp_line(data["code"]) if data.get("code") else "not recorded"
+        for label, data in results.items()
+    }
+    if len(set(stamps.values())) == 1:
+        text = f"Code: {next(iter(stamps.values()))}.\n\n"
+    else:
+        text = "Code:\n" + "".join(f"- {k}: {v}\n" for k, v in stamps.items()) + "\n"
+    text += format_table(results)
     for label, data in results.items():
         if data.get("top_sites"):
             text += f"\n{label}: largest blocks at the peak that no known tensor claims\n\n"

@@ -295,7 +295,10 @@ class FullIterationGraphs(RunnerLifecycle):
             "capture_seconds": self.capture_seconds,
             "replays": self.replays,
             "eager_fallbacks": 0,
-            "verification": [vars(r) | {"summary": r.describe()} for r in self.verification],
+            "verification": [
+                vars(r) | {"summary": r.describe(), "verified": r.verified}
+                for r in self.verification
+            ],
         }
 
     # ------------------------------------------------------------------ one step call
@@ -398,6 +401,7 @@ class FullIterationGraphs(RunnerLifecycle):
             recorder=self._recorder,
             run_eager=run_eager,
             run_graphed=lambda: self._replay(micro, pos, args, kwargs),
+            graph_calls=lambda: (self.replays, 0),  # a position replays its graph or raises
             device=self.device,
             saved=before,
             after=after,

@@ -229,12 +229,16 @@ class LayerwiseGraphs(RunnerLifecycle):
             finally:
                 self.force_eager = False
 
+        def graph_calls() -> tuple[int, int]:
+            return sum(c.replays for c in self.caps), sum(c.fallbacks for c in self.caps)
+
         result, out = verify_step(
             what=f"{what}, scopes [{scope_label(self.scopes)}]",
             states=self.states,
             recorder=self._recorder,
             run_eager=run_eager,
             run_graphed=run,
+            graph_calls=graph_calls,
             device=next(self.model.parameters()).device,
         )
         record_verification(self.verification, result, self.verify, self._tracker)
@@ -292,7 +296,10 @@ class LayerwiseGraphs(RunnerLifecycle):
             "replays": sum(c.replays for c in self.caps),
             "eager_fallbacks": sum(c.fallbacks for c in self.caps),
             "comm_graphs": self._comm.report() if self._comm is not None else self._comm_report,
-            "verification": [vars(r) | {"summary": r.describe()} for r in self.verification],
+            "verification": [
+                vars(r) | {"summary": r.describe(), "verified": r.verified}
+                for r in self.verification
+            ],
         }
 
     # ------------------------------------------------------------------ capture

@@ -12,8 +12,12 @@ one CUDA graph, megatron_fsdp (when importable) and two unsharded single-GPU bas
 with the per-GPU batch (fp32 weights, bf16 autocast, fused AdamW; eager, and forward+backward
 captured in one CUDA graph). Every ratio is taken against the faster of the two. ``--rows
 reference`` adds graph_fsdp's slower parity reference (bf16 weights + fp32 master, unfused
-AdamW). Rows that cannot run here are reported as skipped with the reason.
-Writes results.md, results.json and results.png to --output-dir.
+AdamW). Rows that cannot run here are reported as skipped with the reason. Each row reports its own
+peak memory (allocated and reserved, minus what it started with); a graphed row reports its
+captures, replays, eager fallbacks and communication graphs, and one whose graphs did not
+replay is FAILED with no time (graph_fsdp/bench/verdicts.py). Exit status 1 when a row failed.
+Writes results.md, results.json (both stamped with the git commit) and results.png to
+--output-dir.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import sys
 
 from graph_fsdp.bench.peers import UNSHARDED_SCHEME, BenchSpec
+from graph_fsdp.bench.provenance import code_version
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
@@ -196,6 +201,7 @@ def main(args: argparse.Namespace) -> int:
         "created": now.isoformat(timespec="seconds"),
         "setup": _setup_line(args, job),
         "argv": getattr(args, "argv", None),
+        "code": code_version(),
     }
     tag = "cpu" if res.plan.device == "cpu" else gpu_tag(out["device_name"])
     output_dir = args.output_dir or os.path.join("bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}")

@@ -11,17 +11,19 @@ One launch trains the same model, seed and data once per row, back to back in th
 processes (:func:`graph_fsdp.integrations.megatron_train.run`): graph_fsdp eager, one graphed
 row per ``--graph-impls`` x ``--scopes`` set, and megatron_fsdp eager (when importable and
 asked for with ``--rows``). Each row reports the median and minimum time of its timed steps
-(the ``--warmup-iters`` before them include the capture), its peak memory (max over ranks of
-``max_memory_allocated`` / ``max_memory_reserved`` during the row), both as ratios to the
-eager row, and whether its per-step losses equal eager's bit for bit (meaningful with
-``--deterministic``). Writes results.md and results.json to ``--output-dir``.
+(the ``--warmup-iters`` before them include the capture), its own peak memory, allocated and
+reserved (max over ranks, minus what the row started with: graph_fsdp/bench/verdicts.py
+[Note: a row's own peak]), both as ratios to the eager row, whether its per-step losses
+equal eager's bit for bit (meaningful with ``--deterministic``) and, for a graphed row, its
+captures, replays, eager fallbacks and communication graphs; a graphed row whose graphs did
+not replay is FAILED with no time ([Note: graphed rows must replay]). Writes results.md and
+results.json (stamped with the git commit) to ``--output-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import sys
@@ -75,12 +77,32 @@ def _row_config(job: MCoreBenchJob, kind: str, scopes: tuple[str, ...]):
     return replace(job.base, cuda_graph_impl=kind, cuda_graph_scope=list(scopes))
 
 
+def _row_verdict(kind: str, raw: dict | None, timed_steps: int) -> tuple[dict, str | None]:
+    """A graphed row's graph fields and why it fails (bench/verdicts.py)."""
+    from graph_fsdp.bench.verdicts import graph_verdict  # noqa: PLC0415
+
+    if kind in ("none", "megatron_fsdp") or raw is None:
+        return {}, None
+    # Megatron-Core rows keep make_graphs' default: communication graphs on.
+    return graph_verdict(raw.get("cuda_graphs"), timed_steps=timed_steps, comm_requested=True)
+
+
 def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     """Every row on this rank; rank 0 returns the rows' numbers."""
+    from graph_fsdp.bench.verdicts import (  # noqa: PLC0415
+        MEMORY_KEYS,
+        CudaCounters,
+        RowMemory,
+        create_workspaces,
+        memory_fields,
+    )
     from graph_fsdp.integrations.megatron_train import run  # noqa: PLC0415
 
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    counters = CudaCounters(device) if cuda else None
+    if cuda:
+        create_workspaces(device)
     results = []
     for name, kind, scopes in job.rows:
         if kind != "none" and not cuda:
@@ -88,8 +110,7 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
             results.append({"name": name, "status": "skipped", "reason": f"{why} a CUDA device"})
             continue
         status, reason, raw = "ok", None, None
-        # What earlier rows of this process left allocated (their peak would include it).
-        start = torch.cuda.memory_allocated(device) if cuda else 0
+        memory = RowMemory.start(counters) if cuda else None
         try:
             raw = run(rank, world_size, _row_config(job, kind, scopes))
         except ImportError as err:  # megatron_fsdp not installed
@@ -97,31 +118,34 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
         except Exception as err:  # noqa: BLE001 - one failing row must not hide the others
             status, reason = "failed", f"{type(err).__name__}: {err}".splitlines()[0]
             print(f"[rank {rank}] row {name!r} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-        reserved = torch.cuda.max_memory_reserved(device) if cuda else 0
+        memory = memory.stop(counters).values() if cuda else [0] * len(MEMORY_KEYS)
+        graphs, graph_failure = _row_verdict(kind, raw, job.base.steps - job.warmup)
         flags = torch.tensor(
-            [peak, reserved, status == "failed", start], dtype=torch.float64, device=device
+            [*memory, status == "failed", graph_failure is not None],
+            dtype=torch.float64,
+            device=device,
         )
         if world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # keeps the ranks in lockstep too
-        gc.collect()
+        *memory, failed, graph_failed = flags.tolist()
         if rank != 0:
             continue
-        if status == "ok" and flags[2].item():
+        out = {"name": name, **graphs, **(memory_fields(memory) if cuda else {})}
+        if status == "ok" and failed:
             status, reason = "failed", "failed on another rank (see its traceback)"
+        elif status == "ok" and graph_failed:
+            status = "failed"
+            reason = graph_failure or "its graphs did not replay on another rank"
         if status != "ok":
-            results.append({"name": name, "status": status, "reason": reason})
+            results.append({**out, "status": status, "reason": reason})
             continue
         timed = raw["times"][job.warmup :]
         results.append(
             {
-                "name": name,
+                **out,
                 "status": "ok",
                 "median_step_ms": median(timed) * 1e3,
                 "min_step_ms": min(timed) * 1e3,
-                "peak_memory_bytes": int(flags[0].item()) if cuda else None,
-                "peak_reserved_bytes": int(flags[1].item()) if cuda else None,
-                "start_allocated_bytes": int(flags[3].item()) if cuda else None,
                 "losses": raw["losses"],
                 "final_loss": raw["losses"][-1],
                 "step_times_ms": [t * 1e3 for t in timed],
@@ -138,16 +162,21 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Rows with ``step_time_vs_eager``, ``peak_memory_vs_eager`` and ``losses_equal_eager``
-    (None where the eager row or the value is missing)."""
+    """Rows with ``step_time_vs_eager``, ``peak_memory_vs_eager`` (own allocated),
+    ``peak_reserved_vs_eager`` (own reserved) and ``losses_equal_eager`` (None where the
+    eager row or the value is missing)."""
     eager = next((r for r in rows if r["name"] == "graph_fsdp eager" and r["status"] == "ok"), None)
     out = []
     for r in rows:
         r = dict(r)
         if eager is not None and r["status"] == "ok":
             r["step_time_vs_eager"] = r["median_step_ms"] / eager["median_step_ms"]
-            if r.get("peak_memory_bytes") and eager.get("peak_memory_bytes"):
-                r["peak_memory_vs_eager"] = own_peak(r) / own_peak(eager)
+            for key, ratio in (
+                ("own_peak_allocated_bytes", "peak_memory_vs_eager"),
+                ("own_peak_reserved_bytes", "peak_reserved_vs_eager"),
+            ):
+                if r.get(key) and eager.get(key):
+                    r[ratio] = r[key] / eager[key]
             same = r["losses"] == eager["losses"]
             if not same:
                 step = next(
@@ -163,32 +192,42 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def own_peak(row: dict) -> int:
-    """The row's peak minus what earlier rows of the process left allocated at its start."""
-    return row["peak_memory_bytes"] - (row.get("start_allocated_bytes") or 0)
-
-
 def _gib(value: int | None) -> str:
-    return "-" if not value else f"{value / 2**30:.2f}"
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def markdown(report: dict) -> str:
+    from graph_fsdp.bench.report import code_line, memory_notes  # noqa: PLC0415
+    from graph_fsdp.bench.verdicts import graph_label  # noqa: PLC0415
+
     lines = [
         f"# graph_fsdp bench, {report['model']}: {report['world_size']} x "
         f"{report['device_name']} ({report['backend']}), {report['created']}",
         "",
+        code_line(report),
+        "",
         report["setup"],
         "",
-        "| row | median step ms | min step ms | peak mem GiB (own) | peak reserved GiB | final loss | "
-        "step time vs eager | peak mem vs eager | losses == eager |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
+        "| row | median step ms | min step ms | own peak allocated GiB | own peak reserved GiB | "
+        "graphs: captures/replays/fallbacks, comm | final loss | step time vs eager | "
+        "peak allocated vs eager | peak reserved vs eager | losses == eager |",
+        "|---|--:|--:|--:|--:|---|--:|--:|--:|--:|---|",
     ]
     notes = []
     for r in with_ratios(report["rows"]):
+        own = _gib(r.get("own_peak_allocated_bytes")), _gib(r.get("own_peak_reserved_bytes"))
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 7)
-            notes.append(f"- {r['name']}: {r['status']}: {r['reason']}")
+            status = r["status"].upper() if r["status"] == "failed" else r["status"]
+            lines.append(
+                f"| {r['name']} | {status} | | {own[0]} | {own[1]} | {graph_label(r)} |" + " |" * 5
+            )
+            notes.append(f"- {r['name']}: {status}: {r['reason']}")
             continue
+        notes += memory_notes(r)
         same = r.get("losses_equal_eager")
         verdict = (
             "-"
@@ -198,22 +237,23 @@ def markdown(report: dict) -> str:
             else f"differs from step {r['first_loss_difference_step']} "
             f"(max abs {r['max_loss_difference']:.2e})"
         )
-        ratio = r.get("step_time_vs_eager")
-        mem = r.get("peak_memory_vs_eager")
         lines.append(
-            f"| {r['name']} | {r['median_step_ms']:.2f} | {r['min_step_ms']:.2f} | "
-            f"{_gib(own_peak(r) if r['peak_memory_bytes'] else None)} | "
-            f"{_gib(r['peak_reserved_bytes'])} | "
-            f"{r['final_loss']:.5f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
-            f"{'-' if mem is None else f'{mem:.2f}x'} | {verdict} |"
+            f"| {r['name']} | {r['median_step_ms']:.2f} | {r['min_step_ms']:.2f} | {own[0]} | "
+            f"{own[1]} | {graph_label(r)} | {r['final_loss']:.5f} | "
+            f"{_ratio(r.get('step_time_vs_eager'))} | {_ratio(r.get('peak_memory_vs_eager'))} | "
+            f"{_ratio(r.get('peak_reserved_vs_eager'))} | {verdict} |"
         )
     lines += [
         "",
         "Step times: median / min over the timed steps (after the warmup steps, which include "
-        "the capture). Peak memory: max over ranks of torch.cuda.max_memory_allocated during "
-        "the row minus what earlier rows left allocated at its start (own), and "
-        "max_memory_reserved (graph pools show in reserved). losses == eager: "
-        "every per-step loss equal to the eager row's (bit for bit; run with --deterministic).",
+        "the capture). Own peak allocated / reserved: max over ranks of the row's "
+        "torch.cuda.max_memory_allocated / max_memory_reserved minus the bytes allocated / "
+        "reserved when it started (after gc and empty_cache); a replay allocates nothing, so a "
+        "graphed row's pools show in reserved. graphs: captures / replays / eager fallbacks and "
+        "the communication graphs; a graphed row with 0 replays, fewer replays than timed "
+        "steps, an eager fallback or failed communication graphs is FAILED (no time). "
+        "losses == eager: every per-step loss equal to the eager row's (bit for bit; run with "
+        "--deterministic).",
     ]
     if notes:
         lines += ["", "Notes:", *notes]
@@ -324,6 +364,7 @@ def build_job(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     """``graph-fsdp bench`` for ``--model mcore-*``: validation, launch, report."""
+    from graph_fsdp.bench.provenance import code_version  # noqa: PLC0415
     from graph_fsdp.bench.report import gpu_tag  # noqa: PLC0415
     from graph_fsdp.cli.launch import launch  # noqa: PLC0415
 
@@ -338,6 +379,7 @@ def main(args: argparse.Namespace) -> int:
         "created": now.isoformat(timespec="seconds"),
         "setup": setup,
         "argv": getattr(args, "argv", None),
+        "code": code_version(),
     }
     tag = "cpu" if plan.device == "cpu" else gpu_tag(out["device_name"])
     output_dir = args.output_dir or os.path.join(

@@ -227,6 +227,11 @@ def test_table_and_merge(tmp_path) -> None:
     assert json.loads((tmp_path / "memory_a.json").read_text())["label"] == "a"
     assert "| role (GiB, rank 0, at the peak) | a | b |" in merge(paths)
     assert "no memory results" in merge([])
+    # Each result names the code that produced it (provenance.py); one stamp heads the table.
+    from graph_fsdp.bench.provenance import code_version, stamp_line
+
+    assert json.loads((tmp_path / "memory_a.json").read_text())["code"] == code_version()
+    assert merge(paths).startswith(f"Code: {stamp_line()}.\n")
     assert "a: largest blocks at the peak" in merge(paths)
     assert "| grad_comm | `graph_fsdp/buffers/allocator.py:1 allocate` | 0.000 |" in merge(paths)
 

@@ -162,6 +162,8 @@ def test_compare_strategies_identical_then_injected_difference(tmp_path) -> None
     assert "reference no_shard eager" in out and "deterministic algorithms on" in out
     assert re.search(r"optim_grads_params eager\s+IDENTICAL", out)
     assert json.loads(verdicts.read_text())["results"][0]["identical"] is True
+    assert "\ncode: commit " in out  # the commit that produced the verdicts (provenance.py)
+    assert json.loads(verdicts.read_text())["code"]["source_sha256"]
 
     proc = run_cli(
         "compare",
@@ -201,7 +203,11 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
         )
     )
     assert {p.name for p in out_dir.iterdir()} == {"results.md", "results.json", "results.png"}
-    rows = {r["name"]: r for r in json.loads((out_dir / "results.json").read_text())["rows"]}
+    report = json.loads((out_dir / "results.json").read_text())
+    # Stamped with the code that produced it (bench/provenance.py).
+    assert set(report["code"]) == {"commit", "dirty", "commit_source", "source_sha256"}
+    assert (out_dir / "results.md").read_text().splitlines()[2].startswith("Code: commit ")
+    rows = {r["name"]: r for r in report["rows"]}
     for name in ("graph_fsdp eager", "torch FSDP2", "unsharded eager (1 rank)"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["median_step_ms"] > 0 and "step_time_vs_ref" in rows[name]
@@ -251,6 +257,9 @@ def test_profile_writes_traces_and_prints_summary(tmp_path) -> None:
     assert "graph_fsdp/forward/layers.0" in out and "graph_fsdp/backward/model" in out
     assert re.search(r"communication [\d.]+ ms/step of which [\d.]+ ms \(\d+%\) exposed", out)
     assert "gloo:all_gather" in out and "rank 1: mean step" in out
+    assert "\ncode: commit " in out
+    summary = json.loads((out_dir / "profile_summary.json").read_text())
+    assert summary["code"]["source_sha256"] and len(summary["ranks"]) == 2
 
 
 @pytest.mark.parametrize(

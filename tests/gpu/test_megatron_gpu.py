@@ -123,9 +123,15 @@ def _check(out: dict, variants: dict) -> list[str]:
             d = _diff(f"{label} {what}", ref[what], got[what])
             if d:
                 problems.append(d)
+        # A graphed run proves nothing about graphs unless it replayed them throughout.
         report = got.get("cuda_graphs")
-        if report is not None and report["replays"] == 0:
-            problems.append(f"{label}: the graphs never replayed ({report})")
+        if report is None:
+            problems.append(f"{label}: no graph report (the run may have run eagerly)")
+        elif report["replays"] == 0 or report["eager_fallbacks"]:
+            problems.append(
+                f"{label}: {report['replays']} replays, {report['eager_fallbacks']} eager "
+                f"fallbacks ({report})"
+            )
     res = out.get("resume", {"first": [], "second": []})
     for name, vals, off in (
         ("resume first", res["first"], 0),
@@ -551,7 +557,7 @@ def _timing(res: dict, skip: int = 3) -> dict:
     return {
         "median_step_ms": round(median(res["times"][skip:]) * 1e3, 3),
         "peak_allocated_gib": round(res["peak_memory_bytes"] / 2**30, 4),
-        "peak_reserved_gib": round(res["peak_memory_reserved_bytes"] / 2**30, 4),
+        "peak_reserved_gib": round(res["peak_reserved_bytes"] / 2**30, 4),
     }
 
 
