@@ -2,6 +2,7 @@
 
 from graph_fsdp.api import STRATEGIES, BufferPolicy, MixedPrecisionPolicy, placements_for
 from graph_fsdp.distributed import init_distributed
+from graph_fsdp.experts import init_expert_mesh, mark_expert_params
 from graph_fsdp.fully_shard import FSDPModule, fully_shard, synchronize_param_gather
 from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.lifecycle import iter_full_params
@@ -16,7 +17,9 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "init_distributed",
+    "init_expert_mesh",
     "iter_full_params",
+    "mark_expert_params",
     "placements_for",
     "synchronize_param_gather",
 ]
