@@ -9,7 +9,7 @@ comparison of the suite: the sharded runs sum the ranks' gradients in the collec
 the reference in autograd's, and an expert's GEMM sees every EP rank's tokens in one product
 where the reference runs one product per rank. Runs that must do the same arithmetic (static
 allocators vs dynamic) are compared bit for bit. Checkpoints written at one EP size load at
-others (and on 2 ranks). All trainings run in one spawn of 4 processes and one of 2.
+others (and on 2 ranks). Everything runs in one spawn of 4 processes and one of 2.
 """
 
 from __future__ import annotations
@@ -103,18 +103,34 @@ def _load_on_two_ranks(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _four_ranks(rank: int, world: int, cases: dict[str, TrainConfig], root: str) -> dict:
+    return {
+        "train": _train_all(rank, world, cases),
+        "engine": _groups_grads_errors(rank, world, root),
+    }
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
+def spawned(tmp_path_factory) -> dict:
+    """Every 4-rank case in one spawn, then the 2-rank loads in another."""
     root = str(tmp_path_factory.mktemp("ep_ckpt"))
     cases = {**CASES, **ACCUM, **CLIP, **_resume_cases(root)}
-    per_rank = spawn(_train_all, 4, cases)
-    two = spawn(_load_on_two_ranks, 2, root)
+    per_rank = spawn(_four_ranks, 4, cases, root)
+    return {
+        "ranks": [r["train"] for r in per_rank],
+        "engine": [r["engine"] for r in per_rank],
+        "two": spawn(_load_on_two_ranks, 2, root),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(spawned) -> dict:
     reference = {
         "base": run(0, 4, dataclasses.replace(BASE, mode="reference")),
         "accum": run(0, 4, dataclasses.replace(ACCUM[next(iter(ACCUM))], mode="reference")),
         "clip": run(0, 4, dataclasses.replace(CLIP[next(iter(CLIP))], mode="reference")),
     }
-    return {"ranks": per_rank, "two": two, "reference": reference}
+    return {**spawned, "reference": reference}
 
 
 def _max_diffs(res: dict, ref: dict, *, steps: slice = slice(None)) -> tuple[float, float]:
@@ -266,6 +282,10 @@ def _grads_and_norms(rank: int, world: int) -> dict:
     return out
 
 
+def _equal(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _export_and_offload(rank: int, world: int) -> dict:
     """iter_full_params yields the global expert tensors under global names (like
     full_state_dict), also while the parameters are offloaded; a step after onload trains."""
@@ -284,7 +304,19 @@ def _export_and_offload(rank: int, world: int) -> dict:
     loss.backward()
     report = model.fsdp_memory_report()
     groups = [g for s in model._fsdp_state.root.states for g in s.groups]
+    # Meta-device init (each rank materialises its experts, broadcast over EDP), and a global
+    # unsharded state dict (all experts) through load_state_dict: both give the model's values.
+    ep2 = init_expert_mesh("cpu", 2)
+    meta = partition_experts(build_model(MOE, device="meta"), ep2["ep"].get_group())
+    for layer in meta.layers:
+        fully_shard(layer, expert_mesh=ep2)
+    fully_shard(meta)
+    fresh = _ep_model(2)
+    fresh.load_state_dict(build_model(MOE, device=CPU).state_dict())
+    initial = build_model(MOE, device=CPU).state_dict()
     return {
+        "meta_equal": _equal(ckpt.full_state_dict(meta), initial),
+        "loaded_equal": _equal(ckpt.full_state_dict(fresh), initial),
         "same": same,
         "names": sorted(full),
         "while_offloaded": while_offloaded,
@@ -451,8 +483,8 @@ def _groups_grads_errors(rank: int, world: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> list[dict]:
-    return spawn(_groups_grads_errors, 4, str(tmp_path_factory.mktemp("ep_layouts")))
+def engine(spawned) -> list[dict]:
+    return spawned["engine"]
 
 
 def test_expert_gradients_are_reduced_over_the_expert_data_parallel_group_only(engine):
@@ -474,7 +506,7 @@ def test_expert_gradients_and_global_norm_match_the_reference(engine):
             assert abs(norm - grads["ref_norm"]) <= TOL * grads["ref_norm"], (label, norm)
 
 
-def test_export_offload_and_memory_report_cover_expert_groups(engine):
+def test_export_offload_init_and_load_cover_expert_groups(engine):
     for res in engine:
         export = res["export"]
         assert export["expert_groups"] == ["layers.0.experts", "layers.2.experts"]
@@ -483,6 +515,7 @@ def test_export_offload_and_memory_report_cover_expert_groups(engine):
         assert all(export["while_offloaded"].values())
         assert export["freed"] == export["main_bytes"] == export["report_main"]
         assert export["loss_finite"]
+        assert export["meta_equal"] and export["loaded_equal"]
 
 
 def test_per_expert_layouts_round_trip_across_ep_sizes(engine):
