@@ -1,6 +1,7 @@
 """Expert parallelism with FSDP: expert parameters sharded over their own process group.
 
     ep_mesh = init_expert_mesh("cuda", ep_size=2)   # 2-D (edp, ep) DeviceMesh over the world
+    # (or expert_mesh_from_groups("cuda", ep_group=..., edp_group=...) from existing groups)
     # the model holds the experts of its rank of ep_mesh["ep"] and dispatches tokens to the
     # other EP ranks itself (an all-to-all over ep_mesh["ep"].get_group())
     for layer in model.layers:
@@ -218,6 +219,41 @@ def init_expert_mesh(device_type: str, ep_size: int, *, world_size: int | None =
             f"size {world} (the expert-data-parallel size is world / ep_size)"
         )
     return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+
+
+def expert_mesh_from_groups(
+    device_type: str, *, ep_group: dist.ProcessGroup, edp_group: dist.ProcessGroup
+):
+    """The 2-D ``(edp, ep)`` DeviceMesh of process groups that exist already (Megatron's
+    ``parallel_state.get_expert_model_parallel_group()`` and
+    ``get_expert_data_parallel_group()``), for ``fully_shard(..., expert_mesh=...)``. A
+    collective over the default group (each rank's coordinates are exchanged once)."""
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+
+    ep, edp, world = (
+        dist.get_world_size(ep_group),
+        dist.get_world_size(edp_group),
+        dist.get_world_size(),
+    )
+    coords: list = [None] * world
+    dist.all_gather_object(coords, (dist.get_rank(edp_group), dist.get_rank(ep_group)))
+    fix = "pass groups with EP x EDP = world (tensor and pipeline parallel size 1)"
+    if ep * edp != world:
+        raise ValueError(
+            f"expert_mesh_from_groups: EP groups of {ep} ranks and EDP groups of {edp} ranks "
+            f"cannot tile the {world} ranks of the world; {fix}"
+        )
+    grid = torch.full((edp, ep), -1, dtype=torch.int64)
+    for rank, (i, j) in enumerate(coords):
+        if grid[i, j] != -1:
+            raise ValueError(
+                f"expert_mesh_from_groups: ranks {int(grid[i, j])} and {rank} are both EDP rank "
+                f"{i} and EP rank {j}: the groups do not tile the world; {fix}"
+            )
+        grid[i, j] = rank
+    return DeviceMesh.from_group(
+        [edp_group, ep_group], device_type, mesh=grid, mesh_dim_names=(EDP_DIM, EP_DIM)
+    )
 
 
 def resolve_expert_mesh(mesh, owner: str, dense_ranks: list[int], device: torch.device):

@@ -26,7 +26,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graph_fsdp import checkpoint as ckpt
-from graph_fsdp import fully_shard, init_expert_mesh, iter_full_params, mark_expert_params
+from graph_fsdp import (
+    expert_mesh_from_groups,
+    fully_shard,
+    init_expert_mesh,
+    iter_full_params,
+    mark_expert_params,
+)
 from graph_fsdp.models import GPTConfig, build_model, partition_experts, synthetic_batch
 from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run, shard_model
@@ -472,8 +478,40 @@ def _errors(rank: int, world: int) -> dict:
     }
 
 
+def _one_step(mesh) -> tuple[float, dict]:
+    model = partition_experts(build_model(MOE, device=CPU), mesh["ep"].get_group())
+    for layer in model.layers:
+        fully_shard(layer, expert_mesh=mesh)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = synthetic_batch(MOE, 1, 0, rank=dist.get_rank(), device=CPU)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    return loss.item(), ckpt.full_state_dict(model)
+
+
+def _from_groups(rank: int, world: int) -> dict:
+    """A mesh made of existing groups (as Megatron's parallel state holds them) trains as the
+    one init_expert_mesh builds, bit for bit."""
+    ep_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    edp_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
+    ep, edp = ep_groups[rank // 2], edp_groups[rank % 2]
+    mesh = expert_mesh_from_groups("cpu", ep_group=ep, edp_group=edp)
+    loss, params = _one_step(mesh)
+    expected_loss, expected = _one_step(init_expert_mesh("cpu", 2))
+    return {
+        "mesh": mesh.mesh.tolist(),
+        "same": loss == expected_loss and _equal(params, expected),
+        "untiled": _error(
+            lambda: expert_mesh_from_groups("cpu", ep_group=ep, edp_group=dist.group.WORLD)
+        ),
+    }
+
+
 def _groups_grads_errors(rank: int, world: int, root: str) -> dict:
     return {
+        "from_groups": _from_groups(rank, world),
         "reductions": _reductions(rank, world),
         "grads": _grads_and_norms(rank, world),
         "export": _export_and_offload(rank, world),
@@ -542,6 +580,13 @@ def test_per_expert_layouts_round_trip_across_ep_sizes(engine):
                 assert torch.all(full[f"experts.{g}.weight"] == 10 * g), (name, g)
                 assert torch.all(full[f"experts.{g}.bias"] == -g), (name, g)
             assert torch.all(full["dense.weight"] == 7.0)
+
+
+def test_expert_mesh_from_existing_groups(engine):
+    for res in engine:
+        got = res["from_groups"]
+        assert got["mesh"] == [[0, 1], [2, 3]] and got["same"]
+        assert "cannot tile the 4 ranks" in got["untiled"], got["untiled"]
 
 
 def test_clear_errors(engine):
