@@ -236,7 +236,8 @@ def validate_checkpoint(path: str, ents: list[Entry], metadata) -> None:
         size = tuple(meta[key].size)
         if size != (e.numel,):
             raise CheckpointError(
-                f"parameter {key[len('model.') :]}: checkpoint {path!r} holds {size[0] if size else size} "
+                f"parameter {key[len('model.') :]}: checkpoint {path!r} holds "
+                f"{size[0] if size else size} "
                 f"elements, the model's {tuple(e.shape)} has {e.numel}: the checkpoint is from "
                 "another model shape (for expert parameters: the same total number of experts "
                 "is needed, whatever the expert-parallel size)"

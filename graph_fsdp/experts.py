@@ -16,11 +16,11 @@ hold the same experts, world / EP of them - and every other parameter over the d
 
 [Note: expert groups]
 - Which parameters: those :func:`mark_expert_params` marked, and Megatron-Core's expert
-  parameters (``param.allreduce is False``, set by its expert linears). A unit holding either
-  needs ``fully_shard(..., expert_mesh=...)``. Megatron marks its experts at EP = 1 too: there
-  the expert-data-parallel group is the data-parallel group, so a unit without an expert mesh
-  keeps them with its dense parameters - unless Megatron's parallel state says EP > 1, which
-  is refused (reduced over DP, different experts would be summed).
+  parameters (``param.allreduce is False``, which its expert linears set when its
+  ``expert_model_parallel_size`` > 1). A unit holding either needs ``fully_shard(...,
+  expert_mesh=...)``: without one it is refused (reduced over DP, different experts would be
+  summed). An expert mesh whose EP size differs from Megatron's initialised parallel state
+  is refused too.
 - One ``FlatParamGroup`` per (kind, compute dtype): a unit's dense and expert parameters
   never share a flat buffer. The expert groups' ``CommContext`` is the root's re-bound to the
   EDP group (``CommContext.over``): the same all-gather and reduce-scatter streams. Both kinds'

@@ -40,7 +40,6 @@ from graph_fsdp.experts import (
     ExpertLayout,
     is_expert,
     layout_of,
-    megatron_expert_parallel_size,
     resolve_expert_mesh,
 )
 from graph_fsdp.grad_norm import clip_grad_norm_, install_torch_clip
@@ -382,30 +381,27 @@ def _mesh_groups(
 def _expert_layouts(
     module: nn.Module, entries: list, expert_mesh, owner: str
 ) -> dict[str, ExpertLayout | None]:
-    """FQN -> layout of the unit's expert parameters that get their own groups (experts.py
-    [Note: expert groups]); empty when the unit has none, or only Megatron-marked ones and no
-    expert mesh at EP = 1 (they stay dense)."""
+    """FQN -> layout of the unit's expert parameters (experts.py [Note: expert groups]);
+    empty when it has none. Expert parameters without an expert mesh are refused."""
     experts = [(fqn, owners, p) for fqn, owners, p in entries if is_expert(p)]
     if not experts:
         return {}
     if expert_mesh is None:
         marked = [fqn for fqn, _, p in experts if getattr(p, EXPERT_ATTR, None) is not None]
-        ep = megatron_expert_parallel_size()
-        if marked or (ep is not None and ep > 1):
-            names = marked or [fqn for fqn, _, _ in experts]
-            why = (
-                "were marked by mark_expert_params"
-                if marked
-                else f"are Megatron expert parameters (allreduce=False) with EP = {ep}"
-            )
-            raise ValueError(
-                f"fully_shard({owner}): parameters {names[:4]}{' ...' if len(names) > 4 else ''} "
-                f"{why}, but no expert_mesh was given: reduced over the data-parallel group, "
-                "different experts would be summed. Pass expert_mesh=graph_fsdp."
-                "init_expert_mesh(device, ep_size) so they are sharded and reduced over the "
-                "expert-data-parallel group"
-            )
-        return {}  # EP = 1: the expert-data-parallel group is the data-parallel group
+        names = marked or [fqn for fqn, _, _ in experts]
+        why = (
+            "were marked by mark_expert_params"
+            if marked
+            else "are Megatron-Core expert parameters (allreduce=False: it marks them when "
+            "its expert_model_parallel_size > 1)"
+        )
+        raise ValueError(
+            f"fully_shard({owner}): parameters {names[:4]}{' ...' if len(names) > 4 else ''} "
+            f"{why}, but no expert_mesh was given: reduced over the data-parallel group, "
+            "different experts would be summed. Pass expert_mesh=graph_fsdp."
+            "init_expert_mesh(device, ep_size) (or expert_mesh_from_groups) so they are "
+            "sharded and reduced over the expert-data-parallel group"
+        )
     return {fqn: layout_of(module, fqn, p, owners[0][0]) for fqn, owners, p in experts}
 
 

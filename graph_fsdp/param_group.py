@@ -682,7 +682,8 @@ class FlatParamGroup:
 
     def _scale_into_main_grad(self, out, *, direct: bool, overwrite: bool) -> None:
         """``main_grad`` (=, or += under accumulation) the reduced ``out`` / data-parallel
-        size (the dense one for experts: experts.py [Note: expert groups]); ``direct``: the reduction wrote ``main_grad`` itself, scale it in place."""
+        size (the dense one for experts: experts.py [Note: expert groups]); ``direct``: the
+        reduction wrote ``main_grad`` itself, scale it in place."""
         inv_world = 1.0 / self.comm.grad_divisor
         if direct:
             self.main_grad.mul_(inv_world)

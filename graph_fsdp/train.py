@@ -171,8 +171,9 @@ def placement_label(cfg: TrainConfig) -> str:
 
 
 _MESHES: dict[tuple, tuple] = {}
-"""(device type, shape, dimension names) -> (the default group it was built under, mesh): runs in one process
-(compare, bench, tests) reuse one mesh instead of creating new process groups each time."""
+"""(device type, shape, dimension names) -> (the default group it was built under, mesh):
+runs in one process (compare, bench, tests) reuse one mesh instead of creating new process
+groups each time."""
 
 
 def data_parallel_mesh(cfg: TrainConfig):

@@ -395,20 +395,22 @@ def _stub_megatron(ep: int):
 
 
 def _megatron_marks(rank: int) -> dict:
-    """Megatron's ``allreduce=False`` without an expert mesh: dense at EP = 1, refused at
-    EP > 1 (its parallel state, stubbed: megatron-core is not installed in CI)."""
+    """Megatron's ``allreduce=False`` marks: refused without an expert mesh, and an expert
+    mesh of another EP size than Megatron's parallel state (stubbed: megatron-core is not
+    installed in CI) is refused."""
+    model = _PerExpertModel(2, 0)
+    del model.experts  # only Megatron-marked experts
+    out = {"no_mesh": _error(lambda: fully_shard(model))}
     name = "megatron.core.parallel_state"
     if name in sys.modules:
-        return {"skipped": True}
-    out = {}
+        return out
     try:
-        for ep in (1, 2):
-            sys.modules[name] = _stub_megatron(ep)
-            model = _PerExpertModel(2, 0)
-            del model.experts  # only Megatron-marked experts
-            out[ep] = _error(lambda m=model: len(fully_shard(m)._fsdp_state.groups))
         sys.modules[name] = _stub_megatron(4)
         out["mismatch"] = _error(
+            lambda: fully_shard(_PerExpertModel(2, 0), expert_mesh=init_expert_mesh("cpu", 2))
+        )
+        sys.modules[name] = _stub_megatron(2)
+        out["match"] = _error(
             lambda: fully_shard(_PerExpertModel(2, 0), expert_mesh=init_expert_mesh("cpu", 2))
         )
     finally:
@@ -610,7 +612,8 @@ def test_clear_errors(engine):
             for part in parts:
                 assert part in errors[key], (key, errors[key])
         megatron = errors["megatron"]
-        if not megatron.get("skipped"):
-            assert megatron[1] == "no error"  # EP = 1: Megatron's experts stay dense
-            assert "Megatron expert parameters (allreduce=False) with EP = 2" in megatron[2]
+        assert "Megatron-Core expert parameters (allreduce=False" in megatron["no_mesh"]
+        assert "local_experts.0.weight" in megatron["no_mesh"]
+        if "mismatch" in megatron:
             assert "expert_model_parallel_size 4" in megatron["mismatch"]
+            assert megatron["match"] == "no error"
