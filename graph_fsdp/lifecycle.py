@@ -432,8 +432,9 @@ def _group_full_params(group: FlatParamGroup, dtype, device) -> Iterator[tuple[s
     else:
         full = local
     del local
-    for ref, offset in zip(group.params, group.layout.offsets):
-        view = full[offset : offset + ref.shape.numel()].view(ref.shape)
+    # Expert groups: the global parameters under their global names (every EP rank's experts,
+    # experts.py [Note: expert groups]), so an inference engine of any EP size can load them.
+    for name, view in group.full_params(full):
         out = view.to(dtype=dtype or view.dtype, device=device or view.device, copy=True)
-        yield ref.fqn, out
+        yield name, out
     del full

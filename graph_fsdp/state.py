@@ -66,6 +66,20 @@ class RootContext:
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
     offloaded: set[str] = field(default_factory=set)
     """State kinds moved off the device by graph_fsdp.lifecycle (forward is refused)."""
+    expert_comms: dict[int, CommContext] = field(default_factory=dict)
+    """id(expert-data-parallel group) -> the root's streams over it (``comm_for``)."""
+
+    def comm_for(self, unit_comm: CommContext) -> CommContext:
+        """The root's context for a group a unit built ``unit_comm`` for: the root's own for
+        the dense mesh, the root's streams over the expert-data-parallel group for experts
+        (experts.py [Note: expert groups])."""
+        if unit_comm.same_mesh(self.comm):
+            return self.comm
+        shared = self.expert_comms.get(id(unit_comm.group))
+        if shared is None:
+            shared = self.comm.over(unit_comm.group, grad_divisor=unit_comm.grad_divisor)
+            self.expert_comms[id(unit_comm.group)] = shared
+        return shared
 
 
 class _PostBackward(torch.autograd.Function):
@@ -247,8 +261,7 @@ class FSDPState:
             prefix = names[id(other.module)]
             other.fqn = prefix or "root"
             for group in other.groups:
-                suffix = group.fqn.split(".")[-1] if len(other.groups) > 1 else ""
-                group.fqn = ".".join(x for x in (other.fqn, suffix) if x)
+                group.fqn = ".".join(x for x in (other.fqn, group.suffix) if x)
                 for ref in group.params:
                     ref.fqn = ref.local_fqn if not prefix else f"{prefix}.{ref.local_fqn}"
         ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
@@ -256,7 +269,7 @@ class FSDPState:
             other.root = ctx
             other.comm = self.comm  # one set of streams for the whole model
             for group in other.groups:
-                group.comm = self.comm
+                group.comm = ctx.comm_for(group.comm)
                 group.register_buffers(ctx.allocator)
         self.is_root = True
         # The root's weights are used first in forward and backward: keep them gathered.

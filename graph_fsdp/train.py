@@ -19,9 +19,16 @@ from torch import nn
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
+from graph_fsdp.experts import init_expert_mesh
 from graph_fsdp.fully_shard import fully_shard
 from graph_fsdp.grad_norm import clip_grad_norm_
-from graph_fsdp.models import GPTConfig, build_model, sharding_units, transformer_layers
+from graph_fsdp.models import (
+    GPTConfig,
+    build_model,
+    partition_experts,
+    sharding_units,
+    transformer_layers,
+)
 
 
 @dataclass(kw_only=True)
@@ -37,6 +44,10 @@ class TrainConfig:
     the world size; e.g. (nodes, GPUs per node)). None: 1-D FSDP over every rank."""
     optim_over_replicas: bool = False
     """HSDP: shard the optimizer (main weights and grads) across the replicas as well."""
+    expert_parallel: int | None = None
+    """MoE models: partition the experts over expert-parallel groups of this many ranks and
+    shard them over the expert-data-parallel group (world / this), the other parameters over
+    the data-parallel group (graph_fsdp.experts). None: experts are sharded like the rest."""
     micro_batch_size: int = 1
     """Sequences per rank per microbatch."""
     grad_accum: int = 1
@@ -128,6 +139,20 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         "strategy": cfg.strategy,
         "optim_over_replicas": cfg.optim_over_replicas,
     }
+    if cfg.expert_parallel is not None:
+        if cfg.model.num_experts is None:
+            raise ValueError(
+                f"TrainConfig.expert_parallel={cfg.expert_parallel} needs an MoE model: set "
+                "GPTConfig.num_experts (or leave expert_parallel None)"
+            )
+        expert_mesh = _cached_mesh(
+            cfg.device,
+            (dist.get_world_size() // cfg.expert_parallel, cfg.expert_parallel),
+            ("edp", "ep"),
+            lambda: init_expert_mesh(cfg.device, cfg.expert_parallel),
+        )
+        partition_experts(model, expert_mesh["ep"].get_group())
+        placement["expert_mesh"] = expert_mesh  # units without experts ignore it
     for unit, reshard in sharding_units(model):
         fully_shard(
             unit, **placement, mp_policy=mp, buffer_policy=bp, reshard_after_forward=reshard
@@ -136,17 +161,19 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 
 def placement_label(cfg: TrainConfig) -> str:
-    """The strategy and, for HSDP, the mesh: for summaries and reports."""
+    """The strategy and, for HSDP, the mesh (and the EP size): for summaries and reports."""
+    ep = "" if cfg.expert_parallel is None else f", expert parallel {cfg.expert_parallel}"
     if cfg.mesh_shape is None:
-        return cfg.strategy
+        return cfg.strategy + ep
     r, s = cfg.mesh_shape
     over = ", optimizer over replicas" if cfg.optim_over_replicas else ""
-    return f"{cfg.strategy} HSDP replicate {r} x shard {s}{over}"
+    return f"{cfg.strategy} HSDP replicate {r} x shard {s}{over}{ep}"
 
 
 _MESHES: dict[tuple, tuple] = {}
-"""(device type, shape) -> (the default group it was built under, mesh): runs in one process
-(compare, bench, tests) reuse one mesh instead of creating new process groups each time."""
+"""(device type, shape, dimension names) -> (the default group it was built under, mesh):
+runs in one process (compare, bench, tests) reuse one mesh instead of creating new process
+groups each time."""
 
 
 def data_parallel_mesh(cfg: TrainConfig):
@@ -162,11 +189,17 @@ def data_parallel_mesh(cfg: TrainConfig):
             f"TrainConfig.mesh_shape={cfg.mesh_shape} must be (replicate, shard) sizes >= 1 "
             f"whose product is the world size {world}, e.g. (2, {world // 2}) or (1, {world})"
         )
-    key = (cfg.device, shape)
+    names = ("replicate", "shard")
+    return _cached_mesh(
+        cfg.device, shape, names, lambda: init_device_mesh(cfg.device, shape, mesh_dim_names=names)
+    )
+
+
+def _cached_mesh(device: str, shape: tuple, names: tuple, build):
+    key = (device, shape, names)
     cached = _MESHES.get(key)
     if cached is None or cached[0] is not dist.group.WORLD:
-        mesh = init_device_mesh(cfg.device, shape, mesh_dim_names=("replicate", "shard"))
-        cached = _MESHES[key] = (dist.group.WORLD, mesh)
+        cached = _MESHES[key] = (dist.group.WORLD, build())
     return cached[1]
 
 

@@ -140,9 +140,20 @@ def live_runners() -> list[RunnerLifecycle]:
     return [r for r in list(_RUNNERS) if not r.closed]
 
 
-def _runner_group(runner: RunnerLifecycle):
+def _runner_groups(runner: RunnerLifecycle) -> list:
+    """The process groups the runner's graphs may hold communicators of: the data-parallel
+    group, and the expert-data-parallel and expert-parallel groups (the model's token
+    dispatch runs over the latter; experts.py [Note: expert groups])."""
     states = getattr(runner, "states", None)
-    return states[0].comm.group if states else None
+    if not states:
+        return []
+    groups = {id(states[0].comm.group): states[0].comm.group}
+    for state in states:
+        for group in state.groups:
+            groups.setdefault(id(group.comm.group), group.comm.group)
+            if group.expert is not None:
+                groups.setdefault(id(group.expert.ep), group.expert.ep)
+    return list(groups.values())
 
 
 def close_live_runners(group: dist.ProcessGroup | None = None) -> int:
@@ -154,7 +165,11 @@ def close_live_runners(group: dist.ProcessGroup | None = None) -> int:
     world = dist.group.WORLD if dist.is_initialized() else None
     closed = 0
     for runner in live_runners():
-        if group is not None and group is not world and _runner_group(runner) is not group:
+        if (
+            group is not None
+            and group is not world
+            and all(g is not group for g in _runner_groups(runner))
+        ):
             continue
         try:
             runner.close()
