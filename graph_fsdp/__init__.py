@@ -4,7 +4,7 @@ from graph_fsdp.api import STRATEGIES, BufferPolicy, MixedPrecisionPolicy, place
 from graph_fsdp.distributed import init_distributed
 from graph_fsdp.fully_shard import FSDPModule, fully_shard, synchronize_param_gather
 from graph_fsdp.grad_norm import clip_grad_norm_
-from graph_fsdp.lifecycle import iter_full_params
+from graph_fsdp.offload import iter_full_params
 from graph_fsdp.state import TrainingState
 
 __all__ = [

@@ -142,49 +142,49 @@ class FSDPModule:
         return report
 
     # ------------------------------------------------------------------ lifecycle (RL)
-    # See graph_fsdp/lifecycle.py: each returns the bytes it freed (or allocated) by kind.
+    # See graph_fsdp/offload.py: each returns the bytes it freed (or allocated) by kind.
     def offload_params(self) -> dict[str, int]:
         """Main weights to pinned CPU memory; frees compute buffers, slots and graph pools."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415 (cycle)
+        from graph_fsdp import offload  # noqa: PLC0415 (cycle)
 
-        return lifecycle.offload_params(self)
+        return offload.offload_params(self)
 
     def onload_params(self) -> dict[str, int]:
         """Main weights back on the device (graphs are recaptured at the next step)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
+        from graph_fsdp import offload  # noqa: PLC0415
 
-        return lifecycle.onload_params(self)
+        return offload.onload_params(self)
 
     def offload_grads(self) -> dict[str, int]:
         """Sharded main gradients (values kept) to pinned CPU memory."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
+        from graph_fsdp import offload  # noqa: PLC0415
 
-        return lifecycle.offload_grads(self)
+        return offload.offload_grads(self)
 
     def onload_grads(self) -> dict[str, int]:
-        from graph_fsdp import lifecycle  # noqa: PLC0415
+        from graph_fsdp import offload  # noqa: PLC0415
 
-        return lifecycle.onload_grads(self)
+        return offload.onload_grads(self)
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """The optimizer's device state tensors to pinned CPU memory (step refused)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
+        from graph_fsdp import offload  # noqa: PLC0415
 
-        lifecycle.root_states(self, "offload_optimizer")
-        return lifecycle.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
+        offload.root_states(self, "offload_optimizer")
+        return offload.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
 
     def onload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        from graph_fsdp import lifecycle  # noqa: PLC0415
+        from graph_fsdp import offload  # noqa: PLC0415
 
-        return lifecycle.onload_optimizer(optimizer)
+        return offload.onload_optimizer(optimizer)
 
     def iter_full_params(
         self, *, dtype: torch.dtype | None = None, device=None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(fqn, full tensor)`` per parameter, one unit gathered at a time (weight sync)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
+        from graph_fsdp import offload  # noqa: PLC0415
 
-        return lifecycle.iter_full_params(self, dtype=dtype, device=device)
+        return offload.iter_full_params(self, dtype=dtype, device=device)
 
 
 def collect_states(module: nn.Module) -> list[FSDPState]:
@@ -199,7 +199,7 @@ def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
             if state.root is None:
                 state.lazy_init()
             if "params" in state.root.offloaded:
-                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
+                from graph_fsdp.offload import refuse_offloaded  # noqa: PLC0415
 
                 refuse_offloaded(state.root, "synchronize_param_gather")
             for group in state.groups:

@@ -114,7 +114,7 @@ def _suspend_graphs(states: list[FSDPState]) -> int:
     """Reset the live graph runners of this model (see [Note: CUDA graphs across offload]);
     returns the device bytes their pools gave back (0 on CPU or without runners)."""
     try:
-        from graph_fsdp.capture.shutdown import live_runners  # noqa: PLC0415
+        from graph_fsdp.capture.teardown import live_runners  # noqa: PLC0415
     except ImportError:  # pragma: no cover - capture is part of the package
         return 0
     mine = {id(s) for s in states}

@@ -65,7 +65,7 @@ class RootContext:
     order_positions: dict[int, int] = field(default_factory=dict)
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
     offloaded: set[str] = field(default_factory=set)
-    """State kinds moved off the device by graph_fsdp.lifecycle (forward is refused)."""
+    """State kinds moved off the device by graph_fsdp.offload (forward is refused)."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -111,7 +111,7 @@ class FSDPState:
         self.requires_grad_sync = True
         self.backward_by_replay = False
         """Set by the capture layer while a graph replay of this unit's whole module runs the
-        unit's ``pre_backward``/``post_backward`` itself (capture/runner.py, [Note: backward
+        unit's ``pre_backward``/``post_backward`` itself (capture/layerwise.py, [Note: backward
         handlers in the replay]): the registration hooks stand aside, and eager calls of the
         module register the handlers through :meth:`forward_with_backward_handlers`."""
         self._handles: list = []
@@ -273,7 +273,7 @@ class FSDPState:
         root = self.root
         if self.is_root:
             if root.offloaded:
-                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
+                from graph_fsdp.offload import refuse_offloaded  # noqa: PLC0415
 
                 refuse_offloaded(root)
             root.backward_done.clear()
@@ -314,7 +314,7 @@ class FSDPState:
     def pre_backward(self, *, params_on_modules: bool = True, zero_grads: bool = True) -> None:
         """``params_on_modules``/``zero_grads`` False: a replay whose backward graph zeroes
         the gradients itself and runs no module code ([Note: forward handlers in the
-        dispatcher], capture/graphed.py [Note: gradients of graphed modules])."""
+        dispatcher], capture/torch_backend.py [Note: gradients of graphed modules])."""
         if self._pre_backward_done:
             return
         root = self.root

@@ -102,7 +102,7 @@ class TrainConfig:
     or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
     cuda_graph_comm: bool = True
     """Layerwise graphs: each unit's gather and reduction kernels replay as CUDA graphs
-    (comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
+    (capture/comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
     cuda_graph_verify: bool = False
     """Check the first graphed step against an eager run of it from the same state and name
     the first module whose output differs (graph-fsdp compare turns it on)."""

@@ -111,7 +111,7 @@ def install_fakes(cuda_comm: bool) -> None:
     tc.graph_pool_handle = lambda: None
     tc.get_rng_state = lambda *a, **k: torch.get_rng_state()
     tc.set_rng_state = lambda *a, **k: None
-    import graph_fsdp.capture.runner as runner  # noqa: PLC0415
+    import graph_fsdp.capture.layerwise as runner  # noqa: PLC0415
 
     runner.check_capturable = lambda model, *a, **k: model._fsdp_state
     if cuda_comm:
@@ -238,7 +238,7 @@ def main() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
 
-    from graph_fsdp.capture.runner import LayerwiseGraphs  # noqa: PLC0415
+    from graph_fsdp.capture.layerwise import LayerwiseGraphs  # noqa: PLC0415
     from graph_fsdp.models import GPTConfig, build_model  # noqa: PLC0415
     from graph_fsdp.train import TrainConfig, make_optimizer, shard_model  # noqa: PLC0415
 

@@ -256,9 +256,9 @@ def _rows(args: argparse.Namespace) -> list[str]:
 
 def build_job(args: argparse.Namespace):
     """Validate the flags; the job, the launch plan and the report's setup line."""
+    from graph_fsdp.cli import mcore as mc  # noqa: PLC0415
     from graph_fsdp.cli.launch import resolve_plan  # noqa: PLC0415
     from graph_fsdp.cli.options import check_positive, scope_sets_from  # noqa: PLC0415
-    from graph_fsdp.integrations import megatron_cli as mc  # noqa: PLC0415
 
     check_positive(args, "train_iters", "micro_batch_size")
     if args.warmup_iters < 0:

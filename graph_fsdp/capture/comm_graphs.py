@@ -21,7 +21,7 @@ after each step) is a new key, captured once more. A group whose addresses keep 
 stops being captured after ``MAX_CAPTURES`` (its calls run eagerly). Nothing is captured or
 replayed while another stream captures (a full-iteration capture records the eager path).
 The runner resets the graphs when it drops its own (recapture, offload, close): the graphs
-hold NCCL communicator references (shutdown.py [Note: graphs and process-group teardown]).
+hold NCCL communicator references (teardown.py [Note: graphs and process-group teardown]).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class CommGraphs:
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
         # graph_fsdp.capture imports this module
-        from graph_fsdp.capture.tracker import CAPTURE_ERROR_MODE, no_collection  # noqa: PLC0415
+        from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, no_collection  # noqa: PLC0415
 
         graph = torch.cuda.CUDAGraph()
         if self.stream is None:

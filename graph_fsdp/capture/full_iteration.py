@@ -48,7 +48,7 @@ works; it is ``forward_backward(step_fn, x, y, denom=denom)`` with a built-in st
 Each microbatch position (the n-th call after ``before_step()``) has its own graph (the
 no_sync accumulation and the final reduction differ), captured in order on first use and
 sharing one memory pool. A capture that fails is re-raised as ``CaptureFailedError`` naming
-the module that was running (tracker.py); ``verify=True`` checks the first replay of each
+the module that was running (diagnosis.py); ``verify=True`` checks the first replay of each
 position against an eager run of the same step ([Note: verification], verify.py).
 """
 
@@ -65,16 +65,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
-from graph_fsdp.capture.graphed import CallSignature
-from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.capture.shutdown import RunnerLifecycle, reset_graphs
-from graph_fsdp.capture.te_backend import attention_capture_guard
-from graph_fsdp.capture.tracker import (
+from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
     explain_capture_failure,
     no_collection,
 )
+from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.capture.te_backend import attention_capture_guard
+from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
+from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     GradState,
@@ -204,7 +204,7 @@ class FullIterationGraphs(RunnerLifecycle):
         eager: bool = False,
         verify: bool | str = False,
     ) -> None:
-        from graph_fsdp.capture.runner import check_capturable  # noqa: PLC0415 (cycle)
+        from graph_fsdp.capture.layerwise import check_capturable  # noqa: PLC0415 (cycle)
         from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
 
         check_verify_option(verify)

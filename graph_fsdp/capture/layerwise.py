@@ -36,6 +36,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.capture.comm_graphs import CommGraphs
+from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.full_iteration import (
     GraphedStep,
     check_verify_option,
@@ -43,12 +45,6 @@ from graph_fsdp.capture.full_iteration import (
     eager_forward_backward,
     fn_name,
     record_verification,
-)
-from graph_fsdp.capture.graphed import (
-    CallSignature,
-    CapturedCallable,
-    capture_torch,
-    describe_call,
 )
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
@@ -59,11 +55,15 @@ from graph_fsdp.capture.scopes import (
     scope_label,
     select_targets,
 )
-from graph_fsdp.capture.shutdown import RunnerLifecycle, find_graphs, reset_graphs
 from graph_fsdp.capture.te_backend import attention_capture_guard
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure, no_collection
+from graph_fsdp.capture.teardown import RunnerLifecycle, find_graphs, reset_graphs
+from graph_fsdp.capture.torch_backend import (
+    CallSignature,
+    CapturedCallable,
+    capture_torch,
+    describe_call,
+)
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
-from graph_fsdp.comm_graphs import CommGraphs
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
 from graph_fsdp.state import FSDPState, in_backward
 
@@ -333,7 +333,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         for cap in self.caps:
             cap.prepare()
             # A torch-backend capture of a whole unit zeroes its gradients in the backward
-            # graph (graphed.py [Note: gradients of graphed modules]).
+            # graph (torch_backend.py [Note: gradients of graphed modules]).
             whole_unit = self.impl == "torch" and cap.module is cap.target.unit
             cap.zeroes_grads_of = units[id(cap.module)] if whole_unit else None
         extracted = {}
@@ -470,7 +470,7 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
         if cap.captured and training_call and not graphs.force_eager:
             tensors = cap.signature.tensors_of(args, kwargs)
             unchained = None
-            if tensors is not None:  # graphed.py [Note: chained static buffers]
+            if tensors is not None:  # torch_backend.py [Note: chained static buffers]
                 static = cap.static_inputs
                 for j, _ in cap.chained:
                     if tensors[j].data_ptr() != static[j].data_ptr():

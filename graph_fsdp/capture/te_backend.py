@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from graph_fsdp.capture.graphed import CapturedCallable, CaptureHooks
+from graph_fsdp.capture.torch_backend import CapturedCallable, CaptureHooks
 
 MIN_TE_VERSION = (2, 19)
 
@@ -250,7 +250,7 @@ class _Positional(nn.Module):
     def forward(self, *tensors: torch.Tensor):
         cap = self._cap[0]
         args, kwargs = cap.signature.rebuild(list(tensors[:-1]))  # tensors[-1]: the anchor
-        if cap.tracker is not None:  # capture-failure diagnosis (tracker.py)
+        if cap.tracker is not None:  # capture-failure diagnosis (diagnosis.py)
             with cap.tracker.phase(cap.name, "forward"):
                 out = cap.orig_forward(*args, **kwargs)
         else:

@@ -96,9 +96,9 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="DIR",
         help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
     )
-    from graph_fsdp.integrations.megatron_cli import add_megatron_model_args  # noqa: PLC0415
+    from graph_fsdp.cli.mcore import add_megatron_model_args  # noqa: PLC0415
 
-    add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: integrations/megatron_bench.py
+    add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -147,10 +147,10 @@ def main(args: argparse.Namespace) -> int:
             "(the peers' rows do not clip); drop it (train and compare take it)"
         )
     if args.model != "gpt":
-        from graph_fsdp.integrations import megatron_bench  # noqa: PLC0415
+        from graph_fsdp.bench import megatron as megatron_bench  # noqa: PLC0415
 
         return megatron_bench.main(args)
-    from graph_fsdp.integrations.megatron_cli import reject_mcore_only_flags  # noqa: PLC0415
+    from graph_fsdp.cli.mcore import reject_mcore_only_flags  # noqa: PLC0415
 
     reject_mcore_only_flags(args)
     if args.warmup_iters < 0:

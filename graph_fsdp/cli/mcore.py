@@ -9,7 +9,7 @@
         --cuda-graph-impl te --cuda-graph-scope attn moe_router
 
 The flags are the shared ones (Megatron spellings) plus the Megatron-Bridge settings
-:func:`graph_fsdp.config.validate_fsdp_config` checks. Every check runs before a process
+:func:`graph_fsdp.integrations.bridge_config.validate_fsdp_config` checks. Every check runs before a process
 starts; megatron-core is imported only by the ranks.
 """
 
@@ -31,7 +31,7 @@ from graph_fsdp.cli.options import (
     check_graph_environment,
     grad_accumulation,
 )
-from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
+from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS
 
 MODELS = ("gpt", "mcore-gpt", "mcore-moe")
@@ -131,7 +131,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_bridge_flags(args: argparse.Namespace) -> None:
-    """Megatron-Bridge's FSDP rules (graph_fsdp.config), for every --model."""
+    """Megatron-Bridge's FSDP rules (graph_fsdp.integrations.bridge_config), for every --model."""
     try:
         validate_fsdp_config(
             use_graph_fsdp=True,

@@ -87,7 +87,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="PATH",
         help="Rank 0 writes one JSON record per step (JSON lines) to PATH (overwritten).",
     )
-    from graph_fsdp.integrations.megatron_cli import add_megatron_args  # noqa: PLC0415
+    from graph_fsdp.cli.mcore import add_megatron_args  # noqa: PLC0415
 
     add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
     p.set_defaults(handler=main, subparser=p)
@@ -320,12 +320,12 @@ def checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from graph_fsdp.integrations import megatron_cli  # noqa: PLC0415
+    from graph_fsdp.cli import mcore  # noqa: PLC0415
 
     if args.model != "gpt":
-        return megatron_cli.main(args)
-    megatron_cli.reject_mcore_only_flags(args)
-    megatron_cli.validate_bridge_flags(args)
+        return mcore.main(args)
+    mcore.reject_mcore_only_flags(args)
+    mcore.validate_bridge_flags(args)
     res = resolve(args)
     start, save_at, save_iteration = checkpoint_plan(args)
     cfg = replace(

@@ -1,4 +1,4 @@
-"""The eager side of [Note: backward handlers in the replay] (capture/graphed.py), on gloo.
+"""The eager side of [Note: backward handlers in the replay] (capture/torch_backend.py), on gloo.
 
 While a whole-layer torch graph is captured its unit's ``backward_by_replay`` is set: FSDP's
 registration hooks stand aside and the dispatcher registers the handlers for every eager call

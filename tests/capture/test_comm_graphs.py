@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
-from graph_fsdp.comm_graphs import MAX_CAPTURES, CommGraphs
+from graph_fsdp.capture.comm_graphs import MAX_CAPTURES, CommGraphs
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
 from graph_fsdp.testing import spawn
 

@@ -9,7 +9,7 @@ import torch
 
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
-from graph_fsdp.capture.graphed import CallSignature
+from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
 from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run

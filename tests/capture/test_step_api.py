@@ -193,7 +193,7 @@ def _shard_hf(model, cfg: TrainConfig):
 
 def _hf_worker(rank: int, world: int) -> dict:
     from graph_fsdp.capture import select_targets
-    from graph_fsdp.capture.graphed import CallSignature
+    from graph_fsdp.capture.torch_backend import CallSignature
 
     cfg = dataclasses.replace(CFG, allocator="double_buffer", persist_on_alloc_fail=True)
     model, twin = _shard_hf(_hf_model(), cfg), _shard_hf(_hf_model(), cfg)

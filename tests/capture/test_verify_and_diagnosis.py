@@ -8,15 +8,15 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
+from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.full_iteration import eager_forward_backward
-from graph_fsdp.capture.graphed import (
+from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.torch_backend import (
     CallSignature,
     CapturedCallable,
     backward_step,
     forward_step,
 )
-from graph_fsdp.capture.scopes import Target
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     VerifyResult,

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from graph_fsdp.bench import megatron as mb
+from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import build_parser
-from graph_fsdp.integrations import megatron_bench as mb
-from graph_fsdp.integrations import megatron_cli
 from graph_fsdp.testing import cli_error
 
 MOE = ["bench", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "512"]

@@ -12,8 +12,8 @@ import pytest
 
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.testing import cli_error
 
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
@@ -242,7 +242,7 @@ def test_cli_model_flag_parses() -> None:
     )
     assert args.model == "mcore-moe" and args.moe_shared_expert_intermediate_size == 64
     assert args.ckpt_format == "fsdp_dtensor" and not args.use_torch_fsdp2
-    from graph_fsdp.integrations.megatron_cli import mcore_config
+    from graph_fsdp.cli.mcore import mcore_config
 
     cfg = mcore_config(args)
     assert cfg.num_experts == 4 and cfg.moe_shared_expert_intermediate_size == 64

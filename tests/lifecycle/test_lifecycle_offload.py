@@ -199,7 +199,7 @@ def test_export_sync_and_collect():
 
 
 # ----------------------------------------------------------------- shutdown guard
-from graph_fsdp.capture.shutdown import RunnerLifecycle  # noqa: E402
+from graph_fsdp.capture.teardown import RunnerLifecycle  # noqa: E402
 
 
 class _Probe(RunnerLifecycle):
