@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 

@@ -8,7 +8,6 @@ capture travels in ``capture_time_hooks`` (hooks/module_hooks.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import warnings
@@ -202,23 +201,6 @@ def attention_kv_length(module: nn.Module, args: tuple) -> int | None:
     if "s" not in kv_layout or key.dim() != len(kv_layout):
         return None
     return int(key.shape[kv_layout.index("s")])
-
-
-def preload_te() -> None:
-    """Import TransformerEngine (if installed) before this process does any CUDA work.
-
-    TE loads the system cuDNN libraries; imported after torch has loaded its own cuDNN
-    (by a first attention kernel) it fails with an undefined cuDNN symbol - measured on the
-    GPU host, where the bench's TE and megatron_fsdp rows ran after eager rows. Every CUDA
-    rank the CLI or the tests start calls this first. An installed but broken TE is left
-    for the code that needs it to report.
-    """
-    if importlib.util.find_spec("transformer_engine") is None:
-        return
-    try:
-        import transformer_engine.pytorch  # noqa: F401, PLC0415
-    except (ImportError, OSError):
-        pass
 
 
 class _Positional(nn.Module):

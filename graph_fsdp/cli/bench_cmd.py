@@ -29,7 +29,6 @@ from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import (
     add_common_args,
     add_scope_sets_arg,
@@ -37,6 +36,7 @@ from graph_fsdp.cli.options import (
     resolve,
     scope_sets_from,
 )
+from graph_fsdp.launch import launch
 from graph_fsdp.train import placement_label
 
 

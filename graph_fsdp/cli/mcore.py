@@ -24,7 +24,7 @@ from statistics import median
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch, resolve_plan
+from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.cli.options import (
     allocator_of,
     check_clip_grad,
@@ -33,6 +33,7 @@ from graph_fsdp.cli.options import (
 )
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS
+from graph_fsdp.launch import launch
 
 MODELS = ("gpt", "mcore-gpt", "mcore-moe")
 """--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""

@@ -25,7 +25,8 @@ from graph_fsdp.capture.scopes import (
 )
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import LaunchPlan, resolve_plan
+from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.launch import LaunchPlan
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.train import TrainConfig
 

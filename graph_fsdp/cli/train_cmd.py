@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import add_common_args, check_positive, resolve
 from graph_fsdp.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.launch import launch
 from graph_fsdp.models import model_flops_per_token
 from graph_fsdp.train import TrainConfig, placement_label, run
 

@@ -21,8 +21,8 @@ from graph_fsdp.bench.memory import (
     write_result,
 )
 from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig
 
 GPT = "/src/graph_fsdp/models/gpt.py"

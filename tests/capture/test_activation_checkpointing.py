@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from graph_fsdp.capture.layerwise import under_activation_checkpoint
-from graph_fsdp.testing import spawn
+from graph_fsdp.launch import spawn
 
 
 def test_checkpoint_regions_are_recognised():

@@ -95,7 +95,7 @@ def _flow_with_fake_graphs(rank: int, world: int) -> dict:
 
 
 def test_layer_graphs_chain_and_fall_back_when_the_chain_breaks():
-    from graph_fsdp.testing import spawn
+    from graph_fsdp.launch import spawn
 
     r = spawn(_flow_with_fake_graphs, 1)[0]
     assert r["chained"] == [(), ((0, 0),), ((0, 0),)], r

@@ -10,8 +10,8 @@ import torch
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
 from graph_fsdp.capture.torch_backend import CallSignature
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)

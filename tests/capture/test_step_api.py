@@ -15,8 +15,8 @@ import torch
 from graph_fsdp.capture import FullIterationGraphs, GraphConfigError
 from graph_fsdp.capture.full_iteration import eager_forward_backward
 from graph_fsdp.data import batch_for
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)

@@ -26,8 +26,8 @@ from graph_fsdp.capture.verify import (
 )
 from graph_fsdp.data import batch_for
 from graph_fsdp.fully_shard import collect_states
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
