@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
+from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.fully_shard import fully_shard
 from graph_fsdp.grad_norm import clip_grad_norm_

@@ -447,7 +447,7 @@ class MemoryJob:
 
 
 def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
-    from graph_fsdp.capture.full_iteration import eager_forward_backward  # noqa: PLC0415
+    from graph_fsdp.capture.step import eager_forward_backward  # noqa: PLC0415
     from graph_fsdp.data import batch_for  # noqa: PLC0415
     from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
     from graph_fsdp.train import (  # noqa: PLC0415

@@ -1,12 +1,7 @@
 """Layerwise CUDA graph capture over fully_shard-ed models (TE and pure-PyTorch backends)."""
 
 from graph_fsdp.capture.diagnosis import CaptureFailedError
-from graph_fsdp.capture.full_iteration import (
-    FullIterationGraphs,
-    GraphedStep,
-    HostClock,
-    eager_forward_backward,
-)
+from graph_fsdp.capture.full_iteration import FullIterationGraphs
 from graph_fsdp.capture.layerwise import LayerwiseGraphs
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
@@ -23,6 +18,7 @@ from graph_fsdp.capture.scopes import (
     scope_paths,
     select_targets,
 )
+from graph_fsdp.capture.step import GraphedStep, HostClock, eager_forward_backward
 from graph_fsdp.capture.teardown import (
     close_live_runners,
     install_shutdown_guard,

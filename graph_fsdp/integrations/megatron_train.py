@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.train import make_optimizer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graph_fsdp.capture import FullIterationGraphs, GraphConfigError
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig

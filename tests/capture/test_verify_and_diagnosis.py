@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure
-from graph_fsdp.capture.full_iteration import eager_forward_backward
 from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.capture.torch_backend import (
     CallSignature,
     CapturedCallable,
@@ -421,7 +421,7 @@ class _BranchesOnCapture(nn.Module):
 
 def test_capture_state_queries_name_the_site_and_module(monkeypatch):
     from graph_fsdp.buffers import allocator
-    from graph_fsdp.capture.full_iteration import record_verification
+    from graph_fsdp.capture.step import record_verification
 
     model = _model(_BranchesOnCapture())
     tracker = ModuleTracker.for_model(model)
