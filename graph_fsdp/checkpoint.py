@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from graph_fsdp.fully_shard import collect_states
 from graph_fsdp.param_group import ParamRef
+from graph_fsdp.state import collect_states
 
 
 class FlatPiece:

@@ -57,9 +57,10 @@ import torch
 from torch import nn
 
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.buffers.layout import FlatLayout
 from graph_fsdp.comm import CommContext, all_gather, all_reduce, all_to_all, reduce_scatter
+from graph_fsdp.cuda_streams import nvtx_range
 
 
 @dataclass

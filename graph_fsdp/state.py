@@ -9,18 +9,21 @@ layer can withhold them and route the handler to the backward keys (hooks/module
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
 from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
 from graph_fsdp.buffers.trace_pool import TracePoolAllocator
 from graph_fsdp.comm import CommContext
-from graph_fsdp.hooks import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
+from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.hook_markers import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
 from graph_fsdp.param_group import FlatParamGroup
 
 
@@ -66,6 +69,23 @@ class RootContext:
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
     offloaded: set[str] = field(default_factory=set)
     """State kinds moved off the device by graph_fsdp.offload (forward is refused)."""
+
+
+def refuse_offloaded(root: RootContext, action: str = "forward") -> None:
+    """Called by the root's pre-forward (and others) while something is offloaded."""
+    kinds = sorted(root.offloaded)
+    calls = " and ".join(f"onload_{k}()" for k in kinds)
+    raise RuntimeError(
+        f"{action} with offloaded {', '.join(kinds)}: call model.{calls} before training or "
+        "evaluating again"
+    )
+
+
+class GraphRunner(Protocol):
+    """What the core asks of a CUDA graph runner (capture/) that registered with a unit."""
+
+    def suspend(self) -> None:
+        """Free the graphs and their pool now; capture again at the next step."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -115,6 +135,10 @@ class FSDPState:
         handlers in the replay]): the registration hooks stand aside, and eager calls of the
         module register the handlers through :meth:`forward_with_backward_handlers`."""
         self._handles: list = []
+        self.graph_runners: weakref.WeakSet[GraphRunner] = weakref.WeakSet()
+        """The graph runners capturing this unit (they register themselves): offload
+        suspends them before it moves the buffers their graphs address (offload.py [Note:
+        CUDA graphs across offload])."""
 
     # ------------------------------------------------------------------ registration
     def register_hooks(self) -> None:
@@ -228,8 +252,6 @@ class FSDPState:
         """Run by the first unit whose forward starts: it becomes the root."""
         if self.root is not None:
             return
-        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415 (cycle)
-
         states = collect_states(self.module)
         for other in states:
             if other.root is not None:
@@ -273,8 +295,6 @@ class FSDPState:
         root = self.root
         if self.is_root:
             if root.offloaded:
-                from graph_fsdp.offload import refuse_offloaded  # noqa: PLC0415
-
                 refuse_offloaded(root)
             root.backward_done.clear()
             root.callback_queued = False
@@ -419,3 +439,14 @@ def root_final_callback(root: RootContext):
             root.callback_queued = False
 
     return finish
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The FSDP state ``fully_shard`` gave ``module`` (None: not a unit)."""
+    state = module.__dict__.get("_fsdp_state")
+    return state if isinstance(state, FSDPState) else None
+
+
+def collect_states(module: nn.Module) -> list[FSDPState]:
+    """FSDP states at or below ``module`` in pre-order (construction == forward order)."""
+    return [state for m in module.modules() if (state := state_of(m)) is not None]

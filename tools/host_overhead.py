@@ -16,7 +16,7 @@ FSDP's work, the collectives' launches and the graph replays, CUDA API calls inc
 
 ``--cuda`` additionally fakes a CUDA CommContext (streams, events, NVTX) with counting
 stand-ins, to count the CUDA API calls FSDP issues per layer and direction. graph_fsdp's NVTX
-ranges are off unless a profiler listens (buffers/allocator.py ``nvtx_enabled``); ``--nvtx``
+ranges are off unless a profiler listens (cuda_streams.py ``nvtx_enabled``); ``--nvtx``
 turns them on, as under nsys.
 """
 

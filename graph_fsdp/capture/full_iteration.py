@@ -62,7 +62,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import SlotAllocator
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -90,6 +90,8 @@ from graph_fsdp.capture.verify import (
     VerifyResult,
     verify_step,
 )
+from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.state import collect_states
 
 
 def same_step_fn(a: StepFn, b: StepFn) -> bool:
@@ -158,8 +160,6 @@ class FullIterationGraphs(RunnerLifecycle):
         eager: bool = False,
         verify: bool | str = False,
     ) -> None:
-        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
-
         check_verify_option(verify)
         check_capturable(model, ["full_iteration"], warmup_steps, graphs=not eager)
         self.device = next(model.parameters()).device
@@ -181,6 +181,7 @@ class FullIterationGraphs(RunnerLifecycle):
         self._phase = "eager"
         self._calls = 0
         self._clock: HostClock | None = None
+        self._register_with_units()
 
     # ------------------------------------------------------------------ lifecycle
     @property

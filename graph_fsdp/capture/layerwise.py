@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.buffers.allocator import nvtx_range
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.scopes import (
@@ -54,7 +53,7 @@ from graph_fsdp.capture.step import (
     fn_name,
     record_verification,
 )
-from graph_fsdp.capture.te_backend import attention_capture_guard
+from graph_fsdp.capture.te_backend import attention_capture_guard, capture_te, require_te
 from graph_fsdp.capture.teardown import RunnerLifecycle, find_graphs, reset_graphs
 from graph_fsdp.capture.torch_backend import (
     CallSignature,
@@ -63,8 +62,9 @@ from graph_fsdp.capture.torch_backend import (
     describe_call,
 )
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
+from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
-from graph_fsdp.state import FSDPState, in_backward
+from graph_fsdp.state import FSDPState, collect_states, in_backward
 
 
 class LayerwiseGraphs(RunnerLifecycle):
@@ -82,8 +82,6 @@ class LayerwiseGraphs(RunnerLifecycle):
         verify: bool | str = False,
         comm_graphs: bool = True,
     ) -> None:
-        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
-
         if impl not in GRAPH_IMPLS or impl == "none":
             raise GraphConfigError(
                 f"cuda_graph_impl={impl!r}: layerwise graphs need 'te' or 'torch' "
@@ -92,8 +90,6 @@ class LayerwiseGraphs(RunnerLifecycle):
         check_verify_option(verify)
         check_capturable(model, scopes, warmup_steps, scope_modules=scope_modules)
         if impl == "te":
-            from graph_fsdp.capture.te_backend import require_te  # noqa: PLC0415
-
             require_te()
         self.model, self.impl, self.scopes = model, impl, list(scopes)
         self.scope_modules = dict(scope_modules or {})
@@ -122,6 +118,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         self._pool = None
         self.comm_graphs = comm_graphs
         self._comm: CommGraphs | None = None
+        self._register_with_units()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -373,8 +370,6 @@ class LayerwiseGraphs(RunnerLifecycle):
                 no_collection(),
             ):
                 if self.impl == "te":
-                    from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
-
                     capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
                 else:
                     capture_torch(

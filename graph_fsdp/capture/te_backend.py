@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.torch_backend import CapturedCallable, CaptureHooks
 
 MIN_TE_VERSION = (2, 19)
@@ -116,8 +117,6 @@ def check_attention_capture(
     would crash or find no backend; warns (rank 0, once per process and shape) and returns
     the warning where graphed steps will differ from eager ones; else None.
     """
-    from graph_fsdp.capture.scopes import GraphConfigError  # noqa: PLC0415
-
     captures_attention = not scopes or "attn" in scopes or "full_iteration" in scopes
     if not captures_attention or seq_length % 128 == 0 or backend not in ("auto", "fused"):
         return None

@@ -44,9 +44,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import nvtx_range
 from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, ModuleTracker
 from graph_fsdp.capture.scopes import GraphConfigError, Target
+from graph_fsdp.cuda_streams import nvtx_range
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 

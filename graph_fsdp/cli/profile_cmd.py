@@ -38,9 +38,9 @@ from graph_fsdp.bench.memory import (
 )
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.trace import format_summary
-from graph_fsdp.buffers.allocator import NVTX_ENV
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cuda_streams import NVTX_ENV
 from graph_fsdp.launch import LaunchPlan, launch
 
 UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"

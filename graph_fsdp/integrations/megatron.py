@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.buffers.allocator import stream_capturing
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
+from graph_fsdp.cuda_streams import stream_capturing
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
