@@ -1,4 +1,4 @@
-"""State lifecycle for RL loops that alternate training and rollout on the same GPUs.
+"""Offload and onload of sharded state, for RL loops that alternate training and rollout.
 
     model.offload_params(); model.offload_grads(); model.offload_optimizer(opt)  # rollout
     ...                                                   # the inference engine uses the GPU

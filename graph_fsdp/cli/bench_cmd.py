@@ -28,6 +28,7 @@ from graph_fsdp.bench.peers import UNSHARDED_SCHEME, BenchSpec
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
+from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import (
     add_common_args,
@@ -96,9 +97,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="DIR",
         help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
     )
-    from graph_fsdp.cli.mcore import add_megatron_model_args  # noqa: PLC0415
-
-    add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
+    mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -147,12 +146,8 @@ def main(args: argparse.Namespace) -> int:
             "(the peers' rows do not clip); drop it (train and compare take it)"
         )
     if args.model != "gpt":
-        from graph_fsdp.bench import megatron as megatron_bench  # noqa: PLC0415
-
-        return megatron_bench.main(args)
-    from graph_fsdp.cli.mcore import reject_mcore_only_flags  # noqa: PLC0415
-
-    reject_mcore_only_flags(args)
+        return mcore.bench_main(args)
+    mcore.reject_mcore_only_flags(args)
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)

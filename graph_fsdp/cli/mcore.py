@@ -1,4 +1,4 @@
-"""``graph-fsdp train --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
+"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
 
     graph-fsdp train --model mcore-gpt --transformer-impl transformer_engine --bf16 \\
         --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
@@ -16,23 +16,47 @@ starts; megatron-core is imported only by the ranks.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import os
+import sys
 from dataclasses import replace
 from statistics import median
 
 from graph_fsdp.api import BufferPolicy
-from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.bench.megatron import (
+    MCORE_ROWS,
+    MCoreBenchJob,
+    bench_worker,
+    markdown,
+    plan_rows,
+    write_report,
+)
+from graph_fsdp.bench.report import gpu_tag
+from graph_fsdp.bench.runner import DEFAULT_ROWS
+from graph_fsdp.capture.scopes import GraphConfigError, check_static_buffers
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.cli.options import (
     allocator_of,
     check_clip_grad,
     check_graph_environment,
+    check_positive,
     grad_accumulation,
+    scope_sets_from,
+)
+from graph_fsdp.cli.train_options import (
+    check_data_path,
+    checkpoint_plan,
+    graphs_label,
+    input_lines,
+    verification_lines,
+    verify_option,
+    write_checkpoint_meta,
 )
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
-from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS
+from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS, MCoreGPTConfig, check_mcore_scopes
+from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
 from graph_fsdp.launch import launch
 
 MODELS = ("gpt", "mcore-gpt", "mcore-moe")
@@ -180,8 +204,6 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
 
 def mcore_config(args: argparse.Namespace):
     """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure)."""
-    from graph_fsdp.integrations.megatron import MCoreGPTConfig  # noqa: PLC0415
-
     experts = args.num_experts
     if args.model == "mcore-moe" and experts is None:
         experts = 4
@@ -220,9 +242,6 @@ def check_graph_set(
 ) -> None:
     """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
     steps to capture, and what full_iteration excludes."""
-    from graph_fsdp.capture.scopes import check_static_buffers  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron import check_mcore_scopes  # noqa: PLC0415
-
     if impl == "none":
         return
     try:
@@ -288,8 +307,6 @@ def reject_unwired_flags(args: argparse.Namespace) -> None:
 
 def base_train_config(args: argparse.Namespace, model, plan, **fields):
     """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
-
     check_clip_grad(args)
 
     base = dict(
@@ -329,14 +346,8 @@ def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) ->
         raise CLIError(f'--model {args.model} needs megatron-core: pip install -e ".[megatron]"')
 
 
-def main(args: argparse.Namespace) -> int:
+def train_main(args: argparse.Namespace) -> int:
     """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
-    from graph_fsdp.cli.train_cmd import (  # noqa: PLC0415
-        check_data_path,
-        checkpoint_plan,
-        verify_option,
-    )
-
     validate_bridge_flags(args)
     plan = resolve_plan(args.device, args.nproc)
     model = mcore_config(args)
@@ -391,12 +402,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
-    from graph_fsdp.cli.train_cmd import (  # noqa: PLC0415
-        graphs_label,
-        input_lines,
-        verification_lines,
-    )
-
     peak = out.get("peak_memory_bytes")
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
@@ -414,12 +419,124 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
 
 
 def _worker(rank: int, world_size: int, cfg, model: str, save_iteration: int | None) -> dict | None:
-    from graph_fsdp.cli.train_cmd import write_checkpoint_meta  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron_train import run  # noqa: PLC0415
-
     result = run(rank, world_size, cfg)
     if rank != 0:
         return None
     if cfg.save_path and save_iteration is not None:
         write_checkpoint_meta(cfg.save_path, save_iteration, model)
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# graph-fsdp bench --model mcore-*
+# --------------------------------------------------------------------------------------------
+
+
+def _bench_impls(args: argparse.Namespace) -> list[str]:
+    """The graph backends of the graphed rows (--graph-impls, else --cuda-graph-impl)."""
+    if args.graph_impls and args.cuda_graph_impl not in ("none", args.graph_impls[0]):
+        raise CLIError(
+            f"--cuda-graph-impl {args.cuda_graph_impl} and --graph-impls "
+            f"{' '.join(args.graph_impls)} disagree: give one of them"
+        )
+    return list(dict.fromkeys(args.graph_impls or [args.cuda_graph_impl]))
+
+
+def _bench_rows(args: argparse.Namespace) -> list[str]:
+    if list(args.rows) == list(DEFAULT_ROWS):  # not given: every row this model has
+        return list(MCORE_ROWS)
+    other = [r for r in args.rows if r not in MCORE_ROWS]
+    if other:
+        raise CLIError(
+            f"--rows {' '.join(other)}: not available for --model {args.model} (they run "
+            f"graph_fsdp's own GPT); choose from {', '.join(MCORE_ROWS)}"
+        )
+    return list(args.rows)
+
+
+def build_bench_job(args: argparse.Namespace):
+    """``bench``: validate the flags; the job, the launch plan and the report's setup line."""
+    check_positive(args, "train_iters", "micro_batch_size")
+    if args.warmup_iters < 0:
+        raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
+    plan = resolve_plan(args.device, args.nproc)
+    model = mcore_config(args)
+    reject_unwired_flags(args)
+    scope_sets, flag = scope_sets_from(args)
+    impls, rows = _bench_impls(args), _bench_rows(args)
+    graphed = "graph_fsdp_graphed" in rows and any(i != "none" for i in impls)
+    if scope_sets and not graphed:
+        raise CLIError(
+            f"{flag} is given but no graphed row runs: add --graph-impls te (or torch), or drop it"
+        )
+    steps = args.warmup_iters + args.train_iters
+    for impl in impls if graphed else []:
+        for scopes in scope_sets or [[]]:
+            row_impl = "torch" if "full_iteration" in scopes else impl
+            check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
+    if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, so that the capture step is not timed"
+        )
+    for impl in impls if graphed and plan.device == "cuda" else ["none"]:
+        check_mcore_environment(args, model, impl, plan)
+    base = base_train_config(
+        args,
+        model,
+        plan,
+        steps=steps,
+        eval_interval=0,
+        fused_optimizer=args.fused_adamw,
+        cuda_graph_impl="none",
+        cuda_graph_scope=[],
+    )
+    job = MCoreBenchJob(
+        base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
+    )
+    moe = (
+        f"{model.num_experts} experts top-{model.moe_router_topk}"
+        + (
+            f", shared expert {model.moe_shared_expert_intermediate_size}"
+            if model.moe_shared_expert_intermediate_size
+            else ""
+        )
+        if model.num_experts
+        else "dense"
+    )
+    setup = (
+        f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
+        f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
+        f"{model.seq_length}, vocab {model.vocab_size}, {moe}. Per GPU: micro batch "
+        f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
+        f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
+        f"allocator {base.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
+        f"{'; ' if base.use_megatron_schedule else ''}"
+        f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "
+        f"{args.warmup_iters} warmup + {args.train_iters} timed steps per row, seed {model.seed}."
+    )
+    return job, plan, setup
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """``graph-fsdp bench`` for ``--model mcore-*``: validation, launch, report."""
+    job, plan, setup = build_bench_job(args)
+    out = launch(plan, bench_worker, job)
+    if out is None:
+        return 0
+    now = datetime.datetime.now()
+    report = {
+        **out,
+        "model": args.model,
+        "created": now.isoformat(timespec="seconds"),
+        "setup": setup,
+        "argv": getattr(args, "argv", None),
+    }
+    tag = "cpu" if plan.device == "cpu" else gpu_tag(out["device_name"])
+    output_dir = args.output_dir or os.path.join(
+        "bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}_{args.model}"
+    )
+    paths = write_report(report, output_dir)
+    print(markdown(report))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 1 if any(r["status"] == "failed" for r in out["rows"]) else 0

@@ -25,6 +25,7 @@ from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.train import make_optimizer
 
 
@@ -152,8 +153,6 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
 def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
     from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-
-    from graph_fsdp.bench.peers import megatron_fsdp_shard  # noqa: PLC0415
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     if cfg.bf16:
