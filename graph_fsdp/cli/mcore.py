@@ -8,9 +8,9 @@
         --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
         --cuda-graph-impl te --cuda-graph-scope attn moe_router
 
-The flags are the shared ones (Megatron spellings) plus the Megatron-Bridge settings
-:func:`graph_fsdp.integrations.bridge_config.validate_fsdp_config` checks. Every check runs before a process
-starts; megatron-core is imported only by the ranks.
+The flags are the shared ones (Megatron spellings) plus the Megatron-Bridge settings that
+:func:`graph_fsdp.integrations.bridge_config.validate_fsdp_config` checks. Every check runs
+before a process starts; megatron-core is imported only by the ranks.
 """
 
 from __future__ import annotations
@@ -124,23 +124,6 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
         help="Checkpoint format (Megatron-Bridge's name); graph_fsdp writes DCP: fsdp_dtensor.",
     )
     g.add_argument(
-        "--use-torch-fsdp2",
-        action="store_true",
-        help="Megatron-Bridge's torch FSDP2 switch; rejected: graph_fsdp is the FSDP engine.",
-    )
-    g.add_argument(
-        "--use-tp-pp-dp-mapping",
-        action="store_true",
-        help="Megatron-Bridge's rank-order switch; rejected (unsupported with graph_fsdp).",
-    )
-    g.add_argument(
-        "--cpu-offload",
-        action="store_true",
-        help="Megatron-Bridge's activation CPU offloading (model.cpu_offloading): checked "
-        "against its rules (pipeline size 1, no recompute), then refused - graph_fsdp does "
-        "not offload activations. For optimizer state see --optimizer-cpu-offload.",
-    )
-    g.add_argument(
         "--optimizer-cpu-offload",
         action="store_true",
         help="Keep the AdamW state of --optimizer-offload-fraction of the local shards in "
@@ -156,28 +139,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_bridge_flags(args: argparse.Namespace) -> None:
-    """Megatron-Bridge's FSDP rules (graph_fsdp.integrations.bridge_config), for every --model."""
+    """Megatron-Bridge's FSDP rules (integrations/bridge_config.py) that flags reach, for
+    every --model: the checkpoint format of --save/--load; then the optimizer offload."""
     try:
         validate_fsdp_config(
-            use_graph_fsdp=True,
-            use_torch_fsdp2=args.use_torch_fsdp2,
-            use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
-            ckpt_format=args.ckpt_format,
-            save=args.save,
-            load=args.load,
-            cpu_offload=args.cpu_offload,
-            recompute_granularity="full" if args.recompute_activations else None,
+            use_graph_fsdp=True, ckpt_format=args.ckpt_format, save=args.save, load=args.load
         )
     except FSDPConfigError as err:
         raise CLIError(str(err)) from err
-    if args.cpu_offload:
-        raise CLIError(
-            "--cpu-offload is Megatron-Bridge's activation CPU offloading (model.cpu_offloading: "
-            "each layer's activations go to host memory in forward and come back for "
-            "backward), which graph_fsdp does not implement: drop --cpu-offload. To keep the "
-            "optimizer state in CPU memory instead, use --optimizer-cpu-offload "
-            "[--optimizer-offload-fraction F] (graph_fsdp.optim_offload.CPUOffloadOptimizer)"
-        )
     validate_optimizer_offload(args)
 
 

@@ -213,13 +213,6 @@ def init_parallel_state(*, expert_model_parallel_size: int = 1) -> None:
         )
 
 
-def destroy_parallel_state() -> None:
-    require_megatron()
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-    ps.destroy_model_parallel()
-
-
 def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
     """The Megatron ``TransformerConfig`` of ``cfg`` (dropout off: runs are reproducible)."""
     require_megatron()

@@ -168,10 +168,7 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--use-torch-fsdp2"], ["use_torch_fsdp2", "drop --use-torch-fsdp2"]),
-        (["--use-tp-pp-dp-mapping"], ["use_tp_pp_dp_mapping=True is not supported"]),
         (["--ckpt-format", "torch_dist", "--save", "ck"], ["torch_dist", "fsdp_dtensor"]),
-        (["--cpu-offload", "--recompute-activations"], ["activation recompute"]),
         (["--model", "mcore-moe", "--cuda-graph-impl", "te"], ["the whole layer", "moe_router"]),
         (
             ["--model", "mcore-moe", "--cuda-graph-impl", "te", "--cuda-graph-scope", "moe"],
@@ -241,7 +238,7 @@ def test_cli_model_flag_parses() -> None:
         ["train", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "64"]
     )
     assert args.model == "mcore-moe" and args.moe_shared_expert_intermediate_size == 64
-    assert args.ckpt_format == "fsdp_dtensor" and not args.use_torch_fsdp2
+    assert args.ckpt_format == "fsdp_dtensor"
     from graph_fsdp.cli.mcore import mcore_config
 
     cfg = mcore_config(args)
