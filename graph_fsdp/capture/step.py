@@ -142,7 +142,7 @@ def check_capturable(
         raise GraphConfigError(
             "full_iteration replays FSDP's buffer hand-offs at fixed addresses: set "
             "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
-            "allocator='trace_pool' (--fsdp-trace-pool)"
+            "allocator='trace_pool' (--fsdp-buffer trace_pool)"
         )
     device = next(model.parameters()).device
     if device.type != "cuda":

@@ -233,7 +233,7 @@ def check_graph_set(
     if "full_iteration" in scopes and allocator_of(args) == "dynamic":
         raise CLIError(
             f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
-            "addresses: add --fsdp-double-buffer (or --fsdp-trace-pool)"
+            "addresses: add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
         )
     if args.use_megatron_schedule and "full_iteration" in scopes:
         raise CLIError(
