@@ -168,7 +168,7 @@ def _read_metadata(path: str):
         )
     try:
         return dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+    except Exception as exc:  # any unpickling failure means a bad file
         raise CheckpointError(
             f"checkpoint metadata {meta_file} is truncated or corrupt ({type(exc).__name__}: "
             f"{exc}); restore it from a copy or load an older checkpoint"

@@ -88,7 +88,7 @@ def _entry(
         torch.save(result, buf)
         conn.send(("ok", buf.getvalue()))
         ok = True
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
+    except BaseException:  # report any failure to the parent, then re-raise
         conn.send(("error", traceback.format_exc()))
         raise
     finally:

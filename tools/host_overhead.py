@@ -111,9 +111,10 @@ def install_fakes(cuda_comm: bool) -> None:
     tc.graph_pool_handle = lambda: None
     tc.get_rng_state = lambda *a, **k: torch.get_rng_state()
     tc.set_rng_state = lambda *a, **k: None
-    import graph_fsdp.capture.layerwise as runner  # noqa: PLC0415
+    # graph_fsdp is imported after torch.cuda is faked (here and below)
+    import graph_fsdp.capture.layerwise as layerwise  # noqa: PLC0415
 
-    runner.check_capturable = lambda model, *a, **k: model._fsdp_state
+    layerwise.check_capturable = lambda model, *a, **k: model._fsdp_state
     if cuda_comm:
         import graph_fsdp.buffers.allocator as alloc  # noqa: PLC0415
         import graph_fsdp.comm as comm  # noqa: PLC0415
@@ -170,7 +171,7 @@ def _timed(cls, name: str, label: str) -> None:
 
 def install_timers() -> None:
     """Wrap the pieces that run per layer (before the model is built: hooks bind methods)."""
-    from graph_fsdp.capture import graphed  # noqa: PLC0415
+    from graph_fsdp.capture import torch_backend  # noqa: PLC0415
     from graph_fsdp.state import FSDPState  # noqa: PLC0415
 
     for name, label in [
@@ -182,9 +183,9 @@ def install_timers() -> None:
         ("post_backward", "bwd: post_backward (reduce, reshard)"),
     ]:
         _timed(FSDPState, name, label)
-    _timed(graphed.CapturedCallable, "replay", "fwd: replay (incl. _Replay fwd)")
-    _timed(graphed.CallSignature, "tensors_of", "fwd: dispatcher signature match")
-    _timed(graphed._Replay, "backward", "bwd: _Replay.backward")
+    _timed(torch_backend.CapturedCallable, "replay", "fwd: replay (incl. _Replay fwd)")
+    _timed(torch_backend.CallSignature, "tensors_of", "fwd: dispatcher signature match")
+    _timed(torch_backend._Replay, "backward", "bwd: _Replay.backward")
 
 
 def main() -> None:

@@ -175,7 +175,7 @@ def _tagger(role: str) -> Callable:
     if fn is None:
         name = TAG_PREFIX + "".join(c if c.isalnum() else "_" for c in role)
         namespace: dict = {}
-        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)  # noqa: S102
+        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)
         fn = _TAGGERS[role] = namespace[name]
     return fn
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.models import TransformerLayer, sharding_units, synthetic_batch
 from graph_fsdp.train import TrainConfig, build_for, device_of, run
 
 
-class Skip(Exception):  # noqa: N818 - a verdict, not an error
+class Skip(Exception):  # a verdict, not an error
     """This row cannot run on this machine/config; the message says why."""
 
 
@@ -284,8 +285,8 @@ def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict 
 
 
 def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # torch's fully_shard and MixedPrecisionPolicy, kept apart from graph_fsdp's names
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     model = build_for(cfg, device)
     # A 2-D (replicate, shard) mesh is FSDP2's HSDP (its optimizer stays replicated).
@@ -372,7 +373,7 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if cfg.device != "cuda":
         raise Skip("megatron_fsdp needs a CUDA device")
     try:
-        import megatron_fsdp  # noqa: F401 - availability check
+        import megatron_fsdp  # noqa: F401, PLC0415 - availability check (optional package)
     except ImportError as err:
         raise Skip(f"megatron_fsdp is not importable ({err.__class__.__name__}: {err})") from None
     if not cfg.bf16:
@@ -382,8 +383,6 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
             "this runner does not drive megatron_fsdp's no-sync accumulation: needs "
             "gradient accumulation 1"
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
     device = device_of(cfg)
     mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
     model = build_for(cfg, device).to(torch.bfloat16)

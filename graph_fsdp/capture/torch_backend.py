@@ -214,10 +214,8 @@ def _frozen_value(x) -> bool:
 
 def _leaf_paths(spec) -> list[str]:
     """Readable paths of a ``(args, kwargs)`` spec's leaves: ``args[0]``, ``kwargs['mask']``."""
-    from torch.utils._pytree import tree_unflatten as unflatten  # noqa: PLC0415
-
     n = spec.num_leaves
-    marked = unflatten(list(range(n)), spec)
+    marked = tree_unflatten(list(range(n)), spec)
     out = [""] * n
 
     def walk(node, path):

@@ -130,7 +130,7 @@ class StepLogFollower:
 
     def __init__(self, raw_path: str, out_path: str | None, total: int, stats: StepStats) -> None:
         self.raw_path, self.stats = raw_path, stats
-        self.out = open(out_path, "w") if out_path else None  # noqa: SIM115 - closed in stop()
+        self.out = open(out_path, "w") if out_path else None  # closed in stop()
         self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
         self.records: list[dict] = []
         self._pending = ""

@@ -209,7 +209,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             verify=cfg.cuda_graph_verify,
         )
     losses, eval_losses, times = [], [], []
-    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None  # noqa: SIM115
+    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None:
             graphs.before_step()

@@ -29,7 +29,7 @@ def _megatron_imports() -> bool:
 
 # ------------------------------------------------------------------ import guard
 def test_importing_graph_fsdp_and_the_integration_needs_no_megatron() -> None:
-    import graph_fsdp.integrations.megatron  # noqa: F401
+    import graph_fsdp.integrations.megatron
     import graph_fsdp.integrations.megatron_train  # noqa: F401
 
     assert gm.INSTALL_HINT == 'pip install -e ".[megatron]"'

@@ -138,9 +138,9 @@ def _world(rank: int, world_size: int) -> int:
 
 
 def test_spawn_retries_when_its_port_was_taken(monkeypatch):
-    import socket  # noqa: PLC0415
+    import socket
 
-    import graph_fsdp.launch as launch  # noqa: PLC0415
+    import graph_fsdp.launch as launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
