@@ -38,8 +38,8 @@ def preload_te() -> None:
     TE loads the system cuDNN libraries; imported after torch has loaded its own cuDNN
     (by a first attention kernel) it fails with an undefined cuDNN symbol - measured on the
     GPU host, where the bench's TE and megatron_fsdp rows ran after eager rows. Every CUDA
-    rank :func:`spawn` or :func:`launch` starts calls this first. An installed but broken TE is left
-    for the code that needs it to report.
+    rank :func:`spawn` or :func:`launch` starts calls this first. An installed but broken TE
+    is left for the code that needs it to report.
     """
     if importlib.util.find_spec("transformer_engine") is None:
         return
