@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from graph_fsdp.experts import unknown_layout
-from graph_fsdp.fully_shard import collect_states
 from graph_fsdp.param_group import ParamRef
+from graph_fsdp.state import collect_states
 
 
 class FlatPiece:
@@ -211,7 +211,7 @@ def _read_metadata(path: str):
         )
     try:
         return dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+    except Exception as exc:  # any unpickling failure means a bad file
         raise CheckpointError(
             f"checkpoint metadata {meta_file} is truncated or corrupt ({type(exc).__name__}: "
             f"{exc}); restore it from a copy or load an older checkpoint"

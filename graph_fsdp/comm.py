@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
-from graph_fsdp.buffers.allocator import CUDA_GET_CURRENT_STREAM, current_stream, nvtx_range
+from graph_fsdp.cuda_streams import CUDA_GET_CURRENT_STREAM, current_stream, nvtx_range
 
 
 class CommContext:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from graph_fsdp import offload
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
 from graph_fsdp.comm import CommContext
 from graph_fsdp.experts import (
@@ -44,7 +45,7 @@ from graph_fsdp.experts import (
 )
 from graph_fsdp.grad_norm import clip_grad_norm_, install_torch_clip
 from graph_fsdp.param_group import FlatParamGroup
-from graph_fsdp.state import FSDPState
+from graph_fsdp.state import FSDPState, collect_states, refuse_offloaded
 
 _CLASS_CACHE: dict[type, type] = {}
 _STEP_HOOK = None
@@ -155,54 +156,35 @@ class FSDPModule:
         return report
 
     # ------------------------------------------------------------------ lifecycle (RL)
-    # See graph_fsdp/lifecycle.py: each returns the bytes it freed (or allocated) by kind.
+    # See graph_fsdp/offload.py: each returns the bytes it freed (or allocated) by kind.
     def offload_params(self) -> dict[str, int]:
         """Main weights to pinned CPU memory; frees compute buffers, slots and graph pools."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415 (cycle)
-
-        return lifecycle.offload_params(self)
+        return offload.offload_params(self)
 
     def onload_params(self) -> dict[str, int]:
         """Main weights back on the device (graphs are recaptured at the next step)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.onload_params(self)
+        return offload.onload_params(self)
 
     def offload_grads(self) -> dict[str, int]:
         """Sharded main gradients (values kept) to pinned CPU memory."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.offload_grads(self)
+        return offload.offload_grads(self)
 
     def onload_grads(self) -> dict[str, int]:
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.onload_grads(self)
+        return offload.onload_grads(self)
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """The optimizer's device state tensors to pinned CPU memory (step refused)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        lifecycle.root_states(self, "offload_optimizer")
-        return lifecycle.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
+        offload.root_states(self, "offload_optimizer")
+        return offload.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
 
     def onload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.onload_optimizer(optimizer)
+        return offload.onload_optimizer(optimizer)
 
     def iter_full_params(
         self, *, dtype: torch.dtype | None = None, device=None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(fqn, full tensor)`` per parameter, one unit gathered at a time (weight sync)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.iter_full_params(self, dtype=dtype, device=device)
-
-
-def collect_states(module: nn.Module) -> list[FSDPState]:
-    """FSDP states at or below ``module`` in pre-order (construction == forward order)."""
-    return [m._fsdp_state for m in module.modules() if isinstance(m, FSDPModule)]
+        return offload.iter_full_params(self, dtype=dtype, device=device)
 
 
 def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
@@ -212,8 +194,6 @@ def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
             if state.root is None:
                 state.lazy_init()
             if "params" in state.root.offloaded:
-                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
-
                 refuse_offloaded(state.root, "synchronize_param_gather")
             for group in state.groups:
                 if group.stale():

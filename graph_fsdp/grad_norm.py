@@ -27,6 +27,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils as nn_utils
+import torch.nn.utils.clip_grad as clip_grad
 
 
 def _reduction_groups(group) -> list:
@@ -111,9 +113,6 @@ def install_torch_clip() -> None:
     global _TORCH_CLIP
     if _TORCH_CLIP is not None:
         return
-    import torch.nn.utils as nn_utils  # noqa: PLC0415
-    import torch.nn.utils.clip_grad as clip_grad  # noqa: PLC0415
-
     original = _TORCH_CLIP = nn_utils.clip_grad_norm_
 
     def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):

@@ -57,9 +57,10 @@ import torch
 from torch import nn
 
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.buffers.layout import FlatLayout
 from graph_fsdp.comm import CommContext, all_gather, all_reduce, all_to_all, reduce_scatter
+from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.experts import (
     EXPERT_KEY_TAG,
     ExpertGroups,
@@ -302,7 +303,7 @@ class FlatParamGroup:
                     full = self._persistent_full
                 graphs = self.comm_graphs
                 if graphs is not None and self.compute_shard is None and self.placements.optim:
-                    # One graph launch: comm_graphs.py [Note: communication graphs].
+                    # One graph launch: capture/comm_graphs.py [Note: communication graphs].
                     key = ("gather", id(self), full.data_ptr(), self.main_flat.data_ptr())
                     graphs.run(key, (id(self), "gather"), partial(self._gather_into, full))
                     self._synced_version = self.main_flat._version
@@ -322,7 +323,7 @@ class FlatParamGroup:
 
     comm_graphs = None
     """The ``CommGraphs`` a layerwise runner lends this group while its graphs are captured
-    (comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
+    (capture/comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
 
     def _compute_shard_in(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard-group range in compute dtype, the input of the shard all-gather:
@@ -632,7 +633,7 @@ class FlatParamGroup:
 
     def _reduce_by_graph(self, allocator: BufferAllocator, graphs, overwrite: bool) -> None:
         """``reduce_grads``' plain one-mesh-dim reduction as one graph launch on the RS stream
-        (comm_graphs.py [Note: communication graphs]): the kernels of the eager path, the
+        (capture/comm_graphs.py [Note: communication graphs]): the kernels of the eager path, the
         slot hand-offs around them."""
         comm_dtype = self.mp.comm_dtype()
         accum = self.accum if self.accum_pending else None

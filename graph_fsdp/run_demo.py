@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 ZERO = {

@@ -15,9 +15,19 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
+from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
+from graph_fsdp.capture import (
+    FullIterationGraphs,
+    GraphConfigError,
+    LayerwiseGraphs,
+    check_scopes,
+    te_backend,
+)
+from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.experts import init_expert_mesh
 from graph_fsdp.fully_shard import fully_shard
@@ -29,6 +39,7 @@ from graph_fsdp.models import (
     sharding_units,
     transformer_layers,
 )
+from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
 
 
 @dataclass(kw_only=True)
@@ -113,7 +124,7 @@ class TrainConfig:
     or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
     cuda_graph_comm: bool = True
     """Layerwise graphs: each unit's gather and reduction kernels replay as CUDA graphs
-    (comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
+    (capture/comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
     cuda_graph_verify: bool = False
     """Check the first graphed step against an eager run of it from the same state and name
     the first module whose output differs (graph-fsdp compare turns it on)."""
@@ -180,8 +191,6 @@ def data_parallel_mesh(cfg: TrainConfig):
     """The 2-D (replicate, shard) DeviceMesh of ``cfg.mesh_shape`` (None: 1-D, no mesh)."""
     if cfg.mesh_shape is None:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
-
     shape = tuple(cfg.mesh_shape)
     world = dist.get_world_size()
     if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
@@ -237,8 +246,6 @@ def device_of(cfg: TrainConfig) -> torch.device:
 
 def checkpoint_layers(model: nn.Module) -> None:
     """Activation checkpointing (non-reentrant) around every transformer layer."""
-    from torch.utils.checkpoint import checkpoint
-
     for layer in transformer_layers(model):
         forward = layer.forward
 
@@ -260,8 +267,6 @@ def build_for(cfg: TrainConfig, device: torch.device) -> nn.Module:
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": cfg.fused_optimizer or None}
     if cfg.optimizer_offload_fraction > 0:
-        from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
-
         check_offload_config(recompute=cfg.recompute)
         return CPUOffloadOptimizer(
             params,
@@ -276,16 +281,7 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
     """The CUDA graph runner ``cfg`` asks for (None for eager runs)."""
     if cfg.cuda_graph_impl == "none":
         return None
-    from graph_fsdp.capture import (
-        FullIterationGraphs,
-        GraphConfigError,
-        LayerwiseGraphs,
-        check_scopes,
-    )
-
     if cfg.model.transformer_impl == "transformer_engine":
-        from graph_fsdp.capture import te_backend  # noqa: PLC0415
-
         # Before any step; the capture checks every TE attention call again (any model).
         te_backend.check_attention_capture(
             seq_length=cfg.model.seq_length,
@@ -337,8 +333,6 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         shard_model(model, cfg)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
-            from graph_fsdp import checkpoint as ckpt
-
             ckpt.load(cfg.load_path, model, optimizer)
     graphs = None if reference else make_graphs(model, cfg)
     # The reference sees every rank's microbatches as one global batch.
@@ -397,8 +391,6 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             )
             log.flush()
         if cfg.save_path and step + 1 == cfg.start_step + cfg.save_at and not reference:
-            from graph_fsdp import checkpoint as ckpt
-
             ckpt.save(cfg.save_path, model, optimizer)
     result = {
         "losses": losses,
@@ -414,9 +406,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 for n, p in zip([n for n, _ in model.named_parameters()], trainer.master)
             }
         else:
-            from graph_fsdp.checkpoint import full_state_dict
-
-            result["params"] = {k: v.cpu() for k, v in full_state_dict(model).items()}
+            result["params"] = {k: v.cpu() for k, v in ckpt.full_state_dict(model).items()}
     if graphs is not None:
         result["cuda_graphs"] = graphs.report()
     if cfg.device == "cuda":

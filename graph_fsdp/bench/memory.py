@@ -126,7 +126,7 @@ def slot_roles(allocator) -> list[tuple[str, torch.Tensor]]:
 
 
 def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
-    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
+    from graph_fsdp.state import collect_states  # noqa: PLC0415
 
     states = collect_states(model)
     out: list[Known] = []
@@ -175,7 +175,7 @@ def _tagger(role: str) -> Callable:
     if fn is None:
         name = TAG_PREFIX + "".join(c if c.isalnum() else "_" for c in role)
         namespace: dict = {}
-        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)  # noqa: S102
+        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)
         fn = _TAGGERS[role] = namespace[name]
     return fn
 
@@ -447,9 +447,9 @@ class MemoryJob:
 
 
 def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
-    from graph_fsdp.capture.full_iteration import eager_forward_backward  # noqa: PLC0415
+    from graph_fsdp.capture.step import eager_forward_backward  # noqa: PLC0415
     from graph_fsdp.data import batch_for  # noqa: PLC0415
-    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
+    from graph_fsdp.state import collect_states  # noqa: PLC0415
     from graph_fsdp.train import (  # noqa: PLC0415
         build_for,
         make_graphs,

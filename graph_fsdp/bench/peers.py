@@ -22,13 +22,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from graph_fsdp.bench.verdicts import COMM_INSIDE, COMM_NONE
+from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.models import TransformerLayer, sharding_units, synthetic_batch
 from graph_fsdp.train import TrainConfig, build_for, device_of, run
 
 
-class Skip(Exception):  # noqa: N818 - a verdict, not an error
+class Skip(Exception):  # a verdict, not an error
     """This row cannot run on this machine/config; the message says why."""
 
 
@@ -295,8 +297,8 @@ def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict 
 
 
 def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # torch's fully_shard and MixedPrecisionPolicy, kept apart from graph_fsdp's names
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     model = build_for(cfg, device)
     # A 2-D (replicate, shard) mesh is FSDP2's HSDP (its optimizer stays replicated).
@@ -381,46 +383,13 @@ def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def megatron_fsdp_shard(model, mesh, dp_dim: str, unit_cls: type, cfg, **extra):
-    """``megatron_fsdp.fully_shard`` of ``model`` (units ``unit_cls``, fp32 main params and
-    grads) with an AdamW at ``cfg.lr`` / ``cfg.weight_decay`` (fused with
-    ``cfg.fused_optimizer``); ``extra`` goes to fully_shard
-    (e.g. ``expt_device_mesh``). Returns (model, optimizer)."""
-    import megatron_fsdp
-
-    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
-    # no decay), then restore the hyperparameters and the step counters.
-    fused = getattr(cfg, "fused_optimizer", False) or None
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0, fused=fused)
-    model, opt = megatron_fsdp.fully_shard(
-        model,
-        opt,
-        device_mesh=mesh,
-        dp_shard_dim=dp_dim,
-        tp_dim="tp",
-        fsdp_unit_modules=[unit_cls],
-        zero_dp_strategy=cfg.strategy,
-        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
-        ),
-        **extra,
-    )
-    for group in opt.param_groups:
-        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-    for state in opt.state.values():
-        if "step" in state:
-            step = state["step"]
-            state["step"] = step.zero_() if torch.is_tensor(step) else 0
-    return model, opt
-
-
 def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """``megatron_fsdp.fully_shard`` with TransformerLayer units and fp32 main params/grads."""
     cfg = spec.cfg
     if cfg.device != "cuda":
         raise Skip("megatron_fsdp needs a CUDA device")
     try:
-        import megatron_fsdp  # noqa: F401 - availability check
+        import megatron_fsdp  # noqa: F401, PLC0415 - availability check (optional package)
     except ImportError as err:
         raise Skip(f"megatron_fsdp is not importable ({err.__class__.__name__}: {err})") from None
     if not cfg.bf16:
@@ -430,8 +399,6 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
             "this runner does not drive megatron_fsdp's no-sync accumulation: needs "
             "gradient accumulation 1"
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
     device = device_of(cfg)
     mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
     model = build_for(cfg, device).to(torch.bfloat16)

@@ -172,10 +172,10 @@ def markdown(report: dict) -> str:
 
 def bar_chart(report: dict, path: str) -> None:
     """Median step time and tokens/s per GPU per row (ok rows), ratios annotated."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (optional: pip install graph-fsdp[bench])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rows = [r for r in with_ratios(report["rows"]) if r["status"] == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 * max(len(rows), 1) + 1.8))

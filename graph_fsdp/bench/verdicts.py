@@ -1,7 +1,7 @@
 """What a benchmark row may claim: its own peak memory, and that its graphs replayed.
 
 Shared by ``graph-fsdp bench`` (bench/runner.py) and its Megatron-Core rows
-(integrations/megatron_bench.py).
+(bench/megatron.py).
 
 [Note: a row's own peak] The rows of one launch run back to back in the same processes, so
 a row starts with whatever earlier rows left: cached workspaces, objects still referenced,

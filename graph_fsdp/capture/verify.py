@@ -269,7 +269,7 @@ class VerifyResult:
     note: str = ""
     capture_queries: list[str] = field(default_factory=list)
     """Code that branched on ``is_current_stream_capturing()`` while the graphs were captured
-    (tracker.py [Note: capture-state queries]), with the module running; set only when the
+    (diagnosis.py [Note: capture-state queries]), with the module running; set only when the
     step differs."""
     replays: int = 0
     """Graph replays during the graphed run."""

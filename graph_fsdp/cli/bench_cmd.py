@@ -33,8 +33,8 @@ from graph_fsdp.bench.provenance import code_version
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
+from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import (
     add_common_args,
     add_scope_sets_arg,
@@ -42,6 +42,7 @@ from graph_fsdp.cli.options import (
     resolve,
     scope_sets_from,
 )
+from graph_fsdp.launch import launch
 from graph_fsdp.train import placement_label
 
 
@@ -101,9 +102,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="DIR",
         help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
     )
-    from graph_fsdp.integrations.megatron_cli import add_megatron_model_args  # noqa: PLC0415
-
-    add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: integrations/megatron_bench.py
+    mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -152,12 +151,8 @@ def main(args: argparse.Namespace) -> int:
             "(the peers' rows do not clip); drop it (train and compare take it)"
         )
     if args.model != "gpt":
-        from graph_fsdp.integrations import megatron_bench  # noqa: PLC0415
-
-        return megatron_bench.main(args)
-    from graph_fsdp.integrations.megatron_cli import reject_mcore_only_flags  # noqa: PLC0415
-
-    reject_mcore_only_flags(args)
+        return mcore.bench_main(args)
+    mcore.reject_mcore_only_flags(args)
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)

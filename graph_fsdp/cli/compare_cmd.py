@@ -36,8 +36,8 @@ from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.verdicts import graph_verdict
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
+from graph_fsdp.launch import launch
 from graph_fsdp.train import TrainConfig, run
 
 

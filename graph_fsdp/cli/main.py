@@ -18,7 +18,7 @@ import sys
 
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import RankFailure
+from graph_fsdp.launch import RankFailure
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):

@@ -42,10 +42,10 @@ from graph_fsdp.bench.memory import (
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
-from graph_fsdp.buffers.allocator import NVTX_ENV
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import LaunchPlan, launch
 from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cuda_streams import NVTX_ENV
+from graph_fsdp.launch import LaunchPlan, launch
 
 UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"
 """Set in the environment of the re-executed command, so it does not re-exec again."""

@@ -20,15 +20,22 @@ import threading
 from dataclasses import dataclass, replace
 from statistics import median
 
-from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import add_common_args, check_positive, resolve
-from graph_fsdp.data import check_token_file, check_token_ids, training_samples
+from tqdm import tqdm
+
+from graph_fsdp.cli import mcore
+from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.train_options import (
+    check_data_path,
+    checkpoint_plan,
+    graphs_label,
+    input_lines,
+    verification_lines,
+    verify_option,
+    write_checkpoint_meta,
+)
+from graph_fsdp.launch import launch
 from graph_fsdp.models import model_flops_per_token
 from graph_fsdp.train import TrainConfig, placement_label, run
-
-CHECKPOINT_META = "graph_fsdp_cli.json"
-"""Written next to a --save checkpoint: the iteration it holds, so --load resumes there."""
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
@@ -87,9 +94,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="PATH",
         help="Rank 0 writes one JSON record per step (JSON lines) to PATH (overwritten).",
     )
-    from graph_fsdp.integrations.megatron_cli import add_megatron_args  # noqa: PLC0415
-
-    add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
+    mcore.add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -124,10 +129,8 @@ class StepLogFollower:
     """
 
     def __init__(self, raw_path: str, out_path: str | None, total: int, stats: StepStats) -> None:
-        from tqdm import tqdm
-
         self.raw_path, self.stats = raw_path, stats
-        self.out = open(out_path, "w") if out_path else None  # noqa: SIM115 - closed in stop()
+        self.out = open(out_path, "w") if out_path else None  # closed in stop()
         self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
         self.records: list[dict] = []
         self._pending = ""
@@ -217,115 +220,11 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
 # --------------------------------------------------------------------------------------------
 
 
-def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
-    """Rank 0, after a --save run: the iteration the checkpoint holds and the --model."""
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
-        json.dump({"iteration": iteration, "model": model}, f)
-
-
-def _load_start(args: argparse.Namespace) -> int:
-    """The iteration a --load checkpoint holds; clear errors for a directory that is not one
-    of ours or was written for another --model."""
-    if not os.path.isdir(args.load):
-        raise CLIError(
-            f"--load {args.load}: no such checkpoint directory; pass the DIR a run with "
-            "--save DIR wrote, or drop --load to start from scratch"
-        )
-    if not os.path.isfile(os.path.join(args.load, ".metadata")):
-        raise CLIError(
-            f"--load {args.load}: not a DCP checkpoint ({os.path.join(args.load, '.metadata')} "
-            "is missing; an interrupted save leaves only DIR.tmp); pass the DIR a completed "
-            "--save run wrote"
-        )
-    meta_path = os.path.join(args.load, CHECKPOINT_META)
-    if not os.path.isfile(meta_path):
-        return 0
-    with open(meta_path) as f:
-        meta = json.load(f)
-    saved_model = meta.get("model")
-    model = getattr(args, "model", "gpt")
-    if saved_model is not None and saved_model != model:
-        raise CLIError(
-            f"--load {args.load} holds a --model {saved_model} checkpoint, but this run trains "
-            f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
-        )
-    return int(meta.get("iteration", 0))
-
-
-def check_data_path(
-    args: argparse.Namespace,
-    *,
-    seq_length: int,
-    vocab_size: int,
-    world_size: int,
-    grad_accum: int,
-    start: int,
-    steps: int,
-) -> str:
-    """--data-path: the file's shape, and the token ids of every sample the run will read
-    (training and eval) against --vocab-size; returns the absolute path."""
-    path = args.data_path
-    try:
-        num_tokens = check_token_file(path, seq_length, vocab_size)
-        runs = [
-            training_samples(
-                start,
-                steps,
-                grad_accum=grad_accum,
-                world_size=world_size,
-                micro_batch_size=args.micro_batch_size,
-            )
-        ]
-        if args.eval_interval:
-            per_eval = world_size * args.micro_batch_size
-            offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
-            for step in range(start, start + steps):
-                if (step + 1) % args.eval_interval == 0:
-                    runs.append((offset + step * per_eval, per_eval))
-        check_token_ids(path, seq_length, vocab_size, runs)
-    except ValueError as err:
-        raise CLIError(str(err)) from err
-    return os.path.abspath(path)
-
-
-def checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    """(start_step, save_at relative to start, absolute save iteration or None)."""
-    check_positive(args, "save_interval")
-    if args.save_interval is not None and not args.save:
-        raise CLIError("--save-interval is given without --save; add --save DIR")
-    start = 0
-    if args.load:
-        start = _load_start(args)
-        if start >= args.train_iters:
-            raise CLIError(
-                f"--load {args.load} holds iteration {start}, which already reaches --train-iters "
-                f"{args.train_iters}; raise --train-iters to train further"
-            )
-    if not args.save:
-        return start, 0, None
-    interval = args.save_interval or args.train_iters
-    last = args.train_iters // interval * interval
-    if last <= start:
-        raise CLIError(
-            f"--save-interval {interval} never saves between iteration {start} and --train-iters "
-            f"{args.train_iters}; lower --save-interval"
-        )
-    if last - interval > start:
-        print(
-            f"note: the engine saves once per run; --save {args.save} gets iteration {last}",
-            file=sys.stderr,
-        )
-    return start, last - start, last
-
-
 def main(args: argparse.Namespace) -> int:
-    from graph_fsdp.integrations import megatron_cli  # noqa: PLC0415
-
     if args.model != "gpt":
-        return megatron_cli.main(args)
-    megatron_cli.reject_mcore_only_flags(args)
-    megatron_cli.validate_bridge_flags(args)
+        return mcore.train_main(args)
+    mcore.reject_mcore_only_flags(args)
+    mcore.validate_bridge_flags(args)
     res = resolve(args)
     start, save_at, save_iteration = checkpoint_plan(args)
     cfg = replace(
@@ -363,42 +262,6 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(format_summary(cfg, res.plan.describe(), stats, out, args))
     return 0
-
-
-def verify_option(args: argparse.Namespace) -> bool | str:
-    """--cuda-graph-verify as the runners' ``verify`` (False, True = warn, "raise")."""
-    if args.cuda_graph_verify is None:
-        return False
-    if args.cuda_graph_impl == "none":
-        raise CLIError(
-            "--cuda-graph-verify checks a graphed step, but --cuda-graph-impl is none: add "
-            "--cuda-graph-impl te (or torch) or drop --cuda-graph-verify"
-        )
-    return "raise" if args.cuda_graph_verify == "raise" else True
-
-
-def verification_lines(result: dict) -> list[str]:
-    """Summary lines of the first graphed step's verification (--cuda-graph-verify)."""
-    report = result.get("cuda_graphs") or {}
-    return [f"  graph verification: {v['summary']}" for v in report.get("verification", [])]
-
-
-def graphs_label(cfg) -> str:
-    """How a run's steps execute, for summaries: ``eager`` or ``<impl> graphs [<scopes>]``."""
-    if cfg.cuda_graph_impl == "none":
-        return "eager"
-    return f"{cfg.cuda_graph_impl} graphs [{' '.join(cfg.cuda_graph_scope) or 'layer'}]"
-
-
-def input_lines(cfg) -> list[str]:
-    """Summary lines for the token file and the optimizer offload a run used (our models and
-    Megatron-Core's alike)."""
-    lines = []
-    if cfg.data_path:
-        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
-    if cfg.optimizer_offload_fraction:
-        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
-    return lines
 
 
 def format_summary(

@@ -49,8 +49,8 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.buffers.allocator import stream_capturing
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
+from graph_fsdp.cuda_streams import stream_capturing
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
@@ -327,13 +327,6 @@ def init_parallel_state(*, expert_model_parallel_size: int = 1) -> None:
             pipeline_model_parallel_size=1,
             expert_model_parallel_size=1,
         )
-
-
-def destroy_parallel_state() -> None:
-    require_megatron()
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-    ps.destroy_model_parallel()
 
 
 def transformer_config(cfg: MCoreGPTConfig, device: torch.device):

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.train import make_optimizer
 
 
@@ -153,8 +154,6 @@ def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
     from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
-    from graph_fsdp.bench.peers import megatron_fsdp_shard  # noqa: PLC0415
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     if cfg.bf16:
         lm = lm.to(torch.bfloat16)
@@ -227,7 +226,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             verify=cfg.cuda_graph_verify,
         )
     losses, eval_losses, times = [], [], []
-    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None  # noqa: SIM115
+    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None:
             graphs.before_step()

@@ -223,7 +223,8 @@ def _copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
         if not _is_dtensor(param):
             param.copy_(full)
             return
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        # torch.distributed.tensor exists only where torch.distributed does (_is_dtensor)
+        from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
 
         assert isinstance(param, DTensor)
         # Every rank generated the same full tensor, so each cuts out its own shard locally
@@ -236,7 +237,7 @@ def _copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (needs torch.distributed)
 
     return isinstance(tensor, DTensor)
 

@@ -19,9 +19,10 @@ import torch
 
 from graph_fsdp.bench.memory import MemoryJob, memory_worker
 from graph_fsdp.bench.peers import BenchSpec, run_unsharded, run_unsharded_captured
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 from graph_fsdp.train import TrainConfig
 
 for _var, _value in (

@@ -21,8 +21,8 @@ from graph_fsdp.bench.memory import (
     write_result,
 )
 from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig
 
 GPT = "/src/graph_fsdp/models/gpt.py"
@@ -181,10 +181,10 @@ def test_released_storages_are_attributed_by_stack_not_by_their_final_address() 
 def test_dynamic_reallocation_stack_carries_the_tag(monkeypatch) -> None:
     """The stack the CUDA allocator records (CapturedTraceback, Python frames) for the
     dynamic allocator's ``storage.resize_`` re-allocation carries the role's tag frame."""
-    from torch._C._profiler import gather_traceback, symbolize_tracebacks  # noqa: PLC0415
+    from torch._C._profiler import gather_traceback, symbolize_tracebacks
 
-    from graph_fsdp.bench.memory import tag_allocations  # noqa: PLC0415
-    from graph_fsdp.buffers.allocator import DynamicAllocator  # noqa: PLC0415
+    from graph_fsdp.bench.memory import tag_allocations
+    from graph_fsdp.buffers.allocator import DynamicAllocator
 
     stacks = []
     resize = torch.UntypedStorage.resize_

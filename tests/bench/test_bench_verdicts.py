@@ -18,8 +18,8 @@ from graph_fsdp.bench.verdicts import (
     graph_verdict,
     memory_fields,
 )
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig
 
 MiB = 2**20

@@ -1,7 +1,7 @@
-"""The eager side of [Note: backward handlers in the replay] (capture/graphed.py), on gloo.
+"""The eager side of [Note: backward handlers in the replay] (capture/torch_backend.py), on gloo.
 
 While a whole-layer torch graph is captured its unit's ``backward_by_replay`` is set: FSDP's
-registration hooks stand aside and the runner's dispatcher (``capture/runner.py``
+registration hooks stand aside and the runner's dispatcher (``capture/layerwise.py``
 ``_dispatcher``, the layer's ``forward`` once a ``LayerwiseGraphs`` targets it) registers
 the handlers for every eager call (``FSDPState.forward_with_backward_handlers``); with the
 hooks handed to the dispatcher ([Note: forward handlers in the dispatcher], state.py) it
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -28,7 +28,7 @@ def _runner_dispatching(model: nn.Module, forward_handlers: bool):
     """A ``LayerwiseGraphs`` over every unit (whole-unit targets) whose dispatchers own
     the units' backward handlers (and, ``forward_handlers``, their forward handlers), as
     after a torch-backend capture (``LayerwiseGraphs._capture``), without graphs."""
-    from graph_fsdp.capture import runner
+    from graph_fsdp.capture import layerwise as runner
 
     checks = runner.check_capturable
     runner.check_capturable = lambda *a, **kw: checks(*a, **{**kw, "graphs": False})

@@ -8,15 +8,15 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from graph_fsdp.capture.full_iteration import eager_forward_backward
-from graph_fsdp.capture.graphed import (
+from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.step import eager_forward_backward
+from graph_fsdp.capture.torch_backend import (
     CallSignature,
     CapturedCallable,
     backward_step,
     forward_step,
 )
-from graph_fsdp.capture.scopes import Target
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     VerifyResult,
@@ -25,9 +25,9 @@ from graph_fsdp.capture.verify import (
     verify_step,
 )
 from graph_fsdp.data import batch_for
-from graph_fsdp.fully_shard import collect_states
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.testing import spawn
+from graph_fsdp.state import collect_states
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -496,8 +496,8 @@ class _BranchesOnCapture(nn.Module):
 
 
 def test_capture_state_queries_name_the_site_and_module(monkeypatch):
-    from graph_fsdp.buffers import allocator
-    from graph_fsdp.capture.full_iteration import record_verification
+    from graph_fsdp import cuda_streams
+    from graph_fsdp.capture.step import record_verification
 
     model = _model(_BranchesOnCapture())
     tracker = ModuleTracker.for_model(model)
@@ -515,7 +515,7 @@ def test_capture_state_queries_name_the_site_and_module(monkeypatch):
         model(torch.randn(2, 4))
         assert torch.cuda.graphs.is_current_stream_capturing()  # this file is the model's
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        assert allocator.stream_capturing()  # graph_fsdp's own check: no branch of the model
+        assert cuda_streams.stream_capturing()  # graph_fsdp's own check: no branch of the model
     # Restored: the (patched) originals, not the watchers.
     assert torch.cuda.is_current_stream_capturing.__name__ == "<lambda>"
     sites = list(tracker.capture_queries.items())

@@ -33,8 +33,8 @@ from graph_fsdp import (
     iter_full_params,
     mark_expert_params,
 )
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, partition_experts, synthetic_batch
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run, shard_model
 
 MOE = GPTConfig(

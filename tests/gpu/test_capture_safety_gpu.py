@@ -19,9 +19,10 @@ import os
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,8 +18,9 @@ import os
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 
 for _var, _value in (
     ("NCCL_NVLS_ENABLE", "0"),
@@ -34,7 +35,7 @@ STEPS = 6
 
 
 def _train(rank: int, lend: bool, accumulate: bool) -> dict:
-    from graph_fsdp.comm_graphs import CommGraphs
+    from graph_fsdp.capture.comm_graphs import CommGraphs
     from graph_fsdp.data import batch_for
     from graph_fsdp.models import GPTConfig
     from graph_fsdp.train import TrainConfig, build_for, shard_model

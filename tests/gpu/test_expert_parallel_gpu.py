@@ -20,8 +20,8 @@ import dataclasses
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 pytestmark = pytest.mark.gpu

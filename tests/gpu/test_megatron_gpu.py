@@ -24,8 +24,9 @@ from statistics import median
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,

@@ -32,15 +32,10 @@ import os
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
+from graph_fsdp.models.hf import HF_DECODERS, hf_decoder, hf_decoder_layers, hf_family_available
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import (
-    HF_DECODERS,
-    hf_decoder,
-    hf_decoder_layers,
-    hf_family_available,
-    needs_gpus,
-    spawn,
-)
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -316,7 +311,7 @@ def test_other_huggingface_decoders_are_bit_exact(family):
     assert not problems, "\n".join(problems)
 
 
-# Every other family of graph_fsdp.testing.HF_DECODERS, in one launch, each variant against
+# Every other family of graph_fsdp.models.hf.HF_DECODERS, in one launch, each variant against
 # its eager run: whole layers and the attn + mlp (dense) or attn + moe_router (MoE) scopes
 # with the model's own mask, and full_iteration with a ready 4-D mask (OPT: its own mask).
 # What each run gives is pinned per family (EXPECTED): bit-identical (the default), flagged

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from graph_fsdp.bench import megatron as mb
+from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import build_parser
-from graph_fsdp.integrations import megatron_bench as mb
-from graph_fsdp.integrations import megatron_cli
 from graph_fsdp.testing import cli_error
 
 MOE = ["bench", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "512"]
@@ -74,7 +74,7 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
     argv += [*STATIC, "--graph-impls", "te", "torch", *SETS, "--warmup-iters", "5"]
     argv += ["--train-iters", "20", "--nproc", "2", "--fused-adamw"]
     args = build_parser().parse_args(argv)
-    job, plan, setup = mb.build_job(args)
+    job, plan, setup = megatron_cli.build_bench_job(args)
     assert [r[0] for r in job.rows] == [
         "graph_fsdp eager",
         "graph_fsdp te [attn]",
@@ -97,10 +97,10 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
 def test_only_rows_a_megatron_model_has(monkeypatch) -> None:
     monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
     args = build_parser().parse_args([*MOE, "--rows", "graph_fsdp", "megatron_fsdp"])
-    job, _, _ = mb.build_job(args)
+    job, _, _ = megatron_cli.build_bench_job(args)
     assert [r[0] for r in job.rows] == ["graph_fsdp eager", "megatron_fsdp eager"]
     with pytest.raises(CLIError, match="choose from graph_fsdp, graph_fsdp_graphed"):
-        mb.build_job(build_parser().parse_args([*MOE, "--rows", "reference"]))
+        megatron_cli.build_bench_job(build_parser().parse_args([*MOE, "--rows", "reference"]))
 
 
 def _row(name: str, ms: float, peak: int, losses: list[float]) -> dict:

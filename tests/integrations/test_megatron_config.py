@@ -12,8 +12,8 @@ import pytest
 
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.testing import cli_error
 
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
@@ -29,7 +29,7 @@ def _megatron_imports() -> bool:
 
 # ------------------------------------------------------------------ import guard
 def test_importing_graph_fsdp_and_the_integration_needs_no_megatron() -> None:
-    import graph_fsdp.integrations.megatron  # noqa: F401
+    import graph_fsdp.integrations.megatron
     import graph_fsdp.integrations.megatron_train  # noqa: F401
 
     assert gm.INSTALL_HINT == 'pip install -e ".[megatron]"'
@@ -242,10 +242,7 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--use-torch-fsdp2"], ["use_torch_fsdp2", "drop --use-torch-fsdp2"]),
-        (["--use-tp-pp-dp-mapping"], ["use_tp_pp_dp_mapping=True is not supported"]),
         (["--ckpt-format", "torch_dist", "--save", "ck"], ["torch_dist", "fsdp_dtensor"]),
-        (["--cpu-offload", "--recompute-activations"], ["activation recompute"]),
         (["--model", "mcore-moe", "--cuda-graph-impl", "te"], ["the whole layer", "moe_router"]),
         (
             ["--model", "mcore-moe", "--cuda-graph-impl", "te", "--cuda-graph-scope", "moe"],
@@ -315,8 +312,8 @@ def test_cli_model_flag_parses() -> None:
         ["train", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "64"]
     )
     assert args.model == "mcore-moe" and args.moe_shared_expert_intermediate_size == 64
-    assert args.ckpt_format == "fsdp_dtensor" and not args.use_torch_fsdp2
-    from graph_fsdp.integrations.megatron_cli import mcore_config
+    assert args.ckpt_format == "fsdp_dtensor"
+    from graph_fsdp.cli.mcore import mcore_config
 
     cfg = mcore_config(args)
     assert cfg.num_experts == 4 and cfg.moe_shared_expert_intermediate_size == 64

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_fsdp.testing import spawn
+from graph_fsdp.launch import spawn
 
 try:
     from graph_fsdp.integrations import megatron_moe as mm

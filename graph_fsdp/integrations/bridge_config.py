@@ -63,7 +63,7 @@ def validate_fsdp_config(
     if use_torch_fsdp2:
         problems.append(
             "use_graph_fsdp and use_torch_fsdp2 are both set: they are two FSDP engines for the "
-            "same model and exclude each other; set use_torch_fsdp2=False (drop --use-torch-fsdp2)"
+            "same model and exclude each other; set use_torch_fsdp2=False"
         )
     if use_megatron_fsdp:
         problems.append(
@@ -73,8 +73,7 @@ def validate_fsdp_config(
     if use_tp_pp_dp_mapping:
         problems.append(
             "use_tp_pp_dp_mapping=True is not supported with graph_fsdp (its data-parallel "
-            "group is the default tp-cp-ep-dp-pp rank order); set use_tp_pp_dp_mapping=False "
-            "(drop --use-tp-pp-dp-mapping)"
+            "group is the default tp-cp-ep-dp-pp rank order); set use_tp_pp_dp_mapping=False"
         )
     problems += _checkpoint_problems(ckpt_format, save, load)
     if cpu_offload:

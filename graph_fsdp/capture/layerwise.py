@@ -35,84 +35,36 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.buffers.allocator import nvtx_range
-from graph_fsdp.capture.full_iteration import (
+from graph_fsdp.capture.comm_graphs import CommGraphs
+from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
+from graph_fsdp.capture.scopes import (
+    GRAPH_IMPLS,
+    GraphConfigError,
+    ScopeModules,
+    scope_label,
+    select_targets,
+)
+from graph_fsdp.capture.step import (
     GraphedStep,
+    check_capturable,
     check_verify_option,
     detached,
     eager_forward_backward,
     fn_name,
     record_verification,
 )
-from graph_fsdp.capture.graphed import (
+from graph_fsdp.capture.te_backend import attention_capture_guard, capture_te, require_te
+from graph_fsdp.capture.teardown import RunnerLifecycle, find_graphs, reset_graphs
+from graph_fsdp.capture.torch_backend import (
     CallSignature,
     CapturedCallable,
     capture_torch,
     describe_call,
 )
-from graph_fsdp.capture.scopes import (
-    GRAPH_IMPLS,
-    GraphConfigError,
-    ScopeModules,
-    check_scopes,
-    check_static_buffers,
-    scope_label,
-    select_targets,
-)
-from graph_fsdp.capture.shutdown import RunnerLifecycle, find_graphs, reset_graphs
-from graph_fsdp.capture.te_backend import attention_capture_guard
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
-from graph_fsdp.comm_graphs import CommGraphs
+from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
-from graph_fsdp.state import FSDPState, in_backward
-
-
-def check_capturable(
-    model: nn.Module,
-    scopes: list[str] | tuple[str, ...],
-    warmup_steps: int,
-    *,
-    graphs: bool = True,
-    scope_modules: ScopeModules | None = None,
-) -> FSDPState:
-    """What every capture needs (layerwise or full_iteration); returns the root's state.
-
-    ``graphs=False`` (an eager runner: the same step logic without graphs) checks only what
-    does not depend on capturing: the scopes, the warmup steps and fully_shard.
-    """
-    from graph_fsdp.fully_shard import FSDPModule  # noqa: PLC0415
-
-    check_scopes(scopes, scope_modules=scope_modules)
-    if warmup_steps < 1:
-        raise GraphConfigError(
-            f"cuda_graph_warmup_steps={warmup_steps} must be >= 1 (--cuda-graph-warmup-steps):"
-            " an eager step records the call shapes, plans FSDP's static buffers and (for "
-            "full_iteration) warms up the capture stream"
-        )
-    if not isinstance(model, FSDPModule):
-        raise GraphConfigError(
-            f"{type(model).__name__} is not fully_shard-ed: apply fully_shard to every "
-            "layer and then to the root before capturing CUDA graphs"
-        )
-    root: FSDPState = model._fsdp_state
-    if not graphs:
-        return root
-    check_static_buffers(root.buffer_policy, scopes)
-    if "full_iteration" in scopes and root.buffer_policy.allocator == "dynamic":
-        raise GraphConfigError(
-            "full_iteration replays FSDP's buffer hand-offs at fixed addresses: set "
-            "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
-            "allocator='trace_pool' (--fsdp-trace-pool)"
-        )
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        raise GraphConfigError(
-            f"CUDA graphs need a CUDA device, but the model is on {device}; use "
-            "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU, or eager=True to run the "
-            "same step API without graphs"
-        )
-    return root
+from graph_fsdp.state import FSDPState, collect_states, in_backward
 
 
 class LayerwiseGraphs(RunnerLifecycle):
@@ -130,8 +82,6 @@ class LayerwiseGraphs(RunnerLifecycle):
         verify: bool | str = False,
         comm_graphs: bool = True,
     ) -> None:
-        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
-
         if impl not in GRAPH_IMPLS or impl == "none":
             raise GraphConfigError(
                 f"cuda_graph_impl={impl!r}: layerwise graphs need 'te' or 'torch' "
@@ -140,8 +90,6 @@ class LayerwiseGraphs(RunnerLifecycle):
         check_verify_option(verify)
         check_capturable(model, scopes, warmup_steps, scope_modules=scope_modules)
         if impl == "te":
-            from graph_fsdp.capture.te_backend import require_te  # noqa: PLC0415
-
             require_te()
         self.model, self.impl, self.scopes = model, impl, list(scopes)
         self.scope_modules = dict(scope_modules or {})
@@ -170,6 +118,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         self._pool = None
         self.comm_graphs = comm_graphs
         self._comm: CommGraphs | None = None
+        self._register_with_units()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -340,7 +289,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         for cap in self.caps:
             cap.prepare()
             # A torch-backend capture of a whole unit zeroes its gradients in the backward
-            # graph (graphed.py [Note: gradients of graphed modules]).
+            # graph (torch_backend.py [Note: gradients of graphed modules]).
             whole_unit = self.impl == "torch" and cap.module is cap.target.unit
             cap.zeroes_grads_of = units[id(cap.module)] if whole_unit else None
         extracted = {}
@@ -428,8 +377,6 @@ class LayerwiseGraphs(RunnerLifecycle):
                 no_collection(),
             ):
                 if self.impl == "te":
-                    from graph_fsdp.capture.te_backend import capture_te  # noqa: PLC0415
-
                     capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
                 else:
                     capture_torch(
@@ -477,7 +424,7 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
         if cap.captured and training_call and not graphs.force_eager:
             tensors = cap.signature.tensors_of(args, kwargs)
             unchained = None
-            if tensors is not None:  # graphed.py [Note: chained static buffers]
+            if tensors is not None:  # torch_backend.py [Note: chained static buffers]
                 static = cap.static_inputs
                 for j, _ in cap.chained:
                     if tensors[j].data_ptr() != static[j].data_ptr():

@@ -52,9 +52,18 @@ class RunnerLifecycle:
             return
         self.closed = True
         _RUNNERS.discard(self)
+        for state in getattr(self, "states", None) or ():
+            state.graph_runners.discard(self)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no replay may still run on what is freed below
         self._free_graphs()
+
+    def _register_with_units(self) -> None:
+        """Register with every unit of ``self.states``: offload suspends a unit's runners
+        before it moves the buffers their graphs address (offload.py [Note: CUDA graphs
+        across offload])."""
+        for state in self.states:
+            state.graph_runners.add(self)
 
     def _free_graphs(self) -> None:
         raise NotImplementedError

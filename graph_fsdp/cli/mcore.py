@@ -1,4 +1,4 @@
-"""``graph-fsdp train --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
+"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
 
     graph-fsdp train --model mcore-gpt --transformer-impl transformer_engine --bf16 \\
         --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
@@ -8,31 +8,57 @@
         --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
         --cuda-graph-impl te --cuda-graph-scope attn moe_router
 
-The flags are the shared ones (Megatron spellings) plus the Megatron-Bridge settings
-:func:`graph_fsdp.config.validate_fsdp_config` checks. Every check runs before a process
-starts; megatron-core is imported only by the ranks.
+The flags are the shared ones (Megatron spellings) plus the Megatron-Bridge settings that
+:func:`graph_fsdp.integrations.bridge_config.validate_fsdp_config` checks. Every check runs
+before a process starts; megatron-core is imported only by the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import os
+import sys
 from dataclasses import replace
 from statistics import median
 
 from graph_fsdp.api import BufferPolicy
-from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.bench.megatron import (
+    MCORE_ROWS,
+    MCoreBenchJob,
+    bench_worker,
+    markdown,
+    plan_rows,
+    write_report,
+)
+from graph_fsdp.bench.provenance import code_version
+from graph_fsdp.bench.report import gpu_tag
+from graph_fsdp.bench.runner import DEFAULT_ROWS
+from graph_fsdp.capture.scopes import GraphConfigError, check_static_buffers
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch, resolve_plan
+from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.cli.options import (
     allocator_of,
     check_clip_grad,
     check_graph_environment,
+    check_positive,
     grad_accumulation,
+    scope_sets_from,
 )
-from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
-from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS
+from graph_fsdp.cli.train_options import (
+    check_data_path,
+    checkpoint_plan,
+    graphs_label,
+    input_lines,
+    verification_lines,
+    verify_option,
+    write_checkpoint_meta,
+)
+from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
+from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS, MCoreGPTConfig, check_mcore_scopes
+from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
+from graph_fsdp.launch import launch
 
 MODELS = ("gpt", "mcore-gpt", "mcore-moe")
 """--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""
@@ -99,23 +125,6 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
         help="Checkpoint format (Megatron-Bridge's name); graph_fsdp writes DCP: fsdp_dtensor.",
     )
     g.add_argument(
-        "--use-torch-fsdp2",
-        action="store_true",
-        help="Megatron-Bridge's torch FSDP2 switch; rejected: graph_fsdp is the FSDP engine.",
-    )
-    g.add_argument(
-        "--use-tp-pp-dp-mapping",
-        action="store_true",
-        help="Megatron-Bridge's rank-order switch; rejected (unsupported with graph_fsdp).",
-    )
-    g.add_argument(
-        "--cpu-offload",
-        action="store_true",
-        help="Megatron-Bridge's activation CPU offloading (model.cpu_offloading): checked "
-        "against its rules (pipeline size 1, no recompute), then refused - graph_fsdp does "
-        "not offload activations. For optimizer state see --optimizer-cpu-offload.",
-    )
-    g.add_argument(
         "--optimizer-cpu-offload",
         action="store_true",
         help="Keep the AdamW state of --optimizer-offload-fraction of the local shards in "
@@ -131,28 +140,14 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_bridge_flags(args: argparse.Namespace) -> None:
-    """Megatron-Bridge's FSDP rules (graph_fsdp.config), for every --model."""
+    """Megatron-Bridge's FSDP rules (integrations/bridge_config.py) that flags reach, for
+    every --model: the checkpoint format of --save/--load; then the optimizer offload."""
     try:
         validate_fsdp_config(
-            use_graph_fsdp=True,
-            use_torch_fsdp2=args.use_torch_fsdp2,
-            use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
-            ckpt_format=args.ckpt_format,
-            save=args.save,
-            load=args.load,
-            cpu_offload=args.cpu_offload,
-            recompute_granularity="full" if args.recompute_activations else None,
+            use_graph_fsdp=True, ckpt_format=args.ckpt_format, save=args.save, load=args.load
         )
     except FSDPConfigError as err:
         raise CLIError(str(err)) from err
-    if args.cpu_offload:
-        raise CLIError(
-            "--cpu-offload is Megatron-Bridge's activation CPU offloading (model.cpu_offloading: "
-            "each layer's activations go to host memory in forward and come back for "
-            "backward), which graph_fsdp does not implement: drop --cpu-offload. To keep the "
-            "optimizer state in CPU memory instead, use --optimizer-cpu-offload "
-            "[--optimizer-offload-fraction F] (graph_fsdp.optim_offload.CPUOffloadOptimizer)"
-        )
     validate_optimizer_offload(args)
 
 
@@ -179,8 +174,6 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
 
 def mcore_config(args: argparse.Namespace):
     """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure)."""
-    from graph_fsdp.integrations.megatron import MCoreGPTConfig  # noqa: PLC0415
-
     experts = args.num_experts
     if args.model == "mcore-moe" and experts is None:
         experts = 4
@@ -219,9 +212,6 @@ def check_graph_set(
 ) -> None:
     """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
     steps to capture, and what full_iteration excludes."""
-    from graph_fsdp.capture.scopes import check_static_buffers  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron import check_mcore_scopes  # noqa: PLC0415
-
     if impl == "none":
         return
     try:
@@ -244,7 +234,7 @@ def check_graph_set(
     if "full_iteration" in scopes and allocator_of(args) == "dynamic":
         raise CLIError(
             f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
-            "addresses: add --fsdp-double-buffer (or --fsdp-trace-pool)"
+            "addresses: add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
         )
     if args.use_megatron_schedule and "full_iteration" in scopes:
         raise CLIError(
@@ -287,8 +277,6 @@ def reject_unwired_flags(args: argparse.Namespace) -> None:
 
 def base_train_config(args: argparse.Namespace, model, plan, **fields):
     """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig  # noqa: PLC0415
-
     check_clip_grad(args)
 
     base = dict(
@@ -328,14 +316,8 @@ def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) ->
         raise CLIError(f'--model {args.model} needs megatron-core: pip install -e ".[megatron]"')
 
 
-def main(args: argparse.Namespace) -> int:
+def train_main(args: argparse.Namespace) -> int:
     """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
-    from graph_fsdp.cli.train_cmd import (  # noqa: PLC0415
-        check_data_path,
-        checkpoint_plan,
-        verify_option,
-    )
-
     validate_bridge_flags(args)
     plan = resolve_plan(args.device, args.nproc)
     model = mcore_config(args)
@@ -390,12 +372,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
-    from graph_fsdp.cli.train_cmd import (  # noqa: PLC0415
-        graphs_label,
-        input_lines,
-        verification_lines,
-    )
-
     peak = out.get("peak_memory_bytes")
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
@@ -413,12 +389,125 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
 
 
 def _worker(rank: int, world_size: int, cfg, model: str, save_iteration: int | None) -> dict | None:
-    from graph_fsdp.cli.train_cmd import write_checkpoint_meta  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron_train import run  # noqa: PLC0415
-
     result = run(rank, world_size, cfg)
     if rank != 0:
         return None
     if cfg.save_path and save_iteration is not None:
         write_checkpoint_meta(cfg.save_path, save_iteration, model)
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# graph-fsdp bench --model mcore-*
+# --------------------------------------------------------------------------------------------
+
+
+def _bench_impls(args: argparse.Namespace) -> list[str]:
+    """The graph backends of the graphed rows (--graph-impls, else --cuda-graph-impl)."""
+    if args.graph_impls and args.cuda_graph_impl not in ("none", args.graph_impls[0]):
+        raise CLIError(
+            f"--cuda-graph-impl {args.cuda_graph_impl} and --graph-impls "
+            f"{' '.join(args.graph_impls)} disagree: give one of them"
+        )
+    return list(dict.fromkeys(args.graph_impls or [args.cuda_graph_impl]))
+
+
+def _bench_rows(args: argparse.Namespace) -> list[str]:
+    if list(args.rows) == list(DEFAULT_ROWS):  # not given: every row this model has
+        return list(MCORE_ROWS)
+    other = [r for r in args.rows if r not in MCORE_ROWS]
+    if other:
+        raise CLIError(
+            f"--rows {' '.join(other)}: not available for --model {args.model} (they run "
+            f"graph_fsdp's own GPT); choose from {', '.join(MCORE_ROWS)}"
+        )
+    return list(args.rows)
+
+
+def build_bench_job(args: argparse.Namespace):
+    """``bench``: validate the flags; the job, the launch plan and the report's setup line."""
+    check_positive(args, "train_iters", "micro_batch_size")
+    if args.warmup_iters < 0:
+        raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
+    plan = resolve_plan(args.device, args.nproc)
+    model = mcore_config(args)
+    reject_unwired_flags(args)
+    scope_sets, flag = scope_sets_from(args)
+    impls, rows = _bench_impls(args), _bench_rows(args)
+    graphed = "graph_fsdp_graphed" in rows and any(i != "none" for i in impls)
+    if scope_sets and not graphed:
+        raise CLIError(
+            f"{flag} is given but no graphed row runs: add --graph-impls te (or torch), or drop it"
+        )
+    steps = args.warmup_iters + args.train_iters
+    for impl in impls if graphed else []:
+        for scopes in scope_sets or [[]]:
+            row_impl = "torch" if "full_iteration" in scopes else impl
+            check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
+    if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, so that the capture step is not timed"
+        )
+    for impl in impls if graphed and plan.device == "cuda" else ["none"]:
+        check_mcore_environment(args, model, impl, plan)
+    base = base_train_config(
+        args,
+        model,
+        plan,
+        steps=steps,
+        eval_interval=0,
+        fused_optimizer=args.fused_adamw,
+        cuda_graph_impl="none",
+        cuda_graph_scope=[],
+    )
+    job = MCoreBenchJob(
+        base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
+    )
+    moe = (
+        f"{model.num_experts} experts top-{model.moe_router_topk}"
+        + (
+            f", shared expert {model.moe_shared_expert_intermediate_size}"
+            if model.moe_shared_expert_intermediate_size
+            else ""
+        )
+        if model.num_experts
+        else "dense"
+    )
+    setup = (
+        f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
+        f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
+        f"{model.seq_length}, vocab {model.vocab_size}, {moe}. Per GPU: micro batch "
+        f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
+        f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
+        f"allocator {base.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
+        f"{'; ' if base.use_megatron_schedule else ''}"
+        f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "
+        f"{args.warmup_iters} warmup + {args.train_iters} timed steps per row, seed {model.seed}."
+    )
+    return job, plan, setup
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """``graph-fsdp bench`` for ``--model mcore-*``: validation, launch, report."""
+    job, plan, setup = build_bench_job(args)
+    out = launch(plan, bench_worker, job)
+    if out is None:
+        return 0
+    now = datetime.datetime.now()
+    report = {
+        **out,
+        "model": args.model,
+        "created": now.isoformat(timespec="seconds"),
+        "setup": setup,
+        "argv": getattr(args, "argv", None),
+        "code": code_version(),
+    }
+    tag = "cpu" if plan.device == "cpu" else gpu_tag(out["device_name"])
+    output_dir = args.output_dir or os.path.join(
+        "bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}_{args.model}"
+    )
+    paths = write_report(report, output_dir)
+    print(markdown(report))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 1 if any(r["status"] == "failed" for r in out["rows"]) else 0

@@ -1,4 +1,4 @@
-"""State lifecycle for RL loops that alternate training and rollout on the same GPUs.
+"""Offload and onload of sharded state, for RL loops that alternate training and rollout.
 
     model.offload_params(); model.offload_grads(); model.offload_optimizer(opt)  # rollout
     ...                                                   # the inference engine uses the GPU
@@ -34,9 +34,7 @@ import torch
 from torch import nn
 
 from graph_fsdp.param_group import FlatParamGroup
-from graph_fsdp.state import FSDPState, TrainingState, in_backward
-
-KINDS = ("params", "grads")
+from graph_fsdp.state import FSDPState, TrainingState, collect_states, in_backward, state_of
 
 
 def _pin() -> bool:
@@ -72,14 +70,12 @@ def _sync(device: torch.device) -> None:
 # ---------------------------------------------------------------------- checks
 def root_states(model: nn.Module, action: str) -> list[FSDPState]:
     """The FSDP states of ``model``, which must be a root, idle (between steps)."""
-    from graph_fsdp.fully_shard import FSDPModule, collect_states  # noqa: PLC0415 (cycle)
-
-    if not isinstance(model, FSDPModule):
+    state = state_of(model)
+    if state is None:
         raise TypeError(
             f"{action}: {type(model).__name__} is not fully_shard-ed; call it on the module "
             "you passed to fully_shard last (the root)"
         )
-    state = model._fsdp_state
     if state.root is None:
         state.lazy_init()
     if not state.is_root:
@@ -113,16 +109,11 @@ def _offloaded(states: list[FSDPState]) -> set[str]:
 def _suspend_graphs(states: list[FSDPState]) -> int:
     """Reset the live graph runners of this model (see [Note: CUDA graphs across offload]);
     returns the device bytes their pools gave back (0 on CPU or without runners)."""
-    try:
-        from graph_fsdp.capture.shutdown import live_runners  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - capture is part of the package
-        return 0
-    mine = {id(s) for s in states}
-    runners = [r for r in live_runners() if any(id(s) in mine for s in r.states or ())]
+    runners = {id(r): r for s in states for r in list(s.graph_runners)}
     if not runners:
         return 0
     before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-    for runner in runners:
+    for runner in runners.values():
         runner.suspend()
     if not torch.cuda.is_available():
         return 0
@@ -323,16 +314,6 @@ def onload_grads(model: nn.Module) -> dict[str, int]:
     return moved
 
 
-def refuse_offloaded(root, action: str = "forward") -> None:
-    """Called by the root's pre-forward (and others) while something is offloaded."""
-    kinds = sorted(root.offloaded)
-    calls = " and ".join(f"onload_{k}()" for k in kinds)
-    raise RuntimeError(
-        f"{action} with offloaded {', '.join(kinds)}: call model.{calls} before training or "
-        "evaluating again"
-    )
-
-
 # ---------------------------------------------------------------------- optimizer
 _OPT_ATTR = "_graph_fsdp_offloaded"
 
@@ -405,8 +386,6 @@ def iter_full_params(
     iterate to the end (the gathers are collectives). Names are relative to each chunk.
     Works while the parameters are offloaded (each unit visits the device for its gather).
     """
-    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415 (cycle)
-
     modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
     for module in modules:
         states = collect_states(module)

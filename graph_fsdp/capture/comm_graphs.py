@@ -21,7 +21,7 @@ after each step) is a new key, captured once more. A group whose addresses keep 
 stops being captured after ``MAX_CAPTURES`` (its calls run eagerly). Nothing is captured or
 replayed while another stream captures (a full-iteration capture records the eager path).
 The runner resets the graphs when it drops its own (recapture, offload, close): the graphs
-hold NCCL communicator references (shutdown.py [Note: graphs and process-group teardown]).
+hold NCCL communicator references (teardown.py [Note: graphs and process-group teardown]).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from graph_fsdp.buffers.allocator import stream_capturing
+from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, no_collection
+from graph_fsdp.cuda_streams import stream_capturing
 
 MAX_CAPTURES = 4
 """Captures per (group, kind) before a group's calls stay eager."""
@@ -75,9 +76,6 @@ class CommGraphs:
         return graph
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-        # graph_fsdp.capture imports this module
-        from graph_fsdp.capture.tracker import CAPTURE_ERROR_MODE, no_collection  # noqa: PLC0415
-
         graph = torch.cuda.CUDAGraph()
         if self.stream is None:
             self.stream = torch.cuda.Stream()

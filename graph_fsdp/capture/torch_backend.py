@@ -21,7 +21,7 @@ before the backward graph and ``post_backward`` (reduce-scatter, reshard) after 
 the graph, where FSDP's registration hooks would have put an identity Function on the inputs
 and a gradient hook on the outputs - two more autograd objects per layer and step. The unit's
 ``backward_by_replay`` is set while captured; its eager calls (eval, fallbacks, verification)
-register the handlers in the dispatcher (runner.py). TE's replay Function is TE's: there the
+register the handlers in the dispatcher (layerwise.py). TE's replay Function is TE's: there the
 hooks stay.
 
 [Note: capture and replay order] All forward graphs are captured first, in execution order,
@@ -44,9 +44,9 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import nvtx_range
+from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, ModuleTracker
 from graph_fsdp.capture.scopes import GraphConfigError, Target
-from graph_fsdp.capture.tracker import CAPTURE_ERROR_MODE, ModuleTracker
+from graph_fsdp.cuda_streams import nvtx_range
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 
@@ -214,10 +214,8 @@ def _frozen_value(x) -> bool:
 
 def _leaf_paths(spec) -> list[str]:
     """Readable paths of a ``(args, kwargs)`` spec's leaves: ``args[0]``, ``kwargs['mask']``."""
-    from torch.utils._pytree import tree_unflatten as unflatten  # noqa: PLC0415
-
     n = spec.num_leaves
-    marked = unflatten(list(range(n)), spec)
+    marked = tree_unflatten(list(range(n)), spec)
     out = [""] * n
 
     def walk(node, path):
@@ -315,7 +313,7 @@ class CapturedCallable:
         self.replays = 0
         self.fallbacks = 0
         self.tracker: ModuleTracker | None = None
-        """Set while capturing: names this callable if its capture fails (tracker.py)."""
+        """Set while capturing: names this callable if its capture fails (diagnosis.py)."""
 
     @property
     def captured(self) -> bool:
@@ -529,7 +527,7 @@ def backward_step(
 # their launches per layer and step). The previous graph's output stays allocated as long as
 # the graphs (it is its static output), and it is only rewritten by that graph's next
 # replay, after the backward that reads it. A call whose chained input arrives from
-# anywhere else runs eagerly (runner.py's dispatcher): copying it in would overwrite the
+# anywhere else runs eagerly (layerwise.py's dispatcher): copying it in would overwrite the
 # previous graph's output, which its backward graph may read.
 def _chain(prev: CapturedCallable, cap: CapturedCallable) -> tuple[tuple[int, int], ...]:
     pairs = []

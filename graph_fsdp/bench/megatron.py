@@ -1,4 +1,5 @@
-"""``graph-fsdp bench --model mcore-gpt|mcore-moe``: eager vs graphed Megatron-Core GPT per scope.
+"""The benchmark of Megatron-Core GPTs: eager vs graphed per scope (``graph-fsdp bench --model
+mcore-gpt|mcore-moe``; the flags are read by cli/mcore.py).
 
     graph-fsdp bench --model mcore-moe --moe-shared-expert-intermediate-size 512 \\
         --transformer-impl transformer_engine --bf16 --deterministic \\
@@ -22,8 +23,6 @@ results.json (stamped with the git commit) to ``--output-dir``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import sys
@@ -34,7 +33,17 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.bench.report import code_line, memory_notes
+from graph_fsdp.bench.verdicts import (
+    MEMORY_KEYS,
+    CudaCounters,
+    RowMemory,
+    create_workspaces,
+    graph_label,
+    graph_verdict,
+    memory_fields,
+)
+from graph_fsdp.integrations.megatron_train import run
 
 MCORE_ROWS = ("graph_fsdp", "graph_fsdp_graphed", "megatron_fsdp")
 """The bench rows a Megatron-Core model has (the others need graph_fsdp's own GPT)."""
@@ -79,8 +88,6 @@ def _row_config(job: MCoreBenchJob, kind: str, scopes: tuple[str, ...]):
 
 def _row_verdict(kind: str, raw: dict | None, timed_steps: int) -> tuple[dict, str | None]:
     """A graphed row's graph fields and why it fails (bench/verdicts.py)."""
-    from graph_fsdp.bench.verdicts import graph_verdict  # noqa: PLC0415
-
     if kind in ("none", "megatron_fsdp") or raw is None:
         return {}, None
     # Megatron-Core rows keep make_graphs' default: communication graphs on.
@@ -89,15 +96,6 @@ def _row_verdict(kind: str, raw: dict | None, timed_steps: int) -> tuple[dict, s
 
 def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     """Every row on this rank; rank 0 returns the rows' numbers."""
-    from graph_fsdp.bench.verdicts import (  # noqa: PLC0415
-        MEMORY_KEYS,
-        CudaCounters,
-        RowMemory,
-        create_workspaces,
-        memory_fields,
-    )
-    from graph_fsdp.integrations.megatron_train import run  # noqa: PLC0415
-
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     counters = CudaCounters(device) if cuda else None
@@ -201,9 +199,6 @@ def _ratio(value: float | None) -> str:
 
 
 def markdown(report: dict) -> str:
-    from graph_fsdp.bench.report import code_line, memory_notes  # noqa: PLC0415
-    from graph_fsdp.bench.verdicts import graph_label  # noqa: PLC0415
-
     lines = [
         f"# graph_fsdp bench, {report['model']}: {report['world_size']} x "
         f"{report['device_name']} ({report['backend']}), {report['created']}",
@@ -268,124 +263,3 @@ def write_report(report: dict, output_dir: str) -> dict[str, str]:
     with open(paths["json"], "w") as f:
         json.dump({**report, "rows": with_ratios(report["rows"])}, f, indent=2)
     return paths
-
-
-def _impls(args: argparse.Namespace) -> list[str]:
-    """The graph backends of the graphed rows (--graph-impls, else --cuda-graph-impl)."""
-    if args.graph_impls and args.cuda_graph_impl not in ("none", args.graph_impls[0]):
-        raise CLIError(
-            f"--cuda-graph-impl {args.cuda_graph_impl} and --graph-impls "
-            f"{' '.join(args.graph_impls)} disagree: give one of them"
-        )
-    return list(dict.fromkeys(args.graph_impls or [args.cuda_graph_impl]))
-
-
-def _rows(args: argparse.Namespace) -> list[str]:
-    from graph_fsdp.bench.runner import DEFAULT_ROWS  # noqa: PLC0415
-
-    if list(args.rows) == list(DEFAULT_ROWS):  # not given: every row this model has
-        return list(MCORE_ROWS)
-    other = [r for r in args.rows if r not in MCORE_ROWS]
-    if other:
-        raise CLIError(
-            f"--rows {' '.join(other)}: not available for --model {args.model} (they run "
-            f"graph_fsdp's own GPT); choose from {', '.join(MCORE_ROWS)}"
-        )
-    return list(args.rows)
-
-
-def build_job(args: argparse.Namespace):
-    """Validate the flags; the job, the launch plan and the report's setup line."""
-    from graph_fsdp.cli.launch import resolve_plan  # noqa: PLC0415
-    from graph_fsdp.cli.options import check_positive, scope_sets_from  # noqa: PLC0415
-    from graph_fsdp.integrations import megatron_cli as mc  # noqa: PLC0415
-
-    check_positive(args, "train_iters", "micro_batch_size")
-    if args.warmup_iters < 0:
-        raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
-    plan = resolve_plan(args.device, args.nproc)
-    model = mc.mcore_config(args)
-    mc.reject_unwired_flags(args)
-    scope_sets, flag = scope_sets_from(args)
-    impls, rows = _impls(args), _rows(args)
-    graphed = "graph_fsdp_graphed" in rows and any(i != "none" for i in impls)
-    if scope_sets and not graphed:
-        raise CLIError(
-            f"{flag} is given but no graphed row runs: add --graph-impls te (or torch), or drop it"
-        )
-    steps = args.warmup_iters + args.train_iters
-    for impl in impls if graphed else []:
-        for scopes in scope_sets or [[]]:
-            row_impl = "torch" if "full_iteration" in scopes else impl
-            mc.check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
-    if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
-        raise CLIError(
-            f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
-            f"{args.cuda_graph_warmup_steps}, so that the capture step is not timed"
-        )
-    for impl in impls if graphed and plan.device == "cuda" else ["none"]:
-        mc.check_mcore_environment(args, model, impl, plan)
-    base = mc.base_train_config(
-        args,
-        model,
-        plan,
-        steps=steps,
-        eval_interval=0,
-        fused_optimizer=args.fused_adamw,
-        cuda_graph_impl="none",
-        cuda_graph_scope=[],
-    )
-    job = MCoreBenchJob(
-        base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
-    )
-    moe = (
-        f"{model.num_experts} experts top-{model.moe_router_topk}"
-        + (
-            f", shared expert {model.moe_shared_expert_intermediate_size}"
-            if model.moe_shared_expert_intermediate_size
-            else ""
-        )
-        if model.num_experts
-        else "dense"
-    )
-    setup = (
-        f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
-        f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
-        f"{model.seq_length}, vocab {model.vocab_size}, {moe}. Per GPU: micro batch "
-        f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
-        f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
-        f"allocator {base.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
-        f"{'; ' if base.use_megatron_schedule else ''}"
-        f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "
-        f"{args.warmup_iters} warmup + {args.train_iters} timed steps per row, seed {model.seed}."
-    )
-    return job, plan, setup
-
-
-def main(args: argparse.Namespace) -> int:
-    """``graph-fsdp bench`` for ``--model mcore-*``: validation, launch, report."""
-    from graph_fsdp.bench.provenance import code_version  # noqa: PLC0415
-    from graph_fsdp.bench.report import gpu_tag  # noqa: PLC0415
-    from graph_fsdp.cli.launch import launch  # noqa: PLC0415
-
-    job, plan, setup = build_job(args)
-    out = launch(plan, bench_worker, job)
-    if out is None:
-        return 0
-    now = datetime.datetime.now()
-    report = {
-        **out,
-        "model": args.model,
-        "created": now.isoformat(timespec="seconds"),
-        "setup": setup,
-        "argv": getattr(args, "argv", None),
-        "code": code_version(),
-    }
-    tag = "cpu" if plan.device == "cpu" else gpu_tag(out["device_name"])
-    output_dir = args.output_dir or os.path.join(
-        "bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}_{args.model}"
-    )
-    paths = write_report(report, output_dir)
-    print(markdown(report))
-    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
-    return 1 if any(r["status"] == "failed" for r in out["rows"]) else 0
