@@ -310,7 +310,47 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     out["chain"] = _chain(root)
     out["errors"] = _errors()
     out["untouched"] = _untouched_losses()
+    out["init"] = _init_paths()
     return out
+
+
+def _sharded_gpt(meta: bool = False) -> nn.Module:
+    run = Run()
+    _, tp_mesh, dp_mesh = _meshes(run)
+    model = build_model(GPT, device="meta" if meta else None)
+    parallelize_gpt(model, tp_mesh)
+    for unit, reshard in sharding_units(model):
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard)
+    return fully_shard(model, mesh=dp_mesh)
+
+
+def _init_paths() -> dict:
+    """The global weights reached through meta-device init, ``iter_full_params`` and
+    ``load_state_dict`` of a plain model's (global) state dict."""
+    from graph_fsdp import iter_full_params  # noqa: PLC0415
+
+    plain = build_model(GPT).state_dict()
+    loaded = _sharded_gpt()
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.zero_()
+    loaded.load_state_dict(plain)
+    return {
+        "plain": plain,
+        "direct": full_state_dict(_sharded_gpt()),
+        "meta": full_state_dict(_sharded_gpt(meta=True)),
+        "iter": dict(iter_full_params(_sharded_gpt())),
+        "load_state_dict": full_state_dict(loaded),
+    }
+
+
+def test_meta_init_iter_full_params_and_global_state_dict_load(results):
+    for res in results:
+        init = res["init"]
+        for path in ("direct", "meta", "iter", "load_state_dict"):
+            assert sorted(init[path]) == sorted(init["plain"]), path
+            for name, value in init["plain"].items():
+                assert torch.equal(init[path][name], value), (path, name)
 
 
 @pytest.fixture(scope="module")
