@@ -16,7 +16,10 @@ What the integration maps (facts from megatron-core 0.19's source):
   parallel size 1 on the existing process group, so graph_fsdp's data-parallel group is the
   whole world. Expert parameters are sharded over the expert-data-parallel group, which with
   expert-model-parallel size 1 *is* the data-parallel group (checked at ``shard_gpt``);
-  EP > 1 is rejected (graph_fsdp shards a unit over one group).
+  EP > 1 is rejected (graph_fsdp shards a unit over one group). Tensor parallelism
+  (``init_parallel_state(tensor_model_parallel_size=N)``, dense GPTs, optionally
+  ``sequence_parallel``): each TP rank's pieces are sharded over Megatron's data-parallel
+  group (megatron_tp.py [Note: Megatron-Core tensor parallelism]).
 - Units: ``fully_shard`` per ``TransformerLayer`` (``gpt.decoder.layers``), then the root
   (:class:`MCoreLM`, which owns the embedding, final norm and output layer).
 - Gradients: autograd's ``.grad`` of each unsharded parameter - in eager steps collected
@@ -52,6 +55,7 @@ from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
 from graph_fsdp.cuda_streams import stream_capturing
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
+from graph_fsdp.integrations import megatron_tp
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -139,6 +143,14 @@ class MCoreGPTConfig:
     """Must stay False under graph_fsdp (see the module docstring)."""
     expert_model_parallel_size: int = 1
     """Only 1: experts are sharded over the data-parallel group."""
+    tensor_model_parallel_size: int = 1
+    """Megatron's TP size N (dense GPTs): each rank holds its TP piece of the parallel linears,
+    embedding and output layer; graph_fsdp shards those local pieces over the data-parallel
+    group (world / N ranks). init_parallel_state(tensor_model_parallel_size=N) first
+    (megatron_tp.py [Note: Megatron-Core tensor parallelism])."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (TP > 1): activations between the TP blocks split over
+    the sequence; the norms' gradients are summed over TP after the data-parallel reduction."""
     seed: int = 1234
     """Seed of the weights (torch and Megatron's model-parallel RNG tracker)."""
     attention_backend: str = "auto"
@@ -169,6 +181,7 @@ class MCoreGPTConfig:
                     f"and num_experts={self.num_experts}"
                 )
         self._check_moe()
+        megatron_tp.check_config(self)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"MCoreGPTConfig.attention_backend={self.attention_backend!r}; choose one of "
@@ -295,8 +308,11 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def init_parallel_state(*, expert_model_parallel_size: int = 1) -> None:
-    """Megatron's parallel_state with TP = PP = EP = 1 over the default process group."""
+def init_parallel_state(
+    *, expert_model_parallel_size: int = 1, tensor_model_parallel_size: int = 1
+) -> None:
+    """Megatron's parallel_state over the default process group: PP = EP = 1, TP =
+    ``tensor_model_parallel_size`` (megatron_tp.py [Note: Megatron-Core tensor parallelism])."""
     require_megatron()
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
@@ -304,6 +320,15 @@ def init_parallel_state(*, expert_model_parallel_size: int = 1) -> None:
         raise RuntimeError(
             "init_parallel_state needs torch.distributed: call dist.init_process_group first"
         )
+    if tensor_model_parallel_size != 1:
+        if expert_model_parallel_size != 1:
+            raise ValueError(
+                f"tensor_model_parallel_size={tensor_model_parallel_size} with "
+                f"expert_model_parallel_size={expert_model_parallel_size}: graph_fsdp runs "
+                "Megatron's TP for dense GPTs (EP = 1)"
+            )
+        megatron_tp.initialize(tensor_model_parallel_size)
+        return
     if expert_model_parallel_size != 1:
         raise ValueError(
             f"expert_model_parallel_size={expert_model_parallel_size}: graph_fsdp supports "
@@ -362,7 +387,8 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         # CPU init (torch's CPU RNG, no Megatron RNG tracker yet): identical weights on every
         # rank, and TE attention is built without the tracker (see build_gpt).
         use_cpu_initialization=True,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         attention_backend=AttnBackend[cfg.attention_backend],
@@ -492,16 +518,27 @@ def shard_gpt(
     """``fully_shard`` every TransformerLayer, then the root; install Megatron's schedule
     hooks (``config.no_sync_func`` / ``config.finalize_model_grads_func``)."""
     require_megatron()
-    _check_expert_group()
     config = lm.module.config
+    # TP > 1: over Megatron's data-parallel group (megatron_tp.py)
+    tp = megatron_tp.prepare(lm, config, next(lm.parameters()).device.type)
+    if tp is None:
+        _check_expert_group()
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError(
             "TransformerConfig.gradient_accumulation_fusion=True: TE would accumulate wgrads "
             "into param.main_grad, which graph_fsdp does not provide; set it to False"
         )
+    placement = dict(
+        mesh=None if tp is None else tp.mesh,
+        strategy=strategy,
+        mp_policy=mp_policy,
+        buffer_policy=buffer_policy,
+    )
     for layer in transformer_layers(lm):
-        fully_shard(layer, strategy=strategy, mp_policy=mp_policy, buffer_policy=buffer_policy)
-    fully_shard(lm, strategy=strategy, mp_policy=mp_policy, buffer_policy=buffer_policy)
+        fully_shard(layer, **placement)
+    fully_shard(lm, **placement)
+    if tp is not None:
+        tp.install([*transformer_layers(lm), lm])
     config.no_sync_func = lm.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return lm
@@ -521,8 +558,10 @@ def finalize_model_grads(
     """``config.finalize_model_grads_func`` for graph_fsdp models.
 
     Megatron's version calls ``finish_grad_sync`` on its DDP/FSDP wrapper and all-reduces
-    embedding and layernorm gradients across TP/PP ranks; with TP = PP = 1 only the first
-    part applies: wait for graph_fsdp's reduce-scatters and expose the sharded ``.grad``.
+    embedding and layernorm gradients across TP/PP ranks; with PP = 1 only the first part and
+    the TP all-reduce of sequence-parallel gradients apply. This waits for graph_fsdp's
+    reduce-scatters and exposes the sharded ``.grad``; the TP all-reduce already ran at the end
+    of the backward (a grad sync hook, megatron_tp.py).
     ``num_tokens`` (``calculate_per_token_loss``): graph_fsdp averages gradients over the
     data-parallel ranks, so they are scaled by ``world / total tokens``.
     """
