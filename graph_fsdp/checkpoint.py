@@ -1,8 +1,9 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), and full state dicts.
 
-Each parameter is saved as a 1-D tensor of its full numel; a rank writes the contiguous
-piece its flat shard holds (arbitrary, uneven ranges - expressed as DCP chunk metadata), so
-a checkpoint loads onto any world size or strategy: DCP reads the overlapping pieces.
+Each parameter (tensor-parallel ones aside, below) is saved as a 1-D tensor of its full
+numel; a rank writes the contiguous piece its flat shard holds (arbitrary, uneven ranges -
+expressed as DCP chunk metadata), so a checkpoint loads onto any world size or strategy: DCP
+reads the overlapping pieces.
 Optimizer state tensors shaped like a parameter's shard are saved the same way.
 
 The global offsets depend only on the range a rank owns, so 1-D and 2-D (HSDP) meshes share
