@@ -18,14 +18,12 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.supervision import Interrupted, WorkerIO, supervise
 from graph_fsdp.distributed import init_distributed
+from graph_fsdp.interrupt import install_stop_handlers, stop_requested, stop_signal
 from graph_fsdp.testing import spawn
 
 DEFAULT_CPU_NPROC = 2
-
-
-class RankFailure(RuntimeError):
-    """A spawned rank raised; the message carries the first failing rank's traceback."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,11 +101,21 @@ def resolve_plan(device: str, nproc: int | None) -> LaunchPlan:
     return LaunchPlan(device=resolved, backend=backend, world_size=world, under_launcher=False)
 
 
-def _rank_entry(rank: int, world_size: int, device: str, fn: Callable, *args: object) -> object:
+def _rank_entry(
+    rank: int, world_size: int, device: str, io: WorkerIO, fn: Callable, *args: object
+) -> object:
+    install_stop_handlers()  # interrupt.py; until now SIGINT is ignored (supervision.py)
+    io.redirect(rank)  # supervision.py [Note: quiet ranks]
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Local gloo ranks share the machine's cores; oversubscription makes steps erratic.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    result = fn(rank, world_size, *args)
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as err:
+        io.record_failure(rank, err)
+        raise
+    if rank == 0 and stop_requested():
+        io.keep_stopped_result(result)  # the launcher need not wait for the teardown
     _finish_together(world_size)
     return result
 
@@ -133,15 +141,18 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
 
     Returns None in the processes of other ranks under a launcher (they report nothing).
     ``fn`` must be a module-level function (it is pickled by reference when spawning).
+    Raises :class:`RankFailure` (one line; the tracebacks in a log it names) when a spawned
+    rank failed, :class:`Interrupted` when SIGINT/SIGTERM stopped the run (supervision.py).
     """
     if not plan.under_launcher:
-        try:
-            results = spawn(
-                _rank_entry, plan.world_size, plan.device, fn, *args, backend=plan.backend
+
+        def run(io: WorkerIO) -> list:
+            return spawn(
+                _rank_entry, plan.world_size, plan.device, io, fn, *args, backend=plan.backend
             )
-        except RuntimeError as err:
-            raise RankFailure(str(err)) from None
-        return results[0]
+
+        return supervise(plan.world_size, getattr(fn, "__name__", "run"), run)
+    install_stop_handlers()  # this process is one rank: interrupt.py
     initialised_here = not dist.is_initialized()
     if initialised_here:
         if plan.device == "cuda":
@@ -157,4 +168,6 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
         if initialised_here and dist.is_initialized():
             dist.destroy_process_group()
             gc.collect()  # see [Note: gloo teardown]
+    if stop_requested():
+        raise Interrupted(stop_signal(), result if plan.rank == 0 else None)
     return result if plan.rank == 0 else None

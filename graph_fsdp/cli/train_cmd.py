@@ -20,15 +20,18 @@ import threading
 from dataclasses import dataclass, replace
 from statistics import median
 
+from graph_fsdp import checkpoint
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import add_common_args, check_positive, resolve
+from graph_fsdp.cli.options import add_common_args, check_optimizer_args, check_positive, resolve
+from graph_fsdp.cli.paths import check_output_file, check_save_dir
+from graph_fsdp.cli.supervision import Interrupted, console
 from graph_fsdp.data import check_token_file, check_token_ids, training_samples
 from graph_fsdp.models import model_flops_per_token
 from graph_fsdp.train import TrainConfig, placement_label, run
 
-CHECKPOINT_META = "graph_fsdp_cli.json"
-"""Written next to a --save checkpoint: the iteration it holds, so --load resumes there."""
+CHECKPOINT_META = checkpoint.META_FILE
+"""In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
@@ -67,6 +70,15 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         default=None,
         help="Checkpoint at the last multiple of this interval <= --train-iters "
         "(the engine saves once per run). Default: at the end.",
+    )
+    g.add_argument(
+        "--save-on-interrupt",
+        "--exit-signal-handler",
+        dest="save_on_interrupt",
+        action="store_true",
+        help="When SIGINT/SIGTERM stops the run (at the next step boundary), save to --save "
+        "first (Megatron's --exit-signal-handler spelling works too). Without it a stopped run "
+        "keeps the last scheduled checkpoint.",
     )
     g.add_argument(
         "--load",
@@ -126,9 +138,12 @@ class StepLogFollower:
     def __init__(self, raw_path: str, out_path: str | None, total: int, stats: StepStats) -> None:
         from tqdm import tqdm
 
+        # A thread lock, not tqdm's default multiprocessing one: a rank the launcher kills
+        # after a stop signal must not leave a semaphore for the resource tracker to report.
+        tqdm.set_lock(threading.RLock())
         self.raw_path, self.stats = raw_path, stats
         self.out = open(out_path, "w") if out_path else None  # noqa: SIM115 - closed in stop()
-        self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(total=total, desc="train", unit="step", file=console(), dynamic_ncols=True)
         self.records: list[dict] = []
         self._pending = ""
         self._offset = 0
@@ -180,7 +195,6 @@ class TrainJob:
     cfg: TrainConfig
     stats: StepStats
     log_json: str | None
-    save_iteration: int | None
 
 
 def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
@@ -200,8 +214,6 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
             os.unlink(raw)
     if rank != 0:
         return None
-    if cfg.save_path and job.save_iteration is not None:
-        write_checkpoint_meta(cfg.save_path, job.save_iteration, "gpt")
     return {
         "losses": result["losses"],
         "times": result["times"],
@@ -209,6 +221,8 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "peak_memory_bytes": result.get("peak_memory_bytes"),
         "records": follower.records if follower else [],
         "cuda_graphs": result.get("cuda_graphs"),
+        "saved_at": result.get("saved_at"),
+        "stopped_at": result.get("stopped_at"),
     }
 
 
@@ -224,33 +238,76 @@ def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
         json.dump({"iteration": iteration, "model": model}, f)
 
 
-def _load_start(args: argparse.Namespace) -> int:
-    """The iteration a --load checkpoint holds; clear errors for a directory that is not one
-    of ours or was written for another --model."""
-    if not os.path.isdir(args.load):
+def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
+    """The iteration a --load checkpoint holds. Refused with the fix, before any rank starts:
+    a directory that is not one of ours, one written for another --model, metadata that is
+    missing or corrupt, truncated files and (``shapes``: parameter name -> shape of this run's
+    model) another model shape. Strategy and world size need no check: the format loads onto
+    any (checkpoint.py)."""
+    path = args.load
+    if checkpoint.recover_interrupted_save(path):
+        print(
+            f"note: --load {path}: a save was killed while replacing it; the previous "
+            f"checkpoint was put back from {path}.old",
+            file=sys.stderr,
+        )
+    if not os.path.isdir(path):
         raise CLIError(
-            f"--load {args.load}: no such checkpoint directory; pass the DIR a run with "
+            f"--load {path}: no such checkpoint directory; pass the DIR a run with "
             "--save DIR wrote, or drop --load to start from scratch"
         )
-    if not os.path.isfile(os.path.join(args.load, ".metadata")):
+    if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CLIError(
-            f"--load {args.load}: not a DCP checkpoint ({os.path.join(args.load, '.metadata')} "
+            f"--load {path}: not a DCP checkpoint ({os.path.join(path, '.metadata')} "
             "is missing; an interrupted save leaves only DIR.tmp); pass the DIR a completed "
             "--save run wrote"
         )
-    meta_path = os.path.join(args.load, CHECKPOINT_META)
-    if not os.path.isfile(meta_path):
-        return 0
-    with open(meta_path) as f:
-        meta = json.load(f)
-    saved_model = meta.get("model")
     model = getattr(args, "model", "gpt")
+    meta_path = os.path.join(path, CHECKPOINT_META)
+    meta = _read_meta(meta_path) if os.path.isfile(meta_path) else {}
+    iteration = meta.get("iteration")
+    if not isinstance(iteration, int) or iteration < 0:
+        why = "has no iteration" if os.path.isfile(meta_path) else "is missing"
+        raise CLIError(
+            f"--load {path}: {meta_path} {why}, so the iteration to resume at is unknown "
+            "(graph-fsdp train --save writes it; graph_fsdp.checkpoint.save only with meta=). "
+            f'If this is a checkpoint of this model, write {{"iteration": N, "model": '
+            f'"{model}"}} there; else pass a DIR a graph-fsdp train --save run wrote'
+        )
+    saved_model = meta.get("model")
     if saved_model is not None and saved_model != model:
         raise CLIError(
-            f"--load {args.load} holds a --model {saved_model} checkpoint, but this run trains "
+            f"--load {path} holds a --model {saved_model} checkpoint, but this run trains "
             f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
         )
-    return int(meta.get("iteration", 0))
+    try:
+        checkpoint.check_checkpoint(path, shapes)
+    except checkpoint.CheckpointError as err:
+        raise CLIError(f"--load: {err}") from None
+    return iteration
+
+
+def _read_meta(meta_path: str) -> dict:
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"--load: {meta_path} is unreadable ({err}); restore it") from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def model_shapes(model_cfg) -> dict | None:
+    """Parameter name -> shape of the model ``model_cfg`` builds (on the meta device: no
+    memory, no weights); None where it cannot be built there (TransformerEngine layers)."""
+    from graph_fsdp.models import build_model  # noqa: PLC0415
+
+    if getattr(model_cfg, "transformer_impl", "local") != "local":
+        return None
+    try:
+        model = build_model(model_cfg, device="meta")
+    except Exception:  # noqa: BLE001 - no shape check then; the ranks' load still checks
+        return None
+    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def check_data_path(
@@ -289,14 +346,19 @@ def check_data_path(
     return os.path.abspath(path)
 
 
-def checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    """(start_step, save_at relative to start, absolute save iteration or None)."""
+def checkpoint_plan(
+    args: argparse.Namespace, shapes: dict | None = None
+) -> tuple[int, int, int | None]:
+    """(start_step, save_at relative to start, absolute save iteration or None); --save and
+    --load checked (``shapes``: see :func:`_load_start`)."""
     check_positive(args, "save_interval")
     if args.save_interval is not None and not args.save:
         raise CLIError("--save-interval is given without --save; add --save DIR")
+    if args.save:
+        check_save_dir("--save", args.save)
     start = 0
     if args.load:
-        start = _load_start(args)
+        start = _load_start(args, shapes)
         if start >= args.train_iters:
             raise CLIError(
                 f"--load {args.load} holds iteration {start}, which already reaches --train-iters "
@@ -319,21 +381,42 @@ def checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
     return start, last - start, last
 
 
+def check_train_only_flags(args: argparse.Namespace) -> None:
+    """Flags of ``train`` itself, for every --model: optimizer, --save-on-interrupt,
+    --log-json."""
+    check_optimizer_args(args)
+    if args.save_on_interrupt and not args.save:
+        raise CLIError(
+            "--save-on-interrupt (--exit-signal-handler) saves to --save DIR when a signal "
+            "stops the run: add --save DIR"
+        )
+    if args.save_on_interrupt and args.model != "gpt":
+        raise CLIError(
+            f"--save-on-interrupt (--exit-signal-handler) is not wired for --model {args.model} "
+            "(its ranks stop when signalled, without saving): drop it"
+        )
+    if args.log_json:
+        check_output_file("--log-json", args.log_json)
+
+
 def main(args: argparse.Namespace) -> int:
     from graph_fsdp.integrations import megatron_cli  # noqa: PLC0415
 
+    check_train_only_flags(args)
     if args.model != "gpt":
         return megatron_cli.main(args)
     megatron_cli.reject_mcore_only_flags(args)
     megatron_cli.validate_bridge_flags(args)
     res = resolve(args)
-    start, save_at, save_iteration = checkpoint_plan(args)
+    shapes = model_shapes(res.cfg.model) if args.load else None
+    start, save_at, _ = checkpoint_plan(args, shapes)
     cfg = replace(
         res.cfg,
         steps=args.train_iters - start,
         start_step=start,
         save_path=args.save,
         save_at=save_at,
+        save_on_interrupt=args.save_on_interrupt,
         load_path=args.load,
         cuda_graph_verify=verify_option(args),
     )
@@ -357,8 +440,13 @@ def main(args: argparse.Namespace) -> int:
         flops_per_token=model_flops_per_token(cfg.model),
         world_size=res.plan.world_size,
     )
-    job = TrainJob(cfg=cfg, stats=stats, log_json=args.log_json, save_iteration=save_iteration)
-    out = launch(res.plan, train_worker, job)
+    job = TrainJob(cfg=cfg, stats=stats, log_json=args.log_json)
+    try:
+        out = launch(res.plan, train_worker, job)
+    except Interrupted as stop:  # main() prints how it ended and exits 128 + signal
+        if stop.result is not None and stop.result["losses"]:
+            print(format_summary(cfg, res.plan.describe(), stats, stop.result, args))
+        raise
     if out is None:
         return 0
     print(format_summary(cfg, res.plan.describe(), stats, out, args))
@@ -426,6 +514,16 @@ def format_summary(
         lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))
     if args.log_json:
         lines.append(f"  step log: {args.log_json} ({len(out['records'])} records)")
-    if args.save:
-        lines.append(f"  checkpoint: {args.save} (iteration {cfg.start_step + cfg.save_at})")
+    if out.get("stopped_at") is not None:
+        lines.append(
+            f"  stopped after iteration {out['stopped_at']} of {cfg.start_step + cfg.steps} "
+            "(a stop signal)"
+        )
+    if out.get("saved_at") is not None:
+        lines.append(f"  checkpoint: {args.save} (iteration {out['saved_at']})")
+    elif args.save:
+        lines.append(
+            f"  checkpoint: none written by this run (stopped before iteration "
+            f"{cfg.start_step + cfg.save_at}; --save-on-interrupt saves when stopped)"
+        )
     return "\n".join(lines)
