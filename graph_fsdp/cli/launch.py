@@ -114,8 +114,8 @@ def _rank_entry(
     except BaseException as err:
         io.record_failure(rank, err)
         raise
-    if rank == 0 and stop_requested():
-        io.keep_stopped_result(result)  # the launcher need not wait for the teardown
+    if rank == 0 and stop_requested():  # the launcher need not wait for the teardown
+        io.keep_stopped_result(result, stop_signal())
     _finish_together(world_size)
     return result
 
@@ -151,7 +151,8 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
                 _rank_entry, plan.world_size, plan.device, io, fn, *args, backend=plan.backend
             )
 
-        return supervise(plan.world_size, getattr(fn, "__name__", "run"), run)
+        name = getattr(fn, "__name__", "").removesuffix("_worker").strip("_") or "run"
+        return supervise(plan.world_size, name, run)
     install_stop_handlers()  # this process is one rank: interrupt.py
     initialised_here = not dist.is_initialized()
     if initialised_here:

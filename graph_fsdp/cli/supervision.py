@@ -151,6 +151,7 @@ class WorkerIO:
             "rank": rank,
             "type": type(err).__name__,
             "message": lines[0] if lines else "",
+            "more_lines": max(0, len(lines) - 1),
             "time": time.time(),
         }
         with open(self.log_path, "a") as f:
@@ -160,19 +161,22 @@ class WorkerIO:
         if not self.verbose:
             sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
 
-    def keep_stopped_result(self, result: object) -> None:
-        """Rank 0 of a stopped run: its result, for a launcher that cannot wait for the ranks'
-        teardown (process-group destruction and garbage collection can take seconds)."""
+    def keep_stopped_result(self, result: object, signum: int) -> None:
+        """Rank 0 of a run a signal stopped: its result, for a launcher that cannot wait for
+        the ranks' teardown (process-group destruction and garbage collection can take
+        seconds), and the signal (which may have reached the ranks only)."""
         tmp = self.result_path + ".part"
-        torch.save(result, tmp)
+        torch.save({"result": result, "signum": signum}, tmp)
         os.replace(tmp, self.result_path)
 
     # ------------------------------------------------------------------ in the launcher
-    def stopped_result(self) -> tuple[bool, object]:
-        """``(found, rank 0's result)`` kept by :meth:`keep_stopped_result`."""
+    def stopped_result(self) -> tuple[int | None, object]:
+        """``(signal, rank 0's result)`` kept by :meth:`keep_stopped_result`; ``(None, None)``
+        when no rank was stopped."""
         if not os.path.exists(self.result_path):
-            return False, None
-        return True, torch.load(self.result_path, weights_only=False)
+            return None, None
+        kept = torch.load(self.result_path, weights_only=False)
+        return kept["signum"], kept["result"]
 
     def failure_line(self, spawn_error: BaseException) -> str:
         """One line: the rank whose error came first, its exception and message, the log."""
@@ -186,18 +190,25 @@ class WorkerIO:
         first = min(records, key=lambda r: (_peer_gone(r["message"]), r["time"]), default=None)
         if died and (first is None or _peer_gone(first["message"])):
             rank, code = died[0]
-            how = f"signal {signal.Signals(-int(code)).name}" if int(code) < 0 else f"code {code}"
+            how = f"code {code}"
+            if int(code) < 0 and -int(code) in signal.valid_signals():
+                how = f"signal {signal.Signals(-int(code)).name}"
             what = f"rank {rank} died without an error (exit {how}: killed, or a crash)"
             if first is not None:
                 what += f"; then rank {first['rank']}: {first['type']}: {first['message']}"
         elif first is not None:
             what = f"rank {first['rank']} failed: {first['type']}: {first['message']}"
+            if first.get("more_lines"):
+                what += f" (+{first['more_lines']} lines in the log)"
             others = len({r["rank"] for r in records}) - 1
             if others:
                 what += f" ({others} more rank{'s' if others > 1 else ''} failed after it)"
         else:
             lines = [ln.strip() for ln in str(spawn_error).splitlines() if ln.strip()]
             what = " ".join(lines[:2]) if lines else type(spawn_error).__name__
+        for side in (self.failures_path, self.result_path):
+            if os.path.exists(side):
+                os.unlink(side)
         where = "tracebacks above" if self.verbose else f"tracebacks: {self.log_path}"
         return f"{what} [{where}]"
 
@@ -288,16 +299,19 @@ def supervise(world_size: int, name: str, run: Callable[[WorkerIO], list]) -> ob
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         for s, handler in old.items():
             signal.signal(s, handler)
+    stopped_by, kept = io.stopped_result()
     if signals.signum is not None:
         results = box.get("results")
-        found, kept = io.stopped_result()
         io.finish()
         if results is not None:
             raise Interrupted(signals.signum, results[0])
-        raise Interrupted(signals.signum, kept, forced=not found, signals=signals.count)
+        forced = stopped_by is None
+        raise Interrupted(signals.signum, kept, forced=forced, signals=signals.count)
     if "error" in box:
         raise RankFailure(io.failure_line(box["error"])) from None
     log = io.finish()
+    if stopped_by is not None:  # the ranks themselves were signalled (not the launcher)
+        raise Interrupted(stopped_by, box["results"][0])
     if log is not None:
         print(f"(the ranks' messages: {log})", file=sys.stderr)
     return box["results"][0]
