@@ -70,6 +70,13 @@ def install_stop_handlers() -> None:
         signal.signal(sig, _REQUEST.handle)
 
 
+def request_stop(signum: int) -> None:
+    """Record a stop request that arrived another way than a signal to this process (the
+    CLI's launcher: a signal sent before this process installed its handlers)."""
+    if not _REQUEST.count:
+        _REQUEST.count, _REQUEST.signum, _REQUEST._last = 1, signum, time.monotonic()
+
+
 def stop_requested() -> bool:
     """Whether this process was asked to stop (always False without the handlers)."""
     return _REQUEST.count > 0

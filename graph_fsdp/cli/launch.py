@@ -20,7 +20,12 @@ import torch.distributed as dist
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.supervision import Interrupted, WorkerIO, supervise
 from graph_fsdp.distributed import init_distributed
-from graph_fsdp.interrupt import install_stop_handlers, stop_requested, stop_signal
+from graph_fsdp.interrupt import (
+    install_stop_handlers,
+    request_stop,
+    stop_requested,
+    stop_signal,
+)
 from graph_fsdp.testing import spawn
 
 DEFAULT_CPU_NPROC = 2
@@ -105,6 +110,9 @@ def _rank_entry(
     rank: int, world_size: int, device: str, io: WorkerIO, fn: Callable, *args: object
 ) -> object:
     install_stop_handlers()  # interrupt.py; until now SIGINT is ignored (supervision.py)
+    early = io.signal_before_start()
+    if early is not None:
+        request_stop(early)
     io.redirect(rank)  # supervision.py [Note: quiet ranks]
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Local gloo ranks share the machine's cores; oversubscription makes steps erratic.

@@ -16,8 +16,13 @@ once); the launcher waits :data:`STOP_GRACE_S` for them (:data:`AT_ONCE_S` after
 signal), kills the rest, and the command exits with 128 + the signal number (130 for SIGINT).
 The ranks start with SIGINT ignored (a disposition exec keeps) until their own handlers are in
 place, so a Ctrl-C during their start prints no KeyboardInterrupt traceback: the launcher
-blocks SIGINT/SIGTERM, ignores SIGINT while the rank processes are created, then installs its
-handlers and unblocks (a signal that arrived meanwhile is delivered then, not lost).
+ignores SIGINT for the milliseconds in which the rank processes are created, then installs
+its handler (SIGTERM's is in place before: children get the default action for it, a quiet
+exit). A SIGINT in that window is held pending and delivered afterwards when the launcher has
+no other threads; with other threads (a BLAS pool) one of them may take and drop it - press
+Ctrl-C again. A signal the launcher forwards while a rank is still starting would be ignored
+there, so the launcher first writes it to a stop file, which each rank reads once its
+handlers are installed.
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ class WorkerIO:
     log_path: str
     failures_path: str
     result_path: str
+    stop_path: str
     verbose: bool
 
     @classmethod
@@ -122,10 +128,19 @@ class WorkerIO:
             log_path=log,
             failures_path=log + ".failures",
             result_path=log + ".result",
+            stop_path=log + ".stop",
             verbose=verbose(),
         )
 
     # ------------------------------------------------------------------ in the ranks
+    def signal_before_start(self) -> int | None:
+        """The stop signal the launcher got before this rank could handle it, or None."""
+        try:
+            with open(self.stop_path) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
     def redirect(self, rank: int) -> None:
         """This rank's fd 2 to the log; rank 0 keeps the terminal for ``sys.stderr``."""
         global _CONSOLE
@@ -206,21 +221,22 @@ class WorkerIO:
         else:
             lines = [ln.strip() for ln in str(spawn_error).splitlines() if ln.strip()]
             what = " ".join(lines[:2]) if lines else type(spawn_error).__name__
-        for side in (self.failures_path, self.result_path):
-            if os.path.exists(side):
-                os.unlink(side)
+        self._remove_side_files()
         where = "tracebacks above" if self.verbose else f"tracebacks: {self.log_path}"
         return f"{what} [{where}]"
 
     def finish(self) -> str | None:
         """After a successful launch: drop an empty log; the path of one with content."""
-        for side in (self.failures_path, self.result_path):
-            if os.path.exists(side):
-                os.unlink(side)
+        self._remove_side_files()
         if os.path.exists(self.log_path) and os.path.getsize(self.log_path) == 0:
             os.unlink(self.log_path)
             return None
         return self.log_path if os.path.exists(self.log_path) else None
+
+    def _remove_side_files(self) -> None:
+        for side in (self.failures_path, self.result_path, self.stop_path):
+            if os.path.exists(side):
+                os.unlink(side)
 
 
 _DIED = re.compile(r"rank (\d+) failed:\s*exited with code (-?\d+) without reporting")
@@ -235,14 +251,18 @@ def _peer_gone(message: str) -> bool:
 class _LauncherSignals:
     """[Note: stop signals in the launcher]: counts the signals and forwards them."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_path: str) -> None:
+        self.stop_path = stop_path
         self.signum: int | None = None
         self.count = 0
         self.deadline: float | None = None
 
     def handle(self, signum: int, frame) -> None:
         self.count += 1
-        self.signum = self.signum or signum
+        if self.signum is None:
+            self.signum = signum
+            with open(self.stop_path, "w") as f:  # for ranks not yet handling signals
+                f.write(str(signum))
         self.deadline = time.monotonic() + (STOP_GRACE_S if self.count == 1 else AT_ONCE_S)
         _signal_children(signum)
 
@@ -275,17 +295,17 @@ def supervise(world_size: int, name: str, run: Callable[[WorkerIO], list]) -> ob
         except BaseException as err:  # noqa: BLE001 - handed to the launcher's thread
             box["error"] = err
 
-    signals = _LauncherSignals()
+    signals = _LauncherSignals(io.stop_path)
     thread = threading.Thread(target=target, name="graph-fsdp-ranks", daemon=True)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
+        signal.signal(signal.SIGTERM, signals.handle)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the ranks: see the note
         thread.start()
         _wait_for_ranks(world_size, thread)
-        for s in STOP_SIGNALS:
-            signal.signal(s, signals.handle)
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # pending signals arrive now
+        signal.signal(signal.SIGINT, signals.handle)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # a pending SIGINT arrives now
         while thread.is_alive():
             thread.join(0.1)
             if signals.deadline is None:
@@ -324,4 +344,4 @@ def _wait_for_ranks(world_size: int, thread: threading.Thread, limit_s: float = 
     while thread.is_alive() and time.monotonic() < end:
         if len(multiprocessing.active_children()) >= world_size:
             return
-        time.sleep(0.01)
+        time.sleep(0.002)

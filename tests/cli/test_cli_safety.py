@@ -257,6 +257,32 @@ def test_sigint_stops_the_run_within_10_s(tmp_path, to: str) -> None:
     assert not os.path.exists(f"{ck}.tmp") and not os.path.exists(f"{ck}.old")
 
 
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid`` (Linux /proc)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_sigint_while_the_ranks_start(tmp_path) -> None:
+    """A Ctrl-C before the ranks handle signals (still importing): no KeyboardInterrupt
+    traceback from them, and the command still ends with 130 within 10 s."""
+    proc = _start("train", *TINY, "--train-iters", "100000")
+    end = time.monotonic() + 60
+    while len(_children(proc.pid)) < 3:  # both ranks and multiprocessing's resource tracker
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.01)
+    time.sleep(0.2)  # past the launcher's window (supervision.py), the ranks still importing
+    os.killpg(proc.pid, signal.SIGINT)
+    seconds, _, err = _finish(proc)
+    assert proc.returncode == 130, err
+    assert seconds < 10, f"{seconds:.1f} s to exit"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
 def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
     """A save that hangs (paused by the test hook) after the first SIGTERM: the second one
     ends the ranks at once; the half-written checkpoint directory is refused by nothing later
