@@ -47,14 +47,16 @@ class StopRequest:
         self._last = 0.0
 
     def handle(self, signum: int, frame) -> None:
-        now = time.monotonic()
-        if self.count and now - self._last < DUPLICATE_S:
+        if self.count and time.monotonic() - self._last < DUPLICATE_S:
             return  # the same request, delivered twice
-        self.count += 1
-        self._last = now
-        self.signum = self.signum or signum
+        self.record(signum)
         if self.count >= 2:
             os._exit(128 + signum)  # at once: the user asked twice
+
+    def record(self, signum: int) -> None:
+        self.count += 1
+        self._last = time.monotonic()
+        self.signum = self.signum or signum
 
 
 _REQUEST = StopRequest()
@@ -74,7 +76,7 @@ def request_stop(signum: int) -> None:
     """Record a stop request that arrived another way than a signal to this process (the
     CLI's launcher: a signal sent before this process installed its handlers)."""
     if not _REQUEST.count:
-        _REQUEST.count, _REQUEST.signum, _REQUEST._last = 1, signum, time.monotonic()
+        _REQUEST.record(signum)
 
 
 def stop_requested() -> bool:
