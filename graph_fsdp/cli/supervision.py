@@ -48,8 +48,10 @@ from graph_fsdp.interrupt import STOP_SIGNALS
 VERBOSE_ENV = "GRAPH_FSDP_VERBOSE"
 """``1``: the ranks' output and tracebacks go to the terminal (``--verbose`` sets it)."""
 
-STOP_GRACE_S = float(os.environ.get("GRAPH_FSDP_STOP_GRACE_S", "8"))
-"""Seconds the ranks get to reach a step boundary (and save) after a stop signal."""
+STOP_GRACE_S = float(os.environ.get("GRAPH_FSDP_STOP_GRACE_S", "7"))
+"""Seconds the ranks get to reach a step boundary (and save) after a stop signal; then they
+are killed, so that the command ends within 10 s (environment: GRAPH_FSDP_STOP_GRACE_S, e.g.
+longer for checkpoints that take longer to write)."""
 
 AT_ONCE_S = 2.0
 """Seconds the ranks get to exit after a second stop signal, or to tear down after rank 0
