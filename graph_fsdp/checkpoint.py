@@ -8,6 +8,12 @@ Optimizer state tensors shaped like a parameter's shard are saved the same way.
 The global offsets depend only on the range a rank owns, so 1-D and 2-D (HSDP) meshes share
 the format: a checkpoint loads across 1-D <-> 2-D meshes too. Replicas of one shard write
 identical pieces (same index), which DCP's planner deduplicates to one writer.
+
+Expert parameters (experts.py [Note: expert groups]) are saved as pieces of the *global*
+parameter, every EP rank's experts, under its global name (``ExpertLayout.global_entry``):
+EP rank r's stacked experts are rows ``[r * n, (r + 1) * n)`` of one tensor, Megatron-style
+per-expert parameters are renamed to their global expert index. So a checkpoint written at
+one expert-parallel size loads at another, and on another world size.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import os
 import re
 import shutil
 import time
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,8 +38,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from graph_fsdp.fully_shard import collect_states
+from graph_fsdp.experts import unknown_layout
 from graph_fsdp.param_group import ParamRef
+from graph_fsdp.state import collect_states
 
 
 class FlatPiece:
@@ -105,22 +111,58 @@ def _refs(model: nn.Module) -> list[ParamRef]:
     return [ref for s in states for g in s.groups for ref in g.params]
 
 
+class Entry:
+    """A parameter as the checkpoint sees it: its name, this rank's piece (``ref.sharded``)
+    at ``offset`` of the flattened global parameter of ``numel`` elements and ``shape``."""
+
+    __slots__ = ("key", "keys", "numel", "offset", "ref", "shape")
+
+    def __init__(self, ref: ParamRef) -> None:
+        self.ref = ref
+        experts = ref.sharded._graph_fsdp_group.expert
+        if experts is None:
+            self.key, self.offset, self.shape = ref.fqn, ref.global_offset, ref.shape
+            self.keys = (self.key,)
+        else:
+            if ref.expert is None:
+                raise CheckpointError(unknown_layout(ref.fqn))
+            self.key, base, self.shape = ref.expert.global_entry(
+                ref.fqn, ref.shape, experts.ep_rank, experts.ep_size
+            )
+            self.offset = base + ref.global_offset
+            # Per-expert parameters: the other EP ranks' copies are other global names.
+            self.keys = tuple(
+                dict.fromkeys(
+                    ref.expert.global_entry(ref.fqn, ref.shape, r, experts.ep_size)[0]
+                    for r in range(experts.ep_size)
+                )
+            )
+        self.numel = self.shape.numel()
+
+    def piece(self, local: torch.Tensor) -> FlatPiece:
+        return FlatPiece(local, self.offset, self.numel)
+
+
+def entries(model: nn.Module) -> list[Entry]:
+    """Every parameter of ``model`` with its checkpoint name and global placement."""
+    return [Entry(ref) for ref in _refs(model)]
+
+
 def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    refs = _refs(model)
+    ents = entries(model)
     sd: dict = {}
-    for ref in refs:
-        numel = ref.shape.numel()
-        sd[f"model.{ref.fqn}"] = FlatPiece(ref.sharded.detach(), ref.global_offset, numel)
+    for e in ents:
+        sd[f"model.{e.key}"] = e.piece(e.ref.sharded.detach())
     if optimizer is not None:
-        by_param = {id(ref.sharded): ref for ref in refs}
+        by_param = {id(e.ref.sharded): e for e in ents}
         for p, st in optimizer.state.items():
-            ref = by_param.get(id(p))
-            if ref is None:
+            e = by_param.get(id(p))
+            if e is None:
                 continue
             for name, value in st.items():
-                key = f"optim.{ref.fqn}.{name}"
+                key = f"optim.{e.key}.{name}"
                 if torch.is_tensor(value) and value.shape == p.shape and value.dim() == 1:
-                    sd[key] = FlatPiece(value, ref.global_offset, ref.shape.numel())
+                    sd[key] = e.piece(value)
                 elif torch.is_tensor(value):
                     sd[key] = value
         sd["optim.param_groups"] = [
@@ -140,13 +182,14 @@ def save(
 
     ``meta`` (JSON-serialisable, e.g. the iteration) is written into the checkpoint as
     :data:`META_FILE`, which also marks the directory as one graph_fsdp wrote.
-    [Note: atomic checkpoint replacement] The checkpoint is written to ``<path>.tmp``; once every
-    rank finished, the previous checkpoint is moved to ``<path>.old``, ``<path>.tmp`` becomes
-    ``path`` and ``<path>.old`` is deleted. A kill at any moment leaves a loadable checkpoint:
-    before the swap ``path`` is untouched; between the two renames the previous checkpoint is
-    ``<path>.old``, which :func:`load` reads and :func:`recover_interrupted_save` (called
-    by the next save and by the CLI) puts back. ``path``, ``<path>.tmp`` and ``<path>.old`` must be
-    absent, empty or checkpoint directories: anything else is refused
+
+    [Note: atomic checkpoint replacement] The checkpoint is written to ``<path>.tmp``; once
+    every rank finished, the previous checkpoint is moved to ``<path>.old``, ``<path>.tmp``
+    becomes ``path`` and ``<path>.old`` is deleted. A kill at any moment leaves a loadable
+    checkpoint: before the swap ``path`` is untouched; between the two renames the previous
+    checkpoint is ``<path>.old``, which :func:`load` reads and :func:`recover_interrupted_save`
+    (called by the next save and by the CLI) puts back. ``path``, ``<path>.tmp`` and
+    ``<path>.old`` must be absent, empty or checkpoint directories: anything else is refused
     (:func:`check_save_target`), never deleted. The ranks must share the file system, as DCP
     requires.
     """
@@ -193,9 +236,10 @@ _CHECKPOINT_FILE = re.compile(r"(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?)")
 
 PAUSE_ENV = "GRAPH_FSDP_TEST_PAUSE_SAVE"
 """Test-only hook: ``<point>:<marker file>`` makes rank 0 of :func:`save` write its process
-id into the marker file and sleep at ``point`` - ``write`` (the new checkpoint's directory exists, no data in it
-yet) or ``swap`` (the previous checkpoint was moved to ``<path>.old``, the new one is not in
-place yet) - so that a test can kill a rank there. Never set it outside tests."""
+id into the marker file and sleep at ``point`` - ``write`` (the new checkpoint's directory
+exists, no data in it yet) or ``swap`` (the previous checkpoint was moved to ``<path>.old``,
+the new one is not in place yet) - so that a test can kill a rank there. Never set it
+outside tests."""
 
 
 def _pause_for_test(point: str) -> None:
@@ -285,48 +329,54 @@ def _read_metadata(path: str):
         )
     try:
         return dcp.FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+    except Exception as exc:  # any unpickling failure means a bad file
         raise CheckpointError(
             f"checkpoint metadata {meta_file} is truncated or corrupt ({type(exc).__name__}: "
             f"{exc}); restore it from a copy or load an older checkpoint"
         ) from exc
 
 
-class _ParamShape(NamedTuple):
-    fqn: str
-    shape: torch.Size
+class _Shape:
+    """The fields of an :class:`Entry` that :func:`validate_checkpoint` reads, for a parameter
+    of a model that is not built (a launch-time check)."""
+
+    def __init__(self, key: str, shape) -> None:
+        self.key, self.keys, self.shape = key, (key,), torch.Size(shape)
+        self.numel = self.shape.numel()
 
 
 def check_checkpoint(path: str, shapes: dict[str, torch.Size] | None = None) -> None:
     """:func:`validate_checkpoint` without a model or a process group (e.g. before a launch):
-    metadata readable, files whole and, with ``shapes`` (parameter FQN -> shape), the same
-    parameters and sizes."""
-    refs = None
-    if shapes is not None:
-        refs = [_ParamShape(fqn, torch.Size(shape)) for fqn, shape in shapes.items()]
-    validate_checkpoint(path, refs, _read_metadata(path))
+    metadata readable, files whole and, with ``shapes`` (global parameter name -> shape), the
+    same parameters and sizes."""
+    ents = None if shapes is None else [_Shape(k, s) for k, s in shapes.items()]
+    validate_checkpoint(path, ents, _read_metadata(path))
 
 
-def validate_checkpoint(path: str, refs: list[ParamRef] | None, metadata) -> None:
+def validate_checkpoint(path: str, ents: list[Entry] | None, metadata) -> None:
     """Refuse a checkpoint of another model shape, or one whose files are truncated, naming
-    the parameter and the file, before anything is loaded (``refs`` None: the files only)."""
+    the parameter and the file, before anything is loaded (``ents`` None: the files only).
+    Names and sizes are global ones (all experts), so every rank of the model reads the same
+    verdict."""
     meta = metadata.state_dict_metadata
-    wanted = {f"model.{ref.fqn}": ref for ref in refs or []}
-    missing = [k[len("model.") :] for k in wanted if k not in meta]
+    wanted = {f"model.{key}": e for e in ents or [] for key in e.keys}
+    missing = sorted({k[len("model.") :] for k in wanted if k not in meta})
     extra = [k[len("model.") :] for k in meta if k.startswith("model.") and k not in wanted]
-    if refs is not None and (missing or extra):
+    if ents is not None and (missing or extra):
         raise CheckpointError(
             f"checkpoint {path!r} is from another model: parameters missing from it "
             f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, parameters only in it "
             f"{extra[:4]}{' ...' if len(extra) > 4 else ''}"
         )
-    for key, ref in wanted.items():
+    for key, e in wanted.items():
         size = tuple(meta[key].size)
-        if size != (ref.shape.numel(),):
+        if size != (e.numel,):
             raise CheckpointError(
-                f"parameter {ref.fqn}: checkpoint {path!r} holds {size[0] if size else size} "
-                f"elements, the model's {tuple(ref.shape)} has {ref.shape.numel()}: the "
-                "checkpoint is from another model shape"
+                f"parameter {key[len('model.') :]}: checkpoint {path!r} holds "
+                f"{size[0] if size else size} "
+                f"elements, the model's {tuple(e.shape)} has {e.numel}: the checkpoint is from "
+                "another model shape (for expert parameters: the same total number of experts "
+                "is needed, whatever the expert-parallel size)"
             )
     sizes: dict[str, int] = {}
     for index, info in (metadata.storage_data or {}).items():
@@ -350,22 +400,22 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     ``weight_decay``, ...) are restored from the checkpoint, replacing the values the
     optimizer was constructed with; set them after loading to change them.
     """
-    refs = _refs(model)
+    ents = entries(model)
     if not os.path.lexists(path) and os.path.isfile(os.path.join(f"{path}.old", ".metadata")):
         path = f"{path}.old"  # a save was killed mid-swap: [Note: atomic checkpoint replacement]
     metadata = _read_metadata(path)
-    validate_checkpoint(path, refs, metadata)
+    validate_checkpoint(path, ents, metadata)
     meta = metadata.state_dict_metadata
     sd: dict = {}
     staged: list[tuple[ParamRef, torch.Tensor]] = []
-    for ref in refs:
+    for e in ents:
         # Loaded into copies first: a load that fails half-way leaves the model unchanged.
-        buf = torch.empty_like(ref.sharded.detach())
-        staged.append((ref, buf))
-        sd[f"model.{ref.fqn}"] = FlatPiece(buf, ref.global_offset, ref.shape.numel())
+        buf = torch.empty_like(e.ref.sharded.detach())
+        staged.append((e.ref, buf))
+        sd[f"model.{e.key}"] = e.piece(buf)
     optim_values: dict = {}
+    by_key = {e.key: e for e in ents}
     if optimizer is not None:
-        by_fqn = {ref.fqn: ref for ref in refs}
         for key, md in meta.items():
             if (
                 not key.startswith("optim.")
@@ -373,17 +423,17 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
                 or key.startswith("optim.param_groups")
             ):
                 continue
-            fqn, name = key[len("optim.") :].rsplit(".", 1)
-            ref = by_fqn.get(fqn)
-            if ref is None:
+            pkey, name = key[len("optim.") :].rsplit(".", 1)
+            e = by_key.get(pkey)
+            if e is None:
                 continue
-            if tuple(md.size) == (ref.shape.numel(),):
-                t = torch.zeros_like(ref.sharded, dtype=md.properties.dtype)
-                sd[key] = FlatPiece(t, ref.global_offset, ref.shape.numel())
+            if tuple(md.size) == (e.numel,):
+                t = torch.zeros_like(e.ref.sharded, dtype=md.properties.dtype)
+                sd[key] = e.piece(t)
             else:
                 t = torch.zeros(md.size, dtype=md.properties.dtype, device="cpu")
                 sd[key] = t
-            optim_values[(fqn, name)] = t
+            optim_values[(pkey, name)] = t
         sd["optim.param_groups"] = [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ]
@@ -405,13 +455,12 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         for g in state.groups:
             g.dirty = True
     if optimizer is not None:
-        by_fqn = {ref.fqn: ref for ref in refs}
         index = {
             id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
         }
         state: dict = {}
-        for fqn, name in optim_values:
-            ref, value = by_fqn[fqn], sd[f"optim.{fqn}.{name}"]
+        for pkey, name in optim_values:
+            ref, value = by_key[pkey].ref, sd[f"optim.{pkey}.{name}"]
             value = value.local if isinstance(value, FlatPiece) else value
             if ref.sharded.numel() == 0 or id(ref.sharded) not in index:
                 continue
@@ -424,7 +473,8 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter at full shape (main dtype), gathered on every rank (for export/tests)."""
+    """Every parameter at full shape (main dtype), gathered on every rank (for export/tests);
+    expert parameters as their global tensors, under their global names (all experts)."""
     out: dict[str, torch.Tensor] = {}
     for state in collect_states(model):
         if state.root is None:
@@ -439,6 +489,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 gathered = torch.empty(g.layout.total, dtype=full.dtype, device=g.device)
                 dist.all_gather_into_tensor(gathered, full, group=g.comm.group)
                 full = gathered
-            for ref, offset in zip(g.params, g.layout.offsets):
-                out[ref.fqn] = full[offset : offset + ref.shape.numel()].view(ref.shape).clone()
+            for name, value in g.full_params(full):  # dense: views of ``full``
+                out[name] = value if g.expert is not None else value.clone()
     return out

@@ -6,13 +6,14 @@ same engine code is tested for real with several processes in CI.
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
-from graph_fsdp.buffers.allocator import CUDA_GET_CURRENT_STREAM, current_stream, nvtx_range
+from graph_fsdp.cuda_streams import CUDA_GET_CURRENT_STREAM, current_stream, nvtx_range
 
 
 class CommContext:
@@ -30,7 +31,9 @@ class CommContext:
     wrote); the main stream waits on the collective's event before using its result.
 
     ``group`` is the shard group (the whole data-parallel group with a 1-D mesh);
-    ``replicate_group`` the replicas of this rank's shard (HSDP), or None.
+    ``replicate_group`` the replicas of this rank's shard (HSDP), or None. A unit's expert
+    parameters use a context over the expert-data-parallel group that shares these streams
+    (:meth:`over`, experts.py [Note: expert groups]).
     """
 
     def __init__(
@@ -58,11 +61,32 @@ class CommContext:
             else None
         )
         self._wait_event: torch.cuda.Event | None = None
+        self._grad_divisor: int | None = None
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks a gradient is averaged over (shard x replicate)."""
+        """Data-parallel ranks of this context's groups (shard x replicate)."""
         return self.world_size * self.replicate_size
+
+    @property
+    def grad_divisor(self) -> int:
+        """What the summed gradients are divided by: the data-parallel size - for expert
+        parameters the dense one, not the expert-data-parallel size ([Note: expert groups])."""
+        return self._grad_divisor or self.dp_size
+
+    def over(self, group: dist.ProcessGroup, *, grad_divisor: int) -> CommContext:
+        """A context whose collectives run over ``group`` (1-D, no replicas) on this
+        context's streams, dividing summed gradients by ``grad_divisor``
+        (experts.py [Note: expert groups])."""
+        other = copy.copy(self)  # the same stream objects
+        other.group = group
+        other.world_size = dist.get_world_size(group)
+        other.rank = dist.get_rank(group)
+        other.replicate_group, other.replicate_size, other.replicate_rank = None, 1, 0
+        other.rep_stream = None
+        other._wait_event = None
+        other._grad_divisor = grad_divisor
+        return other
 
     def same_mesh(self, other: CommContext) -> bool:
         return self.group is other.group and self.replicate_group is other.replicate_group

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from graph_fsdp.models import synthetic_batch
-
-if TYPE_CHECKING:
-    from graph_fsdp.train import TrainConfig
 
 TOKEN_DTYPE = np.uint16
 TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
@@ -192,8 +189,19 @@ def _token_dataset(
     return TokenFileDataset(path, seq_length, world_size=world_size, vocab_size=vocab_size)
 
 
+class BatchConfig(Protocol):
+    """What :func:`batch_for` reads of a training config (``train.TrainConfig``, the
+    Megatron-Core loop's ``MCoreTrainConfig``)."""
+
+    model: object
+    """The model's config: ``seq_length``, ``vocab_size`` (and what ``synthetic_batch``
+    reads of it)."""
+    micro_batch_size: int
+    data_path: str | os.PathLike | None
+
+
 def batch_for(
-    cfg: TrainConfig,
+    cfg: BatchConfig,
     step_index: int,
     rank: int,
     device: torch.device | str | None,

@@ -15,6 +15,11 @@ HSDP (shard within a node, replicate across nodes)::
     mesh = init_device_mesh("cuda", (nodes, gpus_per_node), mesh_dim_names=("replicate", "shard"))
     fully_shard(layer, mesh=mesh)                            # optimizer sharded per node
     fully_shard(layer, mesh=mesh, optim_over_replicas=True)  # ... and across nodes (HFSDP)
+
+Expert parallelism (experts.py): a layer's expert parameters sharded over the expert-data-
+parallel group, its other parameters over the data-parallel group::
+
+    fully_shard(layer, expert_mesh=init_expert_mesh("cuda", ep_size))
 """
 
 from __future__ import annotations
@@ -27,11 +32,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from graph_fsdp import offload
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
 from graph_fsdp.comm import CommContext
+from graph_fsdp.experts import (
+    EXPERT_ATTR,
+    ExpertGroups,
+    ExpertLayout,
+    is_expert,
+    layout_of,
+    resolve_expert_mesh,
+)
 from graph_fsdp.grad_norm import clip_grad_norm_, install_torch_clip
 from graph_fsdp.param_group import FlatParamGroup
-from graph_fsdp.state import FSDPState
+from graph_fsdp.state import FSDPState, collect_states, refuse_offloaded
 
 _CLASS_CACHE: dict[type, type] = {}
 _STEP_HOOK = None
@@ -142,54 +156,35 @@ class FSDPModule:
         return report
 
     # ------------------------------------------------------------------ lifecycle (RL)
-    # See graph_fsdp/lifecycle.py: each returns the bytes it freed (or allocated) by kind.
+    # See graph_fsdp/offload.py: each returns the bytes it freed (or allocated) by kind.
     def offload_params(self) -> dict[str, int]:
         """Main weights to pinned CPU memory; frees compute buffers, slots and graph pools."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415 (cycle)
-
-        return lifecycle.offload_params(self)
+        return offload.offload_params(self)
 
     def onload_params(self) -> dict[str, int]:
         """Main weights back on the device (graphs are recaptured at the next step)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.onload_params(self)
+        return offload.onload_params(self)
 
     def offload_grads(self) -> dict[str, int]:
         """Sharded main gradients (values kept) to pinned CPU memory."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.offload_grads(self)
+        return offload.offload_grads(self)
 
     def onload_grads(self) -> dict[str, int]:
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.onload_grads(self)
+        return offload.onload_grads(self)
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """The optimizer's device state tensors to pinned CPU memory (step refused)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        lifecycle.root_states(self, "offload_optimizer")
-        return lifecycle.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
+        offload.root_states(self, "offload_optimizer")
+        return offload.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
 
     def onload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.onload_optimizer(optimizer)
+        return offload.onload_optimizer(optimizer)
 
     def iter_full_params(
         self, *, dtype: torch.dtype | None = None, device=None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(fqn, full tensor)`` per parameter, one unit gathered at a time (weight sync)."""
-        from graph_fsdp import lifecycle  # noqa: PLC0415
-
-        return lifecycle.iter_full_params(self, dtype=dtype, device=device)
-
-
-def collect_states(module: nn.Module) -> list[FSDPState]:
-    """FSDP states at or below ``module`` in pre-order (construction == forward order)."""
-    return [m._fsdp_state for m in module.modules() if isinstance(m, FSDPModule)]
+        return offload.iter_full_params(self, dtype=dtype, device=device)
 
 
 def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
@@ -199,8 +194,6 @@ def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
             if state.root is None:
                 state.lazy_init()
             if "params" in state.root.offloaded:
-                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
-
                 refuse_offloaded(state.root, "synchronize_param_gather")
             for group in state.groups:
                 if group.stale():
@@ -259,19 +252,28 @@ def _full_tensor_loader(module: nn.Module, groups: list[FlatParamGroup]):
     pretrained or unsharded checkpoint, present on every rank - loads as this rank's piece
     of it (no collective); a value of the shard's shape loads as is (``model.state_dict()``
     of the same sharding). The main weights change in place, so the next gather refreshes
-    the compute weights."""
+    the compute weights. An expert parameter's full shape is its EP rank's (its local
+    experts); a stacked one (experts.py ``ExpertLayout``) also takes the global tensor of every
+    EP rank's experts and loads its rank's rows."""
     paths = {id(m): name for name, m in module.named_modules()}
-    entries = [
-        (f"{paths[id(owner)]}.{name}" if paths[id(owner)] else name, ref, group)
-        for group in groups
-        for ref in group.params
-        for owner, name in ref.owners
-    ]
+    entries = []
+    for group in groups:
+        for ref in group.params:
+            for owner, name in ref.owners:
+                key = f"{paths[id(owner)]}.{name}" if paths[id(owner)] else name
+                base, shapes = 0, (ref.shape,)
+                if group.expert is not None and ref.expert is not None:
+                    if ref.expert.template is None and group.expert.ep_size > 1:
+                        _, base, global_shape = ref.expert.global_entry(
+                            key, ref.shape, group.expert.ep_rank, group.expert.ep_size
+                        )
+                        shapes = (ref.shape, global_shape)
+                entries.append((key, ref, group, base, shapes))
 
     def hook(mod, state_dict, prefix, *args) -> None:
-        for key, ref, group in entries:
+        for key, ref, group, base, shapes in entries:
             value = state_dict.get(prefix + key)
-            if not isinstance(value, torch.Tensor) or value.shape != ref.shape:
+            if not isinstance(value, torch.Tensor) or value.shape not in shapes:
                 continue
             if group._unsharded_on_modules:
                 raise RuntimeError(
@@ -280,8 +282,8 @@ def _full_tensor_loader(module: nn.Module, groups: list[FlatParamGroup]):
                 )
             if value.shape == ref.sharded.shape:
                 continue  # this rank holds the whole parameter
-            n = ref.sharded.numel()
-            state_dict[prefix + key] = value.reshape(-1)[ref.global_offset : ref.global_offset + n]
+            start = ref.global_offset + (base if value.shape != ref.shape else 0)
+            state_dict[prefix + key] = value.reshape(-1)[start : start + ref.sharded.numel()]
 
     return hook
 
@@ -356,8 +358,81 @@ def _mesh_groups(
     return mesh.get_group(1), mesh.get_group(0)
 
 
+def _expert_layouts(
+    module: nn.Module, entries: list, expert_mesh, owner: str
+) -> dict[str, ExpertLayout | None]:
+    """FQN -> layout of the unit's expert parameters (experts.py [Note: expert groups]);
+    empty when it has none. Expert parameters without an expert mesh are refused."""
+    experts = [(fqn, owners, p) for fqn, owners, p in entries if is_expert(p)]
+    if not experts:
+        return {}
+    if expert_mesh is None:
+        marked = [fqn for fqn, _, p in experts if getattr(p, EXPERT_ATTR, None) is not None]
+        names = marked or [fqn for fqn, _, _ in experts]
+        why = (
+            "were marked by mark_expert_params"
+            if marked
+            else "are Megatron-Core expert parameters (allreduce=False: it marks them when "
+            "its expert_model_parallel_size > 1)"
+        )
+        raise ValueError(
+            f"fully_shard({owner}): parameters {names[:4]}{' ...' if len(names) > 4 else ''} "
+            f"{why}, but no expert_mesh was given: reduced over the data-parallel group, "
+            "different experts would be summed. Pass expert_mesh=graph_fsdp."
+            "init_expert_mesh(device, ep_size) (or expert_mesh_from_groups) so they are "
+            "sharded and reduced over the expert-data-parallel group"
+        )
+    return {fqn: layout_of(module, fqn, p, owners[0][0]) for fqn, owners, p in experts}
+
+
+def _dense_ranks(mesh) -> list[int]:
+    if mesh is None:
+        return list(range(dist.get_world_size()))
+    return mesh.mesh.flatten().tolist()
+
+
+def _make_groups(
+    module: nn.Module,
+    entries: list,
+    layouts: dict[str, ExpertLayout | None],
+    experts: ExpertGroups | None,
+    comm: CommContext,
+    **kwargs,
+) -> list[FlatParamGroup]:
+    """One group per (kind, compute dtype): the dense groups first, then the expert ones."""
+    mp = kwargs["mp"]
+    kinds: dict[bool, dict[torch.dtype, list]] = {False: {}, True: {}}
+    for entry in entries:
+        by_dtype = kinds[entry[0] in layouts]
+        by_dtype.setdefault(mp.compute_dtype(entry[2].dtype), []).append(entry)
+    expert_comm = None
+    if kinds[True]:
+        expert_comm = comm.over(experts.edp, grad_divisor=comm.dp_size)
+    fqn = type(module).__name__  # renamed to the FQN under the root at lazy init
+    groups = []
+    for is_expert_kind, by_dtype in kinds.items():
+        for dt, ents in by_dtype.items():
+            parts = ["experts"] if is_expert_kind else []
+            if len(by_dtype) > 1:
+                parts.append(str(dt).removeprefix("torch."))
+            suffix = ".".join(parts)
+            groups.append(
+                FlatParamGroup(
+                    f"{fqn}.{suffix}" if suffix else fqn,
+                    ents,
+                    comm=expert_comm if is_expert_kind else comm,
+                    suffix=suffix,
+                    expert=experts if is_expert_kind else None,
+                    expert_layouts=layouts if is_expert_kind else None,
+                    **kwargs,
+                )
+            )
+    return groups
+
+
 def _check_same_mesh(module: nn.Module, comm: CommContext) -> None:
-    """Every already-sharded descendant must use this unit's mesh (one comm per root)."""
+    """Every already-sharded descendant must use this unit's (dense) mesh: one comm per root.
+    Expert meshes may differ between units (experts.py [Note: expert groups])."""
     names = {id(m): name for name, m in module.named_modules()}
     for child in module.modules():
         if child is module or not isinstance(child, FSDPModule):
@@ -381,6 +456,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     buffer_policy: BufferPolicy | None = None,
     reshard_after_forward: bool = True,
+    expert_mesh=None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the data-parallel group (see module docstring).
 
@@ -395,6 +471,11 @@ def fully_shard(
         mp_policy: dtypes; default keeps the parameters' dtype with fp32 main weights.
         buffer_policy: where unsharded buffers live; read from the root's call.
         reshard_after_forward: ZeRO-3 only; False keeps weights gathered until backward.
+        expert_mesh: a 2-D ``(edp, ep)`` DeviceMesh (``graph_fsdp.init_expert_mesh``) over the
+            data-parallel ranks: the unit's expert parameters (``mark_expert_params``, or
+            Megatron's ``allreduce=False``) are sharded and their gradients reduced over its
+            ``edp`` dimension, the rest over ``mesh`` (experts.py [Note: expert groups]).
+            Required for a unit holding marked expert parameters; ignored by one without.
     """
     global _STEP_HOOK
     if _STEP_HOOK is None:
@@ -419,6 +500,8 @@ def fully_shard(
             f"{type(module).__name__} has no parameters of its own to shard (all belong to "
             "already-sharded children); skip fully_shard on it"
         )
+    owner = type(module).__name__
+    layouts = _expert_layouts(module, entries, expert_mesh, owner)
     devices = {p.device for _, _, p in entries}
     if len(devices) > 1:
         by_dev = {str(d): [f for f, _, p in entries if p.device == d][:3] for d in devices}
@@ -450,22 +533,21 @@ def fully_shard(
 
     comm = CommContext(device, group, replicate_group)
     _check_same_mesh(module, comm)
-    by_dtype: dict[torch.dtype, list] = {}
-    for entry in entries:
-        by_dtype.setdefault(mp.compute_dtype(entry[2].dtype), []).append(entry)
+    experts = None
+    if expert_mesh is not None:
+        experts = resolve_expert_mesh(expert_mesh, owner, _dense_ranks(mesh), device)
     fqn = type(module).__name__  # renamed to the FQN under the root at lazy init
-    groups = [
-        FlatParamGroup(
-            f"{fqn}.{str(dt).removeprefix('torch.')}" if len(by_dtype) > 1 else fqn,
-            ents,
-            placements=placements,
-            mp=mp,
-            comm=comm,
-            device=device,
-            broadcast_from_rank0=broadcast,
-        )
-        for dt, ents in by_dtype.items()
-    ]
+    groups = _make_groups(
+        module,
+        entries,
+        layouts,
+        experts,
+        comm,
+        placements=placements,
+        mp=mp,
+        device=device,
+        broadcast_from_rank0=broadcast,
+    )
     originals = {ref_fqn: p for ref_fqn, _, p in entries}
     for g in groups:
         for ref in g.params:

@@ -9,7 +9,11 @@ clipping of the unsharded model (torch FSDP2 gets it right through DTensor). So
 the ranks that own disjoint pieces (the shard group when the optimizer is sharded, and the
 replicas when it is sharded over them too); gradients held whole on every rank (``no_shard``,
 replicas of one shard) and parameters graph_fsdp does not manage count once, as torch
-counts them. ``fully_shard`` routes ``torch.nn.utils.clip_grad_norm_`` here whenever the
+counts them. Expert parameters (experts.py [Note: expert groups]) are sharded over the
+expert-data-parallel group and differ across the expert-parallel group: their pieces are
+summed over the first (when sharded), then over the second - each element of the global
+model once, as Megatron sums its expert norms over the expert-model-parallel ranks.
+``fully_shard`` routes ``torch.nn.utils.clip_grad_norm_`` here whenever the
 parameters include graph_fsdp's (``install_torch_clip``), so training loops written for
 FSDP2, DDP or HuggingFace's Trainer clip by the global norm unchanged; a reference bound
 before the first ``fully_shard`` call (``from torch.nn.utils import clip_grad_norm_`` at
@@ -23,6 +27,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.utils as nn_utils
+import torch.nn.utils.clip_grad as clip_grad
 
 
 def _reduction_groups(group) -> list:
@@ -33,6 +39,8 @@ def _reduction_groups(group) -> list:
         out.append(comm.group)
     if group.over_replicas:
         out.append(comm.replicate_group)
+    if group.expert is not None and group.expert.ep_size > 1:
+        out.append(group.expert.ep)  # other experts: experts.py [Note: expert groups]
     return out
 
 
@@ -105,9 +113,6 @@ def install_torch_clip() -> None:
     global _TORCH_CLIP
     if _TORCH_CLIP is not None:
         return
-    import torch.nn.utils as nn_utils  # noqa: PLC0415
-    import torch.nn.utils.clip_grad as clip_grad  # noqa: PLC0415
-
     original = _TORCH_CLIP = nn_utils.clip_grad_norm_
 
     def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):

@@ -57,9 +57,16 @@ import torch
 from torch import nn
 
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.buffers.layout import FlatLayout
 from graph_fsdp.comm import CommContext, all_gather, all_reduce, all_to_all, reduce_scatter
+from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.experts import (
+    EXPERT_KEY_TAG,
+    ExpertGroups,
+    ExpertLayout,
+    global_expert_params,
+)
 
 
 @dataclass
@@ -75,6 +82,9 @@ class ParamRef:
     global_offset: int = 0
     """Offset of ``sharded`` inside the parameter's flattened numbering."""
     unsharded: nn.Parameter | None = None
+    expert: ExpertLayout | None = None
+    """Expert parameters: where this EP rank's parameter lies in the global one (None: dense,
+    or an expert layout nobody declared - checkpoints refuse those)."""
 
 
 class FlatParamGroup:
@@ -88,6 +98,9 @@ class FlatParamGroup:
         comm: CommContext,
         device: torch.device,
         broadcast_from_rank0: bool,
+        suffix: str = "",
+        expert: ExpertGroups | None = None,
+        expert_layouts: dict[str, ExpertLayout | None] | None = None,
     ) -> None:
         self.fqn, self.placements, self.mp, self.comm, self.device = (
             fqn,
@@ -96,6 +109,12 @@ class FlatParamGroup:
             comm,
             device,
         )
+        self.suffix = suffix
+        """The group's name within its unit ("", a dtype, "experts", ...): FQN = unit + it."""
+        self.expert = expert
+        """The expert mesh's groups when this group holds expert parameters (sharded over its
+        EDP group, ``comm``; experts.py [Note: expert groups]), else None."""
+        self._key_tag = () if expert is None else (EXPERT_KEY_TAG,)
         originals = [p for _, _, p in entries]
         self.compute_dtype = mp.compute_dtype(originals[0].dtype)
         R = comm.replicate_size
@@ -144,6 +163,10 @@ class FlatParamGroup:
             view = self.main_flat[offset + start - lo : offset + end - lo]
             sharded = nn.Parameter(view, requires_grad=p.requires_grad)
             ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
+            if expert is not None:
+                ref.expert = (expert_layouts or {}).get(pfqn)
+                if getattr(p, "allreduce", None) is False:
+                    sharded.allreduce = False  # Megatron's expert mark, for its own tools
             ref.local_fqn = pfqn
             sharded._graph_fsdp_group = self
             ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
@@ -177,30 +200,31 @@ class FlatParamGroup:
         self.pin_main_grad = False
         """A captured graph writes ``main_grad``: its storage must never be released."""
 
-    # Allocator keys are identities (unit name, role, dtype): see buffers/allocator.py.
+    # Allocator keys are identities (unit name, role, dtype[, tag]): buffers/allocator.py;
+    # expert groups' carry a tag (experts.py [Note: expert groups]).
     @property
     def param_key(self):
-        return (self.fqn, "param", self.compute_dtype)
+        return (self.fqn, "param", self.compute_dtype, *self._key_tag)
 
     @property
     def grad_key(self):
-        return (self.fqn, "grad", self.compute_dtype)
+        return (self.fqn, "grad", self.compute_dtype, *self._key_tag)
 
     @property
     def comm_key(self):
-        return (self.fqn, "grad_comm", self.mp.comm_dtype())
+        return (self.fqn, "grad_comm", self.mp.comm_dtype(), *self._key_tag)
 
     @property
     def a2a_key(self):
-        return (self.fqn, "grad_comm", self.compute_dtype)
+        return (self.fqn, "grad_comm", self.compute_dtype, *self._key_tag)
 
     @property
     def rs_key(self):
-        return (self.fqn, "rs_out", self.mp.comm_dtype())
+        return (self.fqn, "rs_out", self.mp.comm_dtype(), *self._key_tag)
 
     @property
     def rep_key(self):
-        return (self.fqn, "rep_out", self.mp.comm_dtype())
+        return (self.fqn, "rep_out", self.mp.comm_dtype(), *self._key_tag)
 
     # ---------------------------------------------------------------- registration
     def register_buffers(self, allocator: BufferAllocator) -> None:
@@ -233,6 +257,21 @@ class FlatParamGroup:
     def sharded_params(self) -> list[nn.Parameter]:
         return [ref.sharded for ref in self.params]
 
+    def full_params(self, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` from the unsharded flat ``full`` (gathered over this group's
+        ranks): views named by FQN, or for expert groups new global tensors under their
+        global names (every EP rank's experts; a collective over the EP group)."""
+        if self.expert is None:
+            return [
+                (ref.fqn, full[offset : offset + ref.shape.numel()].view(ref.shape))
+                for ref, offset in zip(self.params, self.layout.offsets)
+            ]
+        refs = [
+            (ref.fqn, ref.shape, ref.expert, offset)
+            for ref, offset in zip(self.params, self.layout.offsets)
+        ]
+        return global_expert_params(full, refs, self.expert)
+
     # ---------------------------------------------------------------- unshard / reshard
     def stale(self) -> bool:
         # The version counter catches in-place updates through the views (foreach AdamW,
@@ -264,7 +303,7 @@ class FlatParamGroup:
                     full = self._persistent_full
                 graphs = self.comm_graphs
                 if graphs is not None and self.compute_shard is None and self.placements.optim:
-                    # One graph launch: comm_graphs.py [Note: communication graphs].
+                    # One graph launch: capture/comm_graphs.py [Note: communication graphs].
                     key = ("gather", id(self), full.data_ptr(), self.main_flat.data_ptr())
                     graphs.run(key, (id(self), "gather"), partial(self._gather_into, full))
                     self._synced_version = self.main_flat._version
@@ -284,7 +323,7 @@ class FlatParamGroup:
 
     comm_graphs = None
     """The ``CommGraphs`` a layerwise runner lends this group while its graphs are captured
-    (comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
+    (capture/comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
 
     def _compute_shard_in(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard-group range in compute dtype, the input of the shard all-gather:
@@ -594,7 +633,7 @@ class FlatParamGroup:
 
     def _reduce_by_graph(self, allocator: BufferAllocator, graphs, overwrite: bool) -> None:
         """``reduce_grads``' plain one-mesh-dim reduction as one graph launch on the RS stream
-        (comm_graphs.py [Note: communication graphs]): the kernels of the eager path, the
+        (capture/comm_graphs.py [Note: communication graphs]): the kernels of the eager path, the
         slot hand-offs around them."""
         comm_dtype = self.mp.comm_dtype()
         accum = self.accum if self.accum_pending else None
@@ -644,8 +683,9 @@ class FlatParamGroup:
 
     def _scale_into_main_grad(self, out, *, direct: bool, overwrite: bool) -> None:
         """``main_grad`` (=, or += under accumulation) the reduced ``out`` / data-parallel
-        size; ``direct``: the reduction wrote ``main_grad`` itself, scale it in place."""
-        inv_world = 1.0 / self.comm.dp_size
+        size (the dense one for experts: experts.py [Note: expert groups]); ``direct``: the
+        reduction wrote ``main_grad`` itself, scale it in place."""
+        inv_world = 1.0 / self.comm.grad_divisor
         if direct:
             self.main_grad.mul_(inv_world)
         elif overwrite:
@@ -674,10 +714,10 @@ class FlatParamGroup:
         rows = pieces.view(comm.world_size, self.shard_numel)  # row r: rank r's gradients
         if overwrite:
             torch.sum(rows, dim=0, dtype=self.main_grad.dtype, out=self.main_grad)
-            self.main_grad.mul_(1.0 / comm.dp_size)
+            self.main_grad.mul_(1.0 / comm.grad_divisor)
         else:
             total = torch.sum(rows, dim=0, dtype=self.main_grad.dtype)
-            self.main_grad.add_(total, alpha=1.0 / comm.dp_size)
+            self.main_grad.add_(total, alpha=1.0 / comm.grad_divisor)
         allocator.free(self.a2a_key, used_on=self._rs_streams())
 
     def _reduce_over_replicas(

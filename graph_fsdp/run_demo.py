@@ -2,16 +2,27 @@
 
     python -m graph_fsdp.run_demo            # all local GPUs (NCCL), else 2 gloo processes
 
-On CPU the model is scaled down (4 layers, hidden 256) so the run takes seconds.
+On CPU the model is scaled down (4 layers, hidden 256) so the run takes seconds. Prints a
+header (model, ranks, backend, strategy), one line per step and a closing summary.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
-from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
+from graph_fsdp.launch import spawn
+from graph_fsdp.models import GPTConfig, build_model
 from graph_fsdp.train import TrainConfig, run
+
+ZERO = {
+    "no_shard": "DDP",
+    "optim": "ZeRO-1",
+    "optim_grads": "ZeRO-2",
+    "optim_grads_params": "ZeRO-3",
+}
 
 
 def main() -> None:
@@ -26,9 +37,24 @@ def main() -> None:
     cfg = TrainConfig(
         model=model, steps=10, bf16=cuda, device="cuda" if cuda else "cpu", return_params=False
     )
-    results = spawn(run, world, cfg, backend="nccl" if cuda else "gloo")
-    for step, (loss, t) in enumerate(zip(results[0]["losses"], results[0]["times"])):
+    backend = "nccl" if cuda else "gloo"
+    params = sum(p.numel() for p in build_model(model, device="meta").parameters())
+    print(
+        f"graph_fsdp demo: reference GPT ({model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{params / 1e6:.1f}M parameters), {world} ranks, {backend} on {cfg.device}, "
+        f"{ZERO.get(cfg.strategy, cfg.strategy)} ({cfg.strategy}), {'bf16' if cfg.bf16 else 'fp32'}, {cfg.steps} steps",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = spawn(run, world, cfg, backend=backend)
+    wall = time.perf_counter() - start
+    losses, times = results[0]["losses"], results[0]["times"]
+    for step, (loss, t) in enumerate(zip(losses, times)):
         print(f"step {step:3d}  loss {loss:.4f}  step time {t * 1e3:8.1f} ms")
+    print(
+        f"done: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, median step "
+        f"{statistics.median(times) * 1e3:.1f} ms, {wall:.1f} s in all (process start included)"
+    )
 
 
 if __name__ == "__main__":

@@ -9,18 +9,21 @@ layer can withhold them and route the handler to the backward keys (hooks/module
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
-from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator, nvtx_range
+from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
 from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
 from graph_fsdp.buffers.trace_pool import TracePoolAllocator
 from graph_fsdp.comm import CommContext
-from graph_fsdp.hooks import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
+from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.hook_markers import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
 from graph_fsdp.param_group import FlatParamGroup
 
 
@@ -65,7 +68,38 @@ class RootContext:
     order_positions: dict[int, int] = field(default_factory=dict)
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
     offloaded: set[str] = field(default_factory=set)
-    """State kinds moved off the device by graph_fsdp.lifecycle (forward is refused)."""
+    """State kinds moved off the device by graph_fsdp.offload (forward is refused)."""
+    expert_comms: dict[int, CommContext] = field(default_factory=dict)
+    """id(expert-data-parallel group) -> the root's streams over it (``comm_for``)."""
+
+    def comm_for(self, unit_comm: CommContext) -> CommContext:
+        """The root's context for a group a unit built ``unit_comm`` for: the root's own for
+        the dense mesh, the root's streams over the expert-data-parallel group for experts
+        (experts.py [Note: expert groups])."""
+        if unit_comm.same_mesh(self.comm):
+            return self.comm
+        shared = self.expert_comms.get(id(unit_comm.group))
+        if shared is None:
+            shared = self.comm.over(unit_comm.group, grad_divisor=unit_comm.grad_divisor)
+            self.expert_comms[id(unit_comm.group)] = shared
+        return shared
+
+
+def refuse_offloaded(root: RootContext, action: str = "forward") -> None:
+    """Called by the root's pre-forward (and others) while something is offloaded."""
+    kinds = sorted(root.offloaded)
+    calls = " and ".join(f"onload_{k}()" for k in kinds)
+    raise RuntimeError(
+        f"{action} with offloaded {', '.join(kinds)}: call model.{calls} before training or "
+        "evaluating again"
+    )
+
+
+class GraphRunner(Protocol):
+    """What the core asks of a CUDA graph runner (capture/) that registered with a unit."""
+
+    def suspend(self) -> None:
+        """Free the graphs and their pool now; capture again at the next step."""
 
 
 class _PostBackward(torch.autograd.Function):
@@ -111,10 +145,14 @@ class FSDPState:
         self.requires_grad_sync = True
         self.backward_by_replay = False
         """Set by the capture layer while a graph replay of this unit's whole module runs the
-        unit's ``pre_backward``/``post_backward`` itself (capture/runner.py, [Note: backward
+        unit's ``pre_backward``/``post_backward`` itself (capture/layerwise.py, [Note: backward
         handlers in the replay]): the registration hooks stand aside, and eager calls of the
         module register the handlers through :meth:`forward_with_backward_handlers`."""
         self._handles: list = []
+        self.graph_runners: weakref.WeakSet[GraphRunner] = weakref.WeakSet()
+        """The graph runners capturing this unit (they register themselves): offload
+        suspends them before it moves the buffers their graphs address (offload.py [Note:
+        CUDA graphs across offload])."""
 
     # ------------------------------------------------------------------ registration
     def register_hooks(self) -> None:
@@ -228,8 +266,6 @@ class FSDPState:
         """Run by the first unit whose forward starts: it becomes the root."""
         if self.root is not None:
             return
-        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415 (cycle)
-
         states = collect_states(self.module)
         for other in states:
             if other.root is not None:
@@ -247,8 +283,7 @@ class FSDPState:
             prefix = names[id(other.module)]
             other.fqn = prefix or "root"
             for group in other.groups:
-                suffix = group.fqn.split(".")[-1] if len(other.groups) > 1 else ""
-                group.fqn = ".".join(x for x in (other.fqn, suffix) if x)
+                group.fqn = ".".join(x for x in (other.fqn, group.suffix) if x)
                 for ref in group.params:
                     ref.fqn = ref.local_fqn if not prefix else f"{prefix}.{ref.local_fqn}"
         ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
@@ -256,7 +291,7 @@ class FSDPState:
             other.root = ctx
             other.comm = self.comm  # one set of streams for the whole model
             for group in other.groups:
-                group.comm = self.comm
+                group.comm = ctx.comm_for(group.comm)
                 group.register_buffers(ctx.allocator)
         self.is_root = True
         # The root's weights are used first in forward and backward: keep them gathered.
@@ -273,8 +308,6 @@ class FSDPState:
         root = self.root
         if self.is_root:
             if root.offloaded:
-                from graph_fsdp.lifecycle import refuse_offloaded  # noqa: PLC0415
-
                 refuse_offloaded(root)
             root.backward_done.clear()
             root.callback_queued = False
@@ -314,7 +347,7 @@ class FSDPState:
     def pre_backward(self, *, params_on_modules: bool = True, zero_grads: bool = True) -> None:
         """``params_on_modules``/``zero_grads`` False: a replay whose backward graph zeroes
         the gradients itself and runs no module code ([Note: forward handlers in the
-        dispatcher], capture/graphed.py [Note: gradients of graphed modules])."""
+        dispatcher], capture/torch_backend.py [Note: gradients of graphed modules])."""
         if self._pre_backward_done:
             return
         root = self.root
@@ -419,3 +452,14 @@ def root_final_callback(root: RootContext):
             root.callback_queued = False
 
     return finish
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The FSDP state ``fully_shard`` gave ``module`` (None: not a unit)."""
+    state = module.__dict__.get("_fsdp_state")
+    return state if isinstance(state, FSDPState) else None
+
+
+def collect_states(module: nn.Module) -> list[FSDPState]:
+    """FSDP states at or below ``module`` in pre-order (construction == forward order)."""
+    return [state for m in module.modules() if (state := state_of(m)) is not None]

@@ -15,14 +15,32 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
+from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import HostClock, eager_forward_backward
+from graph_fsdp.capture import (
+    FullIterationGraphs,
+    GraphConfigError,
+    LayerwiseGraphs,
+    check_scopes,
+    te_backend,
+)
+from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.data import batch_for
+from graph_fsdp.experts import init_expert_mesh
 from graph_fsdp.fully_shard import fully_shard
 from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.interrupt import mean_loss_and_stop
-from graph_fsdp.models import GPTConfig, build_model, sharding_units, transformer_layers
+from graph_fsdp.models import (
+    GPTConfig,
+    build_model,
+    partition_experts,
+    sharding_units,
+    transformer_layers,
+)
+from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
 
 
 @dataclass(kw_only=True)
@@ -38,6 +56,10 @@ class TrainConfig:
     the world size; e.g. (nodes, GPUs per node)). None: 1-D FSDP over every rank."""
     optim_over_replicas: bool = False
     """HSDP: shard the optimizer (main weights and grads) across the replicas as well."""
+    expert_parallel: int | None = None
+    """MoE models: partition the experts over expert-parallel groups of this many ranks and
+    shard them over the expert-data-parallel group (world / this), the other parameters over
+    the data-parallel group (graph_fsdp.experts). None: experts are sharded like the rest."""
     micro_batch_size: int = 1
     """Sequences per rank per microbatch."""
     grad_accum: int = 1
@@ -106,7 +128,7 @@ class TrainConfig:
     or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
     cuda_graph_comm: bool = True
     """Layerwise graphs: each unit's gather and reduction kernels replay as CUDA graphs
-    (comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
+    (capture/comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
     cuda_graph_verify: bool = False
     """Check the first graphed step against an eager run of it from the same state and name
     the first module whose output differs (graph-fsdp compare turns it on)."""
@@ -132,6 +154,20 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         "strategy": cfg.strategy,
         "optim_over_replicas": cfg.optim_over_replicas,
     }
+    if cfg.expert_parallel is not None:
+        if cfg.model.num_experts is None:
+            raise ValueError(
+                f"TrainConfig.expert_parallel={cfg.expert_parallel} needs an MoE model: set "
+                "GPTConfig.num_experts (or leave expert_parallel None)"
+            )
+        expert_mesh = _cached_mesh(
+            cfg.device,
+            (dist.get_world_size() // cfg.expert_parallel, cfg.expert_parallel),
+            ("edp", "ep"),
+            lambda: init_expert_mesh(cfg.device, cfg.expert_parallel),
+        )
+        partition_experts(model, expert_mesh["ep"].get_group())
+        placement["expert_mesh"] = expert_mesh  # units without experts ignore it
     for unit, reshard in sharding_units(model):
         fully_shard(
             unit, **placement, mp_policy=mp, buffer_policy=bp, reshard_after_forward=reshard
@@ -140,25 +176,25 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
 
 
 def placement_label(cfg: TrainConfig) -> str:
-    """The strategy and, for HSDP, the mesh: for summaries and reports."""
+    """The strategy and, for HSDP, the mesh (and the EP size): for summaries and reports."""
+    ep = "" if cfg.expert_parallel is None else f", expert parallel {cfg.expert_parallel}"
     if cfg.mesh_shape is None:
-        return cfg.strategy
+        return cfg.strategy + ep
     r, s = cfg.mesh_shape
     over = ", optimizer over replicas" if cfg.optim_over_replicas else ""
-    return f"{cfg.strategy} HSDP replicate {r} x shard {s}{over}"
+    return f"{cfg.strategy} HSDP replicate {r} x shard {s}{over}{ep}"
 
 
 _MESHES: dict[tuple, tuple] = {}
-"""(device type, shape) -> (the default group it was built under, mesh): runs in one process
-(compare, bench, tests) reuse one mesh instead of creating new process groups each time."""
+"""(device type, shape, dimension names) -> (the default group it was built under, mesh):
+runs in one process (compare, bench, tests) reuse one mesh instead of creating new process
+groups each time."""
 
 
 def data_parallel_mesh(cfg: TrainConfig):
     """The 2-D (replicate, shard) DeviceMesh of ``cfg.mesh_shape`` (None: 1-D, no mesh)."""
     if cfg.mesh_shape is None:
         return None
-    from torch.distributed.device_mesh import init_device_mesh
-
     shape = tuple(cfg.mesh_shape)
     world = dist.get_world_size()
     if len(shape) != 2 or min(shape) < 1 or shape[0] * shape[1] != world:
@@ -166,11 +202,17 @@ def data_parallel_mesh(cfg: TrainConfig):
             f"TrainConfig.mesh_shape={cfg.mesh_shape} must be (replicate, shard) sizes >= 1 "
             f"whose product is the world size {world}, e.g. (2, {world // 2}) or (1, {world})"
         )
-    key = (cfg.device, shape)
+    names = ("replicate", "shard")
+    return _cached_mesh(
+        cfg.device, shape, names, lambda: init_device_mesh(cfg.device, shape, mesh_dim_names=names)
+    )
+
+
+def _cached_mesh(device: str, shape: tuple, names: tuple, build):
+    key = (device, shape, names)
     cached = _MESHES.get(key)
     if cached is None or cached[0] is not dist.group.WORLD:
-        mesh = init_device_mesh(cfg.device, shape, mesh_dim_names=("replicate", "shard"))
-        cached = _MESHES[key] = (dist.group.WORLD, mesh)
+        cached = _MESHES[key] = (dist.group.WORLD, build())
     return cached[1]
 
 
@@ -208,8 +250,6 @@ def device_of(cfg: TrainConfig) -> torch.device:
 
 def checkpoint_layers(model: nn.Module) -> None:
     """Activation checkpointing (non-reentrant) around every transformer layer."""
-    from torch.utils.checkpoint import checkpoint
-
     for layer in transformer_layers(model):
         forward = layer.forward
 
@@ -231,8 +271,6 @@ def build_for(cfg: TrainConfig, device: torch.device) -> nn.Module:
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": cfg.fused_optimizer or None}
     if cfg.optimizer_offload_fraction > 0:
-        from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
-
         check_offload_config(recompute=cfg.recompute)
         return CPUOffloadOptimizer(
             params,
@@ -247,16 +285,7 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
     """The CUDA graph runner ``cfg`` asks for (None for eager runs)."""
     if cfg.cuda_graph_impl == "none":
         return None
-    from graph_fsdp.capture import (
-        FullIterationGraphs,
-        GraphConfigError,
-        LayerwiseGraphs,
-        check_scopes,
-    )
-
     if cfg.model.transformer_impl == "transformer_engine":
-        from graph_fsdp.capture import te_backend  # noqa: PLC0415
-
         # Before any step; the capture checks every TE attention call again (any model).
         te_backend.check_attention_capture(
             seq_length=cfg.model.seq_length,
@@ -297,6 +326,8 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         torch.use_deterministic_algorithms(True)
     device = device_of(cfg)
+    if device.type == "cuda":  # the peaks reported are this run's (runs share a process)
+        torch.cuda.reset_peak_memory_stats(device)
     reference = cfg.mode == "reference"
     model = build_for(cfg, device)
     if reference:
@@ -306,8 +337,6 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
         shard_model(model, cfg)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
-            from graph_fsdp import checkpoint as ckpt
-
             ckpt.load(cfg.load_path, model, optimizer)
     graphs = None if reference else make_graphs(model, cfg)
     # The reference sees every rank's microbatches as one global batch.
@@ -369,8 +398,6 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             log.flush()
         scheduled = step + 1 == cfg.start_step + cfg.save_at
         if cfg.save_path and not reference and (scheduled or stopping and cfg.save_on_interrupt):
-            from graph_fsdp import checkpoint as ckpt
-
             ckpt.save(cfg.save_path, model, optimizer, meta={"iteration": step + 1, "model": "gpt"})
             saved_at = step + 1
         if stopping:
@@ -392,13 +419,13 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 for n, p in zip([n for n, _ in model.named_parameters()], trainer.master)
             }
         else:
-            from graph_fsdp.checkpoint import full_state_dict
-
-            result["params"] = {k: v.cpu() for k, v in full_state_dict(model).items()}
+            result["params"] = {k: v.cpu() for k, v in ckpt.full_state_dict(model).items()}
     if graphs is not None:
         result["cuda_graphs"] = graphs.report()
     if cfg.device == "cuda":
+        # Allocated misses what graph replays use in their pools; reserved holds the pools.
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     if log is not None:
         log.close()
     return result

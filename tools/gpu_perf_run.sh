@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# One GPU measurement run for issue 12 (speed and memory at realistic scale), ~6-8 min on
-# 2x H200 (torch backend; TransformerEngine not needed), never more than BUDGET=540 s:
+# One GPU measurement run (speed and memory at realistic scale), ~6-8 min on 2x H200 (torch
+# backend; TransformerEngine not needed), never more than BUDGET=540 s:
 #
 #   1. graph-fsdp bench at h1024 (16 layers, seq 1024, mbs 1, vocab 32768) and h2048
 #      (seq 2048, mbs 2): unsharded eager, unsharded captured (the ratios' denominator is the
 #      faster of the two), graph_fsdp eager, layerwise torch graphs, full_iteration, torch
 #      FSDP2, FSDP2 + captured fwd/bwd, megatron_fsdp (skipped when not importable); bf16
 #      compute, fp32 main weights and fp32 gradient reduction, fused AdamW in every row (the
-#      bench's default); 5 warmup + 20 timed steps. SHAPES="h4096" adds issue 12's larger
-#      shape (8 layers, hidden 4096, seq 4096, mbs 1).
+#      bench's default); 5 warmup + 20 timed steps. Every row reports its own peak memory
+#      (allocated and reserved) and a graphed row its replays (graph_fsdp/bench/verdicts.py).
+#      SHAPES="h4096" adds the larger shape (8 layers, hidden 4096, seq 4096, mbs 1).
 #   2. graph-fsdp profile --memory at h2048 (MEMORY_SHAPES="h1024 h2048" for both): graph_fsdp
 #      eager (double buffer and dynamic allocator), graph_fsdp full_iteration, torch FSDP2
 #      eager; bytes at the peak by role.
@@ -20,7 +21,10 @@
 #   DRY=1 bash tools/gpu_perf_run.sh      # tiny shapes on CPU (gloo): checks the plumbing
 #
 # $OUT ends up with summary.md (the bench and memory tables), bench_<shape>.md and
-# memory_<shape>.md per shape, log.txt and results.tar.gz (every JSON/MD/PNG).
+# memory_<shape>.md per shape, log.txt and results.tar.gz (every JSON/MD/PNG). log.txt and
+# summary.md start with the commit measured (graph_fsdp/bench/provenance.py): git where the
+# tree has .git, else GRAPH_FSDP_COMMIT (set it where git is, e.g.
+# GRAPH_FSDP_COMMIT=$(git describe --always --dirty --abbrev=40)), else "unknown".
 set -u -o pipefail
 shopt -s nullglob
 
@@ -52,8 +56,8 @@ else
       --vocab-size 32768 --micro-batch-size 1)
   H2=(--num-layers 16 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
       --vocab-size 32768 --micro-batch-size 2)
-  # Issue 12's larger shape: the unsharded step (fp32 weights, grads, AdamW state: ~30 GB,
-  # plus activations) still fits one GPU.
+  # The larger shape: the unsharded step (fp32 weights, grads, AdamW state: ~30 GB, plus
+  # activations) still fits one GPU.
   H4=(--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096
       --vocab-size 32768 --micro-batch-size 1)
   STEPS=(--train-iters 20 --warmup-iters 5)
@@ -85,6 +89,8 @@ step() {  # step NAME CMD...: run with a time limit, log everything, never stop 
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
 }
 
+STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"
+echo "# code: $STAMP" >>"$LOG"
 python - >>"$LOG" 2>&1 <<'EOF'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
@@ -114,7 +120,7 @@ for shape in "${SHAPE_LIST[@]}"; do
   cp "$WORK/bench_$shape/results.md" "$OUT/bench_$shape.md" 2>/dev/null
 done
 
-# MEMORY_SHAPES="h1024 h2048" profiles memory at both of issue 12's shapes (default h2048).
+# MEMORY_SHAPES="h1024 h2048" profiles memory at both shapes (default h2048).
 read -r -a MEMORY_SHAPE_LIST <<<"${MEMORY_SHAPES:-h2048}"
 if [[ "${MEMORY:-1}" == "1" ]]; then
 for shape in "${MEMORY_SHAPE_LIST[@]}"; do
@@ -154,7 +160,9 @@ if [[ "${HOST:-1}" == "1" && "${DRY:-0}" != "1" ]]; then
 fi
 
 {
-  echo "# issue 12 GPU run ($(date -u +%FT%TZ))"
+  echo "# GPU measurement run ($(date -u +%FT%TZ))"
+  echo
+  echo "Code: $STAMP"
   for f in "$OUT"/bench_h*.md; do
     [[ -f $f ]] && { echo; cat "$f"; }
   done

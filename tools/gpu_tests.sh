@@ -8,10 +8,19 @@
 # checks, ~6 min), megatron_attn (those checks, ~2 min), te (the
 # TransformerEngine-layer model of test_cuda_graphs_gpu.py), graphs (the rest of it),
 # third_party, hf_families (the sweep over HuggingFace decoder families, ~2.5 min at world 1),
-# capture_safety, lifecycle, hsdp, fully_shard, bench. Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
+# capture_safety, lifecycle, hsdp, fully_shard, expert_parallel (its 2- and 4-GPU layouts skip
+# on fewer GPUs), bench, comm_graphs (real communication-graph replays, also at world size 1).
+# Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
-# WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run where only one GPU is
-# lent: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
+# WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
+# machine: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
+#
+# Every log starts with the commit it tested (graph_fsdp/bench/provenance.py [Note:
+# provenance]): git where the tree has .git, else GRAPH_FSDP_COMMIT, which the caller sets on
+# a host that receives the tree without .git:
+#   GRAPH_FSDP_COMMIT=<output of `git describe --always --dirty --abbrev=40`> bash tools/gpu_tests.sh
+# A chunk passes only if pytest exits 0: exit 5 (no test collected, e.g. a keyword that
+# matches nothing) is a failure, like any other.
 set -u -o pipefail
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,7 +31,7 @@ mkdir -p "$OUT"
 
 declare -A LIMIT=(
   [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
-  [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [bench]=400
+  [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [bench]=400 [comm_graphs]=300
 )
 declare -A ARGS=(
   [megatron]="tests/gpu/test_megatron_gpu.py -k not seq_64"
@@ -35,10 +44,20 @@ declare -A ARGS=(
   [lifecycle]="tests/gpu/test_lifecycle_gpu.py"
   [hsdp]="tests/gpu/test_hsdp_gpu.py"
   [fully_shard]="tests/gpu/test_fully_shard_gpu.py"
+  [expert_parallel]="tests/gpu/test_expert_parallel_gpu.py"
   [bench]="tests/bench/test_bench_gpu.py"
+  [comm_graphs]="tests/gpu/test_comm_graphs_gpu.py"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard bench)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel bench comm_graphs)
+
+# The header of every log: the commit, the machine, the versions.
+STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"
+MACHINE="$(python -c 'import torch
+gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"torch {torch.__version__}, {len(gpus)} GPU(s): {chr(44).join(gpus) or chr(45)}")' 2>&1)"
+echo "# code: $STAMP"
+echo "# machine: $MACHINE; GRAPH_FSDP_GPU_TEST_WORLD=$GRAPH_FSDP_GPU_TEST_WORLD"
 
 status=0
 for chunk in "${CHUNKS[@]}"; do
@@ -51,11 +70,22 @@ for chunk in "${CHUNKS[@]}"; do
   read -r -a files <<<"${ARGS[$chunk]%% -k *}"
   keyword=""
   [[ ${ARGS[$chunk]} == *" -k "* ]] && keyword="${ARGS[$chunk]#* -k }"
+  {
+    echo "# chunk $chunk, $(date -u +%FT%TZ)"
+    echo "# code: $STAMP"
+    echo "# machine: $MACHINE; GRAPH_FSDP_GPU_TEST_WORLD=$GRAPH_FSDP_GPU_TEST_WORLD"
+  } >"$log"
   timeout "${LIMIT[$chunk]}" python -m pytest -q -rA -s -p no:cacheprovider -m gpu \
-    "${files[@]}" ${keyword:+-k "$keyword"} >"$log" 2>&1
+    "${files[@]}" ${keyword:+-k "$keyword"} >>"$log" 2>&1
   rc=$?
-  ((rc == 0 || rc == 5)) || status=1  # 5: nothing collected (e.g. a chunk's keyword)
-  echo "===== $chunk (rc=$rc)"
+  ((rc == 0)) || status=1  # 5 (nothing collected) fails too: a chunk must run its tests
+  case $rc in
+    0) verdict=passed ;;
+    5) verdict="FAILED: no test collected" ;;
+    124) verdict="FAILED: stopped at its ${LIMIT[$chunk]} s limit" ;;
+    *) verdict=FAILED ;;
+  esac
+  echo "===== $chunk (rc=$rc, $verdict)"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^[0-9]+ (passed|failed)|[0-9]+ (passed|failed|skipped).* in " "$log" | tail -40
 done
 exit $status

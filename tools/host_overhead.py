@@ -16,7 +16,7 @@ FSDP's work, the collectives' launches and the graph replays, CUDA API calls inc
 
 ``--cuda`` additionally fakes a CUDA CommContext (streams, events, NVTX) with counting
 stand-ins, to count the CUDA API calls FSDP issues per layer and direction. graph_fsdp's NVTX
-ranges are off unless a profiler listens (buffers/allocator.py ``nvtx_enabled``); ``--nvtx``
+ranges are off unless a profiler listens (cuda_streams.py ``nvtx_enabled``); ``--nvtx``
 turns them on, as under nsys.
 """
 
@@ -111,9 +111,10 @@ def install_fakes(cuda_comm: bool) -> None:
     tc.graph_pool_handle = lambda: None
     tc.get_rng_state = lambda *a, **k: torch.get_rng_state()
     tc.set_rng_state = lambda *a, **k: None
-    import graph_fsdp.capture.runner as runner  # noqa: PLC0415
+    # graph_fsdp is imported after torch.cuda is faked (here and below)
+    import graph_fsdp.capture.layerwise as layerwise  # noqa: PLC0415
 
-    runner.check_capturable = lambda model, *a, **k: model._fsdp_state
+    layerwise.check_capturable = lambda model, *a, **k: model._fsdp_state
     if cuda_comm:
         import graph_fsdp.buffers.allocator as alloc  # noqa: PLC0415
         import graph_fsdp.comm as comm  # noqa: PLC0415
@@ -170,7 +171,7 @@ def _timed(cls, name: str, label: str) -> None:
 
 def install_timers() -> None:
     """Wrap the pieces that run per layer (before the model is built: hooks bind methods)."""
-    from graph_fsdp.capture import graphed  # noqa: PLC0415
+    from graph_fsdp.capture import torch_backend  # noqa: PLC0415
     from graph_fsdp.state import FSDPState  # noqa: PLC0415
 
     for name, label in [
@@ -182,9 +183,9 @@ def install_timers() -> None:
         ("post_backward", "bwd: post_backward (reduce, reshard)"),
     ]:
         _timed(FSDPState, name, label)
-    _timed(graphed.CapturedCallable, "replay", "fwd: replay (incl. _Replay fwd)")
-    _timed(graphed.CallSignature, "tensors_of", "fwd: dispatcher signature match")
-    _timed(graphed._Replay, "backward", "bwd: _Replay.backward")
+    _timed(torch_backend.CapturedCallable, "replay", "fwd: replay (incl. _Replay fwd)")
+    _timed(torch_backend.CallSignature, "tensors_of", "fwd: dispatcher signature match")
+    _timed(torch_backend._Replay, "backward", "bwd: _Replay.backward")
 
 
 def main() -> None:
@@ -238,7 +239,7 @@ def main() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
 
-    from graph_fsdp.capture.runner import LayerwiseGraphs  # noqa: PLC0415
+    from graph_fsdp.capture.layerwise import LayerwiseGraphs  # noqa: PLC0415
     from graph_fsdp.models import GPTConfig, build_model  # noqa: PLC0415
     from graph_fsdp.train import TrainConfig, make_optimizer, shard_model  # noqa: PLC0415
 

@@ -126,7 +126,7 @@ def slot_roles(allocator) -> list[tuple[str, torch.Tensor]]:
 
 
 def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
-    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
+    from graph_fsdp.state import collect_states  # noqa: PLC0415
 
     states = collect_states(model)
     out: list[Known] = []
@@ -175,7 +175,7 @@ def _tagger(role: str) -> Callable:
     if fn is None:
         name = TAG_PREFIX + "".join(c if c.isalnum() else "_" for c in role)
         namespace: dict = {}
-        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)  # noqa: S102
+        exec(f"def {name}(fn, *args):\n    return fn(*args)\n", namespace)
         fn = _TAGGERS[role] = namespace[name]
     return fn
 
@@ -447,9 +447,9 @@ class MemoryJob:
 
 
 def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
-    from graph_fsdp.capture.full_iteration import eager_forward_backward  # noqa: PLC0415
+    from graph_fsdp.capture.step import eager_forward_backward  # noqa: PLC0415
     from graph_fsdp.data import batch_for  # noqa: PLC0415
-    from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
+    from graph_fsdp.state import collect_states  # noqa: PLC0415
     from graph_fsdp.train import (  # noqa: PLC0415
         build_for,
         make_graphs,
@@ -545,10 +545,13 @@ def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
 
 
 def write_result(result: dict, label: str, output_dir: str) -> str:
+    """``memory_<label>.json``, stamped with the code that produced it (provenance.py)."""
+    from graph_fsdp.bench.provenance import code_version  # noqa: PLC0415
+
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, f"memory_{label}.json")
     with open(path, "w") as f:
-        json.dump({"label": label, **result}, f, indent=2)
+        json.dump({"label": label, **result, "code": code_version()}, f, indent=2)
     return path
 
 
@@ -561,7 +564,17 @@ def merge(paths: list[str]) -> str:
         with open(path) as f:
             data = json.load(f)
         results[data.get("label", os.path.basename(path))] = data
-    text = format_table(results)
+    from graph_fsdp.bench.provenance import stamp_line  # noqa: PLC0415
+
+    stamps = {
+        label: stamp_line(data["code"]) if data.get("code") else "not recorded"
+        for label, data in results.items()
+    }
+    if len(set(stamps.values())) == 1:
+        text = f"Code: {next(iter(stamps.values()))}.\n\n"
+    else:
+        text = "Code:\n" + "".join(f"- {k}: {v}\n" for k, v in stamps.items()) + "\n"
+    text += format_table(results)
     for label, data in results.items():
         if data.get("top_sites"):
             text += f"\n{label}: largest blocks at the peak that no known tensor claims\n\n"

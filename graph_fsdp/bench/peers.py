@@ -5,8 +5,10 @@ seed), feeds the same synthetic batches as :func:`graph_fsdp.train.run` (step ``
 rank), trains ``warmup + steps`` optimizer steps with AdamW and times each step with
 ``synchronize`` + ``perf_counter`` (as ``train.run`` does). It returns the timed steps'
 times (warmup dropped), the host time until each step's work was issued (before the
-closing synchronize; host-bound when it is close to the step time), the final loss (mean
-over ranks) and the peak CUDA memory.
+closing synchronize; host-bound when it is close to the step time), the timed steps' losses
+(this rank's), the final loss (mean over ranks) and, for a graphed row, ``graphs``: its
+captures, replays and eager fallbacks (bench/verdicts.py [Note: graphed rows must replay]).
+The bench measures each row's memory around the runner (bench/runner.py).
 
 A runner that cannot run here raises :class:`Skip` with the reason.
 """
@@ -20,12 +22,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
+from graph_fsdp.bench.verdicts import COMM_INSIDE, COMM_NONE
+from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.models import TransformerLayer, sharding_units, synthetic_batch
 from graph_fsdp.train import TrainConfig, build_for, device_of, run
 
 
-class Skip(Exception):  # noqa: N818 - a verdict, not an error
+class Skip(Exception):  # a verdict, not an error
     """This row cannot run on this machine/config; the message says why."""
 
 
@@ -54,6 +59,12 @@ def _batch(cfg: TrainConfig, step: int, micro: int, rank: int, device: torch.dev
     )
 
 
+def _step_graph_report(replays: int, comm: str) -> dict:
+    """The graph report of a row that captures its forward+backward once and replays it per
+    microbatch (no module can fall back: the step is one graph)."""
+    return {"captures": 1, "replays": replays, "eager_fallbacks": 0, "comm_status": comm}
+
+
 def _mean_loss(loss: torch.Tensor, world_size: int) -> float:
     loss = loss.detach().float().clone()
     if world_size > 1:
@@ -70,11 +81,11 @@ def _timed(
     *,
     first_step: int = 0,
 ) -> dict:
-    times, host, loss = [], [], None
+    times, host, losses = [], [], []
     for i in range(first_step, spec.warmup + spec.steps):
         _sync(device)
         t0 = time.perf_counter()
-        loss = step_fn(i)
+        losses.append(step_fn(i))  # a fresh tensor per step: read after the loop
         host.append(time.perf_counter() - t0)
         _sync(device)
         times.append(time.perf_counter() - t0)
@@ -82,7 +93,8 @@ def _timed(
     return {
         "times": times[skip:],
         "host_step_times": host[skip:],
-        "final_loss": _mean_loss(loss, world_size),
+        "losses": [float(x) for x in losses[skip:]],
+        "final_loss": _mean_loss(losses[-1], world_size),
     }
 
 
@@ -94,7 +106,9 @@ def _from_run(result: dict, warmup: int) -> dict:
         "host_step_times": host["step"][warmup:],
         "host_forward_times": host["forward"][warmup:],
         "host_backward_times": host["backward"][warmup:],
+        "losses": result["losses"][warmup:],
         "final_loss": result["losses"][-1],
+        "graphs": result.get("cuda_graphs"),
     }
 
 
@@ -130,11 +144,7 @@ def _accumulating_step(
 def run_graph_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """graph_fsdp through ``train.run`` (eager or graphed, as ``spec.cfg`` says)."""
     cfg = replace(spec.cfg, steps=spec.warmup + spec.steps, return_params=False, log_path=None)
-    result = run(rank, world_size, cfg)
-    out = _from_run(result, spec.warmup)
-    if cfg.cuda_graph_impl != "none" and "cuda_graphs" not in result:
-        out["note"] = "train.run reported no captured graphs: this row may have run eagerly"
-    return out
+    return _from_run(run(rank, world_size, cfg), spec.warmup)
 
 
 def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
@@ -262,17 +272,21 @@ def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict 
         with torch.cuda.graph(graph, stream=side):
             static_loss = forward_backward()
 
+        replays = [0]
+
         def replay(i: int) -> torch.Tensor:
             opt.zero_grad(set_to_none=False)
             total = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 load(i, micro)
                 graph.replay()
+                replays[0] += 1
                 total += static_loss.float()
             opt.step()
             return total
 
-        return _timed(spec, device, replay, 1, first_step=spec.warmup)
+        out = _timed(spec, device, replay, 1, first_step=spec.warmup)
+        return {**out, "graphs": _step_graph_report(replays[0], COMM_NONE)}
 
     return _on_rank0(rank, world_size, body)
 
@@ -283,8 +297,8 @@ def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict 
 
 
 def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # torch's fully_shard and MixedPrecisionPolicy, kept apart from graph_fsdp's names
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
 
     model = build_for(cfg, device)
     # A 2-D (replicate, shard) mesh is FSDP2's HSDP (its optimizer stays replicated).
@@ -350,52 +364,23 @@ def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
         static_loss = model(x, y)
         static_loss.backward()
 
+    replays = [0]
+
     def replay(i: int) -> torch.Tensor:
         load(i)
         opt.zero_grad(set_to_none=False)
         graph.replay()
+        replays[0] += 1
         opt.step()
         return static_loss.detach().clone()
 
-    return _timed(spec, device, replay, world_size, first_step=spec.warmup)
+    out = _timed(spec, device, replay, world_size, first_step=spec.warmup)
+    return {**out, "graphs": _step_graph_report(replays[0], COMM_INSIDE)}
 
 
 # --------------------------------------------------------------------------------------------
 # Megatron-FSDP
 # --------------------------------------------------------------------------------------------
-
-
-def megatron_fsdp_shard(model, mesh, dp_dim: str, unit_cls: type, cfg, **extra):
-    """``megatron_fsdp.fully_shard`` of ``model`` (units ``unit_cls``, fp32 main params and
-    grads) with an AdamW at ``cfg.lr`` / ``cfg.weight_decay`` (fused with
-    ``cfg.fused_optimizer``); ``extra`` goes to fully_shard
-    (e.g. ``expt_device_mesh``). Returns (model, optimizer)."""
-    import megatron_fsdp
-
-    # megatron_fsdp 0.6.1 runs one optimizer step while wrapping: make it a no-op (lr 0,
-    # no decay), then restore the hyperparameters and the step counters.
-    fused = getattr(cfg, "fused_optimizer", False) or None
-    opt = torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=0.0, fused=fused)
-    model, opt = megatron_fsdp.fully_shard(
-        model,
-        opt,
-        device_mesh=mesh,
-        dp_shard_dim=dp_dim,
-        tp_dim="tp",
-        fsdp_unit_modules=[unit_cls],
-        zero_dp_strategy=cfg.strategy,
-        mixed_precision_policy=megatron_fsdp.MixedPrecisionPolicy(
-            main_params_dtype=torch.float32, main_grads_dtype=torch.float32
-        ),
-        **extra,
-    )
-    for group in opt.param_groups:
-        group["lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
-    for state in opt.state.values():
-        if "step" in state:
-            step = state["step"]
-            state["step"] = step.zero_() if torch.is_tensor(step) else 0
-    return model, opt
 
 
 def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
@@ -404,7 +389,7 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if cfg.device != "cuda":
         raise Skip("megatron_fsdp needs a CUDA device")
     try:
-        import megatron_fsdp  # noqa: F401 - availability check
+        import megatron_fsdp  # noqa: F401, PLC0415 - availability check (optional package)
     except ImportError as err:
         raise Skip(f"megatron_fsdp is not importable ({err.__class__.__name__}: {err})") from None
     if not cfg.bf16:
@@ -414,8 +399,6 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
             "this runner does not drive megatron_fsdp's no-sync accumulation: needs "
             "gradient accumulation 1"
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
     device = device_of(cfg)
     mesh = init_device_mesh("cuda", (world_size, 1), mesh_dim_names=("dp_shard", "tp"))
     model = build_for(cfg, device).to(torch.bfloat16)

@@ -10,6 +10,11 @@ closing synchronize; a row whose host ms is close to its step time is host-bound
 ``host us/layer`` divides the model's forward and backward calls' host time by the
 layers (and microbatches): for layerwise graphs that is one graph launch plus the eager
 FSDP work at the layer's boundary.
+
+Memory columns: each row's own peak, allocated and reserved (bench/verdicts.py [Note: a
+row's own peak]). Graph column: captures / replays / eager fallbacks and the communication
+graphs of a graphed row; a graphed row whose graphs did not replay is FAILED, with no time
+([Note: graphed rows must replay]). The header names the commit (provenance.py).
 """
 
 from __future__ import annotations
@@ -18,8 +23,12 @@ import json
 import os
 import re
 
+from graph_fsdp.bench.provenance import stamp_line
+from graph_fsdp.bench.verdicts import graph_label
+
 LEFTOVER_NOTE_BYTES = 64 * 2**20
-"""A row that starts with this much still allocated gets a note (its peak includes it)."""
+"""A row that starts with this much still allocated, or with this much free space in the
+segments it starts with, gets a note (bench/verdicts.py [Note: a row's own peak])."""
 
 LEGACY_REFERENCE_PREFIX = "unsharded reference"
 """Reports written before rows carried ``baseline``: their one unsharded row."""
@@ -64,33 +73,63 @@ def _fmt(value: object, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def code_line(report: dict) -> str:
+    """The report's commit stamp (provenance.py), or a line saying it has none."""
+    code = report.get("code")
+    return f"Code: {stamp_line(code)}." if code else "Code: not recorded (an older report)."
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def memory_notes(r: dict) -> list[str]:
+    """What a row's own peaks leave out (bench/verdicts.py [Note: a row's own peak])."""
+    notes = []
+    start = r.get("start_allocated_bytes") or 0
+    if start >= LEFTOVER_NOTE_BYTES:
+        notes.append(
+            f"- {r['name']}: {start / 2**30:.2f} GiB were still allocated when the row started "
+            "(left by earlier rows): not counted in its own peaks"
+        )
+    slack = r.get("start_reserved_slack_bytes") or 0
+    if slack >= LEFTOVER_NOTE_BYTES:
+        notes.append(
+            f"- {r['name']}: its own reserved peak may be low by about {slack / 2**30:.2f} GiB "
+            "(free space in segments earlier rows' blocks still held, which it could use "
+            "without reserving)"
+        )
+    return notes
+
+
 def markdown(report: dict) -> str:
     rows = with_ratios(report["rows"])
     lines = [
         f"# graph_fsdp benchmark: {report['world_size']} x {report['device_name']} "
         f"({report.get('backend') or '?'}), {report['created']}",
         "",
+        code_line(report),
+        "",
         report["setup"],
         "",
         "| row | ranks | median step ms | min step ms | host ms | host us/layer fwd, bwd | "
-        "tokens/s | TFLOP/s per GPU | peak mem GiB | peak reserved GiB | final loss | "
-        "step time vs ref | tokens/s per GPU vs ref |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "tokens/s | TFLOP/s per GPU | own peak allocated GiB | own peak reserved GiB | "
+        "graphs: captures/replays/fallbacks, comm | final loss | step time vs ref | "
+        "tokens/s per GPU vs ref |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|--:|--:|",
     ]
     notes = []
     for r in rows:
+        own = _gib(r.get("own_peak_allocated_bytes")), _gib(r.get("own_peak_reserved_bytes"))
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 11)
-            notes.append(f"- {r['name']}: {r['status']}: {r['reason']}")
-            continue
-        if r.get("note"):
-            notes.append(f"- {r['name']}: note: {r['note']}")
-        if (r.get("start_allocated_bytes") or 0) >= LEFTOVER_NOTE_BYTES:
-            notes.append(
-                f"- {r['name']}: {r['start_allocated_bytes'] / 2**30:.2f} GiB were still "
-                "allocated when the row started (left by earlier rows): its peak includes them"
+            status = r["status"].upper() if r["status"] == "failed" else r["status"]
+            lines.append(
+                f"| {r['name']} | {status} |" + " |" * 6 + f" {own[0]} | {own[1]} | "
+                f"{graph_label(r)} |" + " |" * 3
             )
-        peak, reserved = r.get("peak_memory_bytes"), r.get("peak_reserved_bytes")
+            notes.append(f"- {r['name']}: {status}: {r['reason']}")
+            continue
+        notes += memory_notes(r)
         per_layer = "-"
         if "host_fwd_us_per_layer" in r or "host_bwd_us_per_layer" in r:
             per_layer = ", ".join(
@@ -99,9 +138,8 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {r['name']} | {r['world_size']} | {r['median_step_ms']:.2f} | "
             f"{r['min_step_ms']:.2f} | {_fmt(r.get('median_host_ms'), '.2f')} | {per_layer} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | "
-            f"{_fmt(peak / 2**30 if peak else None, '.2f')} | "
-            f"{_fmt(reserved / 2**30 if reserved else None, '.2f')} | {r['final_loss']:.5f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tflops_per_gpu']:.3f} | {own[0]} | {own[1]} | "
+            f"{graph_label(r)} | {r['final_loss']:.5f} | "
             f"{_fmt(r.get('step_time_vs_ref'), '.2f', 'x')} | "
             f"{_fmt(r.get('tokens_per_gpu_vs_ref'), '.2f', 'x')} |"
         )
@@ -114,9 +152,14 @@ def markdown(report: dict) -> str:
             if ref is not None
             else "none (no unsharded row ran): no ratios"
         )
-        + ". peak mem / peak reserved: max over ranks of torch.cuda.max_memory_allocated / "
-        "max_memory_reserved during the row (a captured step's replays allocate nothing: its "
-        "graph pool shows in reserved, not in allocated).",
+        + ". own peak allocated / reserved: max over ranks of the row's "
+        "torch.cuda.max_memory_allocated / max_memory_reserved minus the bytes allocated / "
+        "reserved when it started (after gc and empty_cache). A replay allocates nothing: a "
+        "graphed row's pools show in reserved, not in allocated.",
+        "",
+        "graphs: a graphed row's captures / replays / eager fallbacks and its communication "
+        "graphs; it is FAILED (no time) with 0 replays, fewer replays than timed steps, any "
+        "eager fallback, or communication graphs that failed or never replayed.",
         "",
         "host ms: host time to issue a step (close to the step time = host-bound); host "
         "us/layer: host time of the forward and backward calls per layer and microbatch "
@@ -129,10 +172,10 @@ def markdown(report: dict) -> str:
 
 def bar_chart(report: dict, path: str) -> None:
     """Median step time and tokens/s per GPU per row (ok rows), ratios annotated."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (optional: pip install graph-fsdp[bench])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     rows = [r for r in with_ratios(report["rows"]) if r["status"] == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 * max(len(rows), 1) + 1.8))

@@ -2,12 +2,14 @@
 
 These machines are noisy, so the rows run back to back in one process group and the report
 gives each as a ratio to the faster of the two unsharded single-GPU rows (eager and captured)
-measured in the same launch.
+measured in the same launch. Each row reports its own peak memory, allocated and reserved
+(bench/verdicts.py [Note: a row's own peak]); a graphed row reports its captures, replays,
+eager fallbacks and communication graphs, and is failed - no time - when its graphs did not
+replay as its name claims ([Note: graphed rows must replay]).
 """
 
 from __future__ import annotations
 
-import gc
 import platform
 import sys
 import traceback
@@ -29,6 +31,14 @@ from graph_fsdp.bench.peers import (
     run_reference,
     run_unsharded,
     run_unsharded_captured,
+)
+from graph_fsdp.bench.verdicts import (
+    MEMORY_KEYS,
+    CudaCounters,
+    RowMemory,
+    create_workspaces,
+    graph_verdict,
+    memory_fields,
 )
 from graph_fsdp.models import model_flops_per_token
 
@@ -77,6 +87,8 @@ class Row:
     """Known up front not to run here, and why."""
     baseline: bool = False
     """An unsharded single-GPU step: the fastest such row is the ratios' denominator."""
+    graphed: bool = False
+    """Its time is a graphed time: its graphs must replay ([Note: graphed rows must replay])."""
 
 
 def plan_rows(job: BenchJob) -> list[Row]:
@@ -99,7 +111,9 @@ def plan_rows(job: BenchJob) -> list[Row]:
                     spec, cfg=replace(cfg, cuda_graph_impl=row_impl, cuda_graph_scope=list(scopes))
                 )
                 skip = None if cfg.device == "cuda" else "CUDA graphs need a CUDA device"
-                rows.append(Row(name=name, runner=run_graph_fsdp, spec=graphed, skip=skip))
+                rows.append(
+                    Row(name=name, runner=run_graph_fsdp, spec=graphed, skip=skip, graphed=True)
+                )
                 if job.compare_comm_graphs and "full_iteration" not in scopes:
                     eager_comm = replace(graphed, cfg=replace(graphed.cfg, cuda_graph_comm=False))
                     rows.append(
@@ -108,13 +122,19 @@ def plan_rows(job: BenchJob) -> list[Row]:
                             runner=run_graph_fsdp,
                             spec=eager_comm,
                             skip=skip,
+                            graphed=True,
                         )
                     )
     if "fsdp2" in job.rows:
         rows.append(Row(name="torch FSDP2", runner=run_fsdp2, spec=eager))
     if "fsdp2_cuda_graph" in job.rows:
         rows.append(
-            Row(name="torch FSDP2 + CUDA graph (fwd+bwd)", runner=run_fsdp2_cuda_graph, spec=eager)
+            Row(
+                name="torch FSDP2 + CUDA graph (fwd+bwd)",
+                runner=run_fsdp2_cuda_graph,
+                spec=eager,
+                graphed=True,
+            )
         )
     if "megatron_fsdp" in job.rows:
         rows.append(Row(name="megatron_fsdp", runner=run_megatron_fsdp, spec=eager))
@@ -137,6 +157,7 @@ def plan_rows(job: BenchJob) -> list[Row]:
                 world_size=1,
                 baseline=True,
                 skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
+                graphed=True,
             )
         )
     if "reference" in job.rows:
@@ -157,9 +178,7 @@ def device_name(cfg_device: str) -> str:
     return f"CPU ({platform.machine() or platform.processor() or 'unknown'})"
 
 
-def row_result(
-    row: Row, world_size: int, raw: dict, peak: int | None, reserved: int | None = None
-) -> dict:
+def row_result(row: Row, world_size: int, raw: dict) -> dict:
     """Times -> the numbers in the report (throughput is over the row's GPUs)."""
     cfg = row.spec.cfg
     gpus = row.world_size or world_size
@@ -176,12 +195,9 @@ def row_result(
         "min_step_ms": min(times) * 1e3,
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tokens_per_s * model_flops_per_token(cfg.model) / gpus / 1e12,
-        "peak_memory_bytes": peak,
-        "peak_reserved_bytes": reserved,
         "final_loss": raw["final_loss"],
         "step_times_ms": [t * 1e3 for t in times],
         **host_numbers(raw, cfg),
-        **({"note": raw["note"]} if raw.get("note") else {}),
     }
 
 
@@ -206,10 +222,39 @@ def _agree(values: list[float], device: torch.device, world_size: int) -> list[f
     return t.tolist()
 
 
+def _run_row(rank: int, world_size: int, row: Row) -> tuple[dict | None, str, str | None]:
+    """(raw numbers, status, reason) of one row on this rank."""
+    try:
+        return row.runner(rank, world_size, row.spec), "ok", None
+    except Skip as err:
+        return None, "skipped", str(err)
+    except Exception as err:  # noqa: BLE001 - one failing row must not hide the others
+        print(
+            f"[rank {rank}] bench row {row.name!r} failed:\n{traceback.format_exc()}",
+            file=sys.stderr,
+        )
+        return None, "failed", f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def _graph_check(row: Row, raw: dict | None, status: str) -> tuple[dict, str | None]:
+    """A graphed row's graph fields and why it fails ([Note: graphed rows must replay]); a
+    rank that did not run the row (1-GPU rows: only rank 0) has nothing to check."""
+    if not row.graphed or status != "ok" or raw is None:
+        return {}, None
+    return graph_verdict(
+        raw.get("graphs"),
+        timed_steps=row.spec.steps,
+        comm_requested=row.spec.cfg.cuda_graph_comm,
+    )
+
+
 def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
     """Run every planned row on this rank; rank 0 returns the rows' results."""
     device = device_of(job.spec.cfg)
     cuda = device.type == "cuda"
+    counters = CudaCounters(device) if cuda else None
+    if cuda:
+        create_workspaces(device)
     results = []
     for row in plan_rows(job):
         if row.skip is not None:
@@ -222,46 +267,28 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
                 }
             )
             continue
-        gc.collect()
-        start = 0
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            # Bytes an earlier row left behind count in this row's peak: reported apart.
-            start = torch.cuda.memory_allocated(device)
-        raw, status, reason = None, "ok", None
-        try:
-            raw = row.runner(rank, world_size, row.spec)
-        except Skip as err:
-            status, reason = "skipped", str(err)
-        except Exception as err:  # noqa: BLE001 - one failing row must not hide the others
-            status, reason = "failed", f"{type(err).__name__}: {err}".splitlines()[0]
-            print(
-                f"[rank {rank}] bench row {row.name!r} failed:\n{traceback.format_exc()}",
-                file=sys.stderr,
-            )
-        # Allocated: what the caching allocator handed out (a captured step's replays add
-        # nothing to it); reserved: what the process holds, graph pools included.
-        peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-        reserved = torch.cuda.max_memory_reserved(device) if cuda else 0
-        peak, reserved, start, failed = _agree(
-            [peak, reserved, start, status == "failed"], device, world_size
+        memory = RowMemory.start(counters) if cuda else None
+        raw, status, reason = _run_row(rank, world_size, row)
+        memory = memory.stop(counters).values() if cuda else [0] * len(MEMORY_KEYS)
+        graphs, graph_failure = _graph_check(row, raw, status)
+        *memory, failed, graph_failed = _agree(
+            [*memory, status == "failed", graph_failure is not None], device, world_size
         )
         if rank != 0:
             continue
+        out = {"name": row.name, "baseline": row.baseline, **graphs}
+        if cuda:
+            out.update(memory_fields(memory))
         if failed and status == "ok":
             status, reason = "failed", "failed on another rank (see its traceback)"
+        elif graph_failed and status == "ok":
+            status = "failed"
+            reason = graph_failure or "its graphs did not replay on another rank"
         if status != "ok":
-            results.append(
-                {"name": row.name, "status": status, "reason": reason, "baseline": row.baseline}
-            )
+            results.append({**out, "status": status, "reason": reason})
             print(f"bench: {row.name}: {status} ({reason})", file=sys.stderr)
             continue
-        result = row_result(
-            row, world_size, raw, int(peak) if cuda else None, int(reserved) if cuda else None
-        )
-        if cuda:
-            result["start_allocated_bytes"] = int(start)
+        result = {**row_result(row, world_size, raw), **out}
         results.append(result)
         print(
             f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "

@@ -1,7 +1,10 @@
 """Persistent double (N-) buffers: units of one size alternate between N slots.
 
-Keys are grouped into size classes by (role, numel, dtype, device) in registration order
-(the engine registers units in forward order). Within a class the i-th key uses slot
+Keys are grouped into size classes by (role, numel, dtype, device, tag) in registration
+order (the engine registers units in forward order); the tag is what a tuple key holds past
+its third element (nothing for most keys): keys of different tags never share a class, so
+a unit holding two buffers of one role and size under different tags (its dense and expert
+parameters) alternates slots per tag instead of competing with its neighbours for one. Within a class the i-th key uses slot
 ``i % N`` - so unit k always sees the same address, and neighbours in execution order use
 different slots, letting the all-gather of unit k+1 overlap the compute of unit k. Classes
 with fewer members than N get one slot per member: asymmetric models (dense and MoE
@@ -47,18 +50,20 @@ class DoubleBufferAllocator(SlotAllocator):
         serial: dict[tuple, list[Key]] = {}
         for key, (numel, dtype, device) in self._registered.items():
             role = key[1] if isinstance(key, tuple) and len(key) > 1 else "other"
+            tag = key[3:] if isinstance(key, tuple) else ()
             if role in self.serial_roles:
                 serial.setdefault((role, dtype, device), []).append(key)
             else:
-                classes.setdefault((role, numel, dtype, device), []).append(key)
+                classes.setdefault((role, numel, dtype, device, tag), []).append(key)
         for (role, dtype, device), keys in serial.items():
             numel = max(self._registered[k][0] for k in keys)
             slot = Slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#serial")
             for key in keys:
                 self._assignment[key] = slot
-        for (role, numel, dtype, device), keys in classes.items():
+        for (role, numel, dtype, device, tag), keys in classes.items():
+            label = f"{role}[{numel}x{dtype}]" + "".join(f"/{t}" for t in tag)
             ring = [
-                Slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#{i}")
+                Slot(numel, dtype, device, label=f"{label}#{i}")
                 for i in range(min(self.num_slots, len(keys)))
             ]
             for i, key in enumerate(keys):

@@ -1,12 +1,8 @@
 """Layerwise CUDA graph capture over fully_shard-ed models (TE and pure-PyTorch backends)."""
 
-from graph_fsdp.capture.full_iteration import (
-    FullIterationGraphs,
-    GraphedStep,
-    HostClock,
-    eager_forward_backward,
-)
-from graph_fsdp.capture.runner import LayerwiseGraphs
+from graph_fsdp.capture.diagnosis import CaptureFailedError
+from graph_fsdp.capture.full_iteration import FullIterationGraphs
+from graph_fsdp.capture.layerwise import LayerwiseGraphs
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     MOE_SCOPES,
@@ -22,12 +18,12 @@ from graph_fsdp.capture.scopes import (
     scope_paths,
     select_targets,
 )
-from graph_fsdp.capture.shutdown import (
+from graph_fsdp.capture.step import GraphedStep, HostClock, eager_forward_backward
+from graph_fsdp.capture.teardown import (
     close_live_runners,
     install_shutdown_guard,
     live_runners,
 )
-from graph_fsdp.capture.tracker import CaptureFailedError
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
 
 # Live graphs keep NCCL communicators alive: destroy_process_group closes them first.

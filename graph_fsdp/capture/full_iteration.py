@@ -50,15 +50,13 @@ works; it is ``forward_backward(step_fn, x, y, denom=denom)`` with a built-in st
 Each microbatch position (the n-th call after ``before_step()``) has its own graph (the
 no_sync accumulation and the final reduction differ), captured in order on first use and
 sharing one memory pool. A capture that fails is re-raised as ``CaptureFailedError`` naming
-the module that was running (tracker.py); ``verify=True`` checks the first replay of each
+the module that was running (diagnosis.py); ``verify=True`` checks the first replay of each
 position against an eager run of the same step ([Note: verification], verify.py).
 """
 
 from __future__ import annotations
 
 import time
-import warnings
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -66,62 +64,37 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import SlotAllocator, nvtx_range
-from graph_fsdp.capture.graphed import CallSignature
-from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.capture.shutdown import RunnerLifecycle, reset_graphs
-from graph_fsdp.capture.te_backend import attention_capture_guard
-from graph_fsdp.capture.tracker import (
+from graph_fsdp.buffers.allocator import SlotAllocator
+from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
     explain_capture_failure,
     no_collection,
 )
+from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.capture.step import (
+    GraphedStep,
+    HostClock,
+    StepFn,
+    check_capturable,
+    check_verify_option,
+    detached,
+    eager_forward_backward,
+    fn_name,
+    record_verification,
+)
+from graph_fsdp.capture.te_backend import attention_capture_guard
+from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
+from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.capture.transformers_masks import eager_mask_decisions
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     GradState,
-    GraphVerificationError,
     VerifyResult,
     verify_step,
 )
-
-
-@dataclass
-class HostClock:
-    """Host seconds spent issuing the model's forward and backward calls (one step).
-
-    Nothing in forward or backward waits for the GPU (no host syncs: required for capture),
-    so this is the host cost of launching the work: eager kernels, graph replays and
-    FSDP's hooks between them. A full_iteration replay has no separate forward/backward
-    call and leaves both at zero (train.run's per-step host time covers it).
-    """
-
-    forward: float = 0.0
-    backward: float = 0.0
-
-
-def eager_forward_backward(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, denom: float, clock: HostClock | None = None
-) -> torch.Tensor:
-    """One microbatch: ``loss = model(x, y) / denom``, its backward; returns the loss."""
-    t0 = time.perf_counter()
-    loss = model(x, y) / denom
-    t1 = time.perf_counter()
-    loss.backward()
-    if clock is not None:
-        clock.forward += t1 - t0
-        clock.backward += time.perf_counter() - t1
-    return loss.detach()
-
-
-StepFn = Callable[..., object]
-
-
-def detached(tree):
-    """``tree`` with its tensors detached (no autograd graph kept alive by the caller)."""
-    flat, spec = tree_flatten(tree)
-    return tree_unflatten([x.detach() if isinstance(x, torch.Tensor) else x for x in flat], spec)
+from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.state import collect_states
 
 
 def same_step_fn(a: StepFn, b: StepFn) -> bool:
@@ -132,23 +105,6 @@ def same_step_fn(a: StepFn, b: StepFn) -> bool:
     return getattr(a, "__func__", a) is getattr(b, "__func__", b) and getattr(
         a, "__self__", None
     ) is getattr(b, "__self__", None)
-
-
-def fn_name(fn: StepFn) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-class GraphedStep:
-    """``graphs.capture(step_fn)``: call it like ``step_fn``; the runner decides whether the
-    call runs eagerly, is captured or replays (``graphs.forward_backward(step_fn, ...)``)."""
-
-    def __init__(self, graphs, fn: StepFn) -> None:
-        if not callable(fn):
-            raise TypeError(f"capture(step_fn): {fn!r} is not callable")
-        self.graphs, self.fn = graphs, fn
-
-    def __call__(self, *tensors, **kwargs):
-        return self.graphs.forward_backward(self.fn, *tensors, **kwargs)
 
 
 @dataclass
@@ -207,9 +163,6 @@ class FullIterationGraphs(RunnerLifecycle):
         eager: bool = False,
         verify: bool | str = False,
     ) -> None:
-        from graph_fsdp.capture.runner import check_capturable  # noqa: PLC0415 (cycle)
-        from graph_fsdp.fully_shard import collect_states  # noqa: PLC0415
-
         check_verify_option(verify)
         check_capturable(model, ["full_iteration"], warmup_steps, graphs=not eager)
         self.device = next(model.parameters()).device
@@ -231,6 +184,7 @@ class FullIterationGraphs(RunnerLifecycle):
         self._phase = "eager"
         self._calls = 0
         self._clock: HostClock | None = None
+        self._register_with_units()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -298,7 +252,10 @@ class FullIterationGraphs(RunnerLifecycle):
             "capture_seconds": self.capture_seconds,
             "replays": self.replays,
             "eager_fallbacks": 0,
-            "verification": [vars(r) | {"summary": r.describe()} for r in self.verification],
+            "verification": [
+                vars(r) | {"summary": r.describe(), "verified": r.verified}
+                for r in self.verification
+            ],
         }
 
     # ------------------------------------------------------------------ one step call
@@ -401,6 +358,7 @@ class FullIterationGraphs(RunnerLifecycle):
             recorder=self._recorder,
             run_eager=run_eager,
             run_graphed=lambda: self._replay(micro, pos, args, kwargs),
+            graph_calls=lambda: (self.replays, 0),  # a position replays its graph or raises
             device=self.device,
             saved=before,
             after=after,
@@ -493,29 +451,3 @@ class FullIterationGraphs(RunnerLifecycle):
             if state.requires_grad_sync:
                 for group in state.groups:
                     group.attach_sharded_grads()
-
-
-VERIFY_OPTIONS = (False, True, "raise")
-
-
-def check_verify_option(verify) -> None:
-    if not any(verify is v or (isinstance(v, str) and verify == v) for v in VERIFY_OPTIONS):
-        raise GraphConfigError(
-            f"verify={verify!r}: expected False, True (record and warn on a difference) or "
-            "'raise' (raise GraphVerificationError)"
-        )
-
-
-def record_verification(
-    results: list[VerifyResult], result: VerifyResult, mode, tracker: ModuleTracker
-) -> None:
-    results.append(result)
-    if result.identical:
-        return
-    result.capture_queries = [
-        f"{site}{f' (in {module})' if module else ''}"
-        for site, module in tracker.capture_queries.items()
-    ]
-    if mode == "raise":
-        raise GraphVerificationError(result.describe())
-    warnings.warn(result.describe(), stacklevel=3)

@@ -142,7 +142,7 @@ def check_static_buffers(
     if policy.allocator == "dynamic":
         missing.append(
             "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
-            "allocator='trace_pool' (--fsdp-trace-pool)"
+            "allocator='trace_pool' (--fsdp-buffer trace_pool)"
         )
     if not policy.persist_on_alloc_fail:
         missing.append(

@@ -8,7 +8,6 @@ capture travels in ``capture_time_hooks`` (hooks/module_hooks.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import warnings
@@ -19,7 +18,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from graph_fsdp.capture.graphed import CapturedCallable, CaptureHooks
+from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.capture.torch_backend import CapturedCallable, CaptureHooks
 
 MIN_TE_VERSION = (2, 19)
 
@@ -117,8 +117,6 @@ def check_attention_capture(
     would crash or find no backend; warns (rank 0, once per process and shape) and returns
     the warning where graphed steps will differ from eager ones; else None.
     """
-    from graph_fsdp.capture.scopes import GraphConfigError  # noqa: PLC0415
-
     captures_attention = not scopes or "attn" in scopes or "full_iteration" in scopes
     if not captures_attention or seq_length % 128 == 0 or backend not in ("auto", "fused"):
         return None
@@ -204,23 +202,6 @@ def attention_kv_length(module: nn.Module, args: tuple) -> int | None:
     return int(key.shape[kv_layout.index("s")])
 
 
-def preload_te() -> None:
-    """Import TransformerEngine (if installed) before this process does any CUDA work.
-
-    TE loads the system cuDNN libraries; imported after torch has loaded its own cuDNN
-    (by a first attention kernel) it fails with an undefined cuDNN symbol - measured on the
-    GPU host, where the bench's TE and megatron_fsdp rows ran after eager rows. Every CUDA
-    rank the CLI or the tests start calls this first. An installed but broken TE is left
-    for the code that needs it to report.
-    """
-    if importlib.util.find_spec("transformer_engine") is None:
-        return
-    try:
-        import transformer_engine.pytorch  # noqa: F401, PLC0415
-    except (ImportError, OSError):
-        pass
-
-
 class _Positional(nn.Module):
     """What TE captures for one callable: the original forward, called from positional
     tensors (TE's sample_args must be tensors), with the non-tensor arguments put back.
@@ -250,7 +231,7 @@ class _Positional(nn.Module):
     def forward(self, *tensors: torch.Tensor):
         cap = self._cap[0]
         args, kwargs = cap.signature.rebuild(list(tensors[:-1]))  # tensors[-1]: the anchor
-        if cap.tracker is not None:  # capture-failure diagnosis (tracker.py)
+        if cap.tracker is not None:  # capture-failure diagnosis (diagnosis.py)
             with cap.tracker.phase(cap.name, "forward"):
                 out = cap.orig_forward(*args, **kwargs)
         else:

@@ -9,6 +9,12 @@
    per-module checksums; restore the snapshot;
 3. run the step graphed (replay), keep the same; compare bitwise.
 
+The graphed run must have replayed: the runner hands ``verify_step`` its replay and
+eager-fallback counters, and a graphed run that replayed no graph, or in which a call fell
+back to eager, is *not verified* (``VerifyResult.verified``), never "identical" - it would
+compare eager with eager. A gradient accumulator or a module output present in one run and
+absent in the other is a difference, never compared with itself.
+
 The checksums are one float64 sum and one bit-pattern hash of each module's forward
 outputs, per ``(module, call)``. Inside a graph no host code runs at replay, so the recorder
 is armed while the graphs are *captured*: its hooks then record kernels that write each
@@ -156,7 +162,8 @@ def first_difference(
     A module that ran eagerly but wrote nothing in the graphed run (under capture its parent
     took another branch) is no comparison point: the first module both runs recorded whose
     output differs is named, with the submodules that ran in only one of the runs - e.g. an
-    attention module that picked another kernel backend under capture.
+    attention module that picked another kernel backend under capture. A module recorded in
+    only one of the runs is itself a difference when nothing before it differs.
     """
     ran_eager, ran_graphed = _written(eager), _written(graphed)
     only_graphed = sorted(ran_graphed - ran_eager)
@@ -175,6 +182,9 @@ def first_difference(
         name, call = skipped[0]
         note = f"; under capture {_names(only_graphed)} ran instead" if only_graphed else ""
         return name, call, "its output was not recorded in the graphed run" + note
+    if only_graphed:
+        name, call = only_graphed[0]
+        return name, call, "its output was recorded only in the graphed run (it ran only there)"
     return None
 
 
@@ -249,6 +259,7 @@ class VerifyResult:
 
     what: str
     identical: bool
+    """Verified (see ``verified``) and graphed == eager bit for bit."""
     outputs_equal: bool
     first_module: str | None = None
     first_call: int | None = None
@@ -258,14 +269,38 @@ class VerifyResult:
     note: str = ""
     capture_queries: list[str] = field(default_factory=list)
     """Code that branched on ``is_current_stream_capturing()`` while the graphs were captured
-    (tracker.py [Note: capture-state queries]), with the module running; set only when the
+    (diagnosis.py [Note: capture-state queries]), with the module running; set only when the
     step differs."""
+    replays: int = 0
+    """Graph replays during the graphed run."""
+    fallbacks: int = 0
+    """Calls of captured modules that ran eagerly during the graphed run."""
+
+    @property
+    def verified(self) -> bool:
+        """The graphed run replayed and nothing in it fell back to eager: a comparison of
+        graphed with eager, not of eager with eager."""
+        return self.replays > 0 and self.fallbacks == 0
+
+    def not_verified_reason(self) -> str | None:
+        if self.replays == 0:
+            return "the graphed run replayed no graph (0 replays): it ran eagerly"
+        if self.fallbacks:
+            return (
+                f"{self.fallbacks} call(s) of captured modules fell back to eager in the "
+                f"graphed run ({self.replays} replays)"
+            )
+        return None
 
     def describe(self) -> str:
+        reason = self.not_verified_reason()
+        if reason is not None:
+            return f"{self.what}: NOT VERIFIED: {reason}; nothing was compared against a replay"
         if self.identical:
             return (
-                f"{self.what}: graphed == eager bit for bit (outputs, gradients and the "
-                f"forward outputs of {self.modules_checked} module calls)"
+                f"{self.what}: graphed == eager bit for bit ({self.replays} replays; outputs "
+                f"and gradients by torch.equal, the forward outputs of {self.modules_checked} "
+                "module calls by a float64 sum and a position-weighted hash of their bits)"
             )
         parts = []
         if self.first_module is not None:
@@ -342,6 +377,19 @@ def _coverage_note(recorder: ChecksumRecorder) -> str:
     return f" ({'; '.join(notes)})" if notes else ""
 
 
+def differing_tensors(eager: dict[str, torch.Tensor], graphed: dict[str, torch.Tensor]) -> list:
+    """Keys whose tensors differ (``torch.equal``), and keys present in one run only (named
+    so): a missing tensor is a difference, never compared with itself."""
+    out = []
+    for key in dict.fromkeys([*eager, *graphed]):
+        a, b = eager.get(key), graphed.get(key)
+        if a is None or b is None:
+            out.append(f"{key} (only in the {'eager' if b is None else 'graphed'} run)")
+        elif not torch.equal(a, b):
+            out.append(key)
+    return out
+
+
 def verify_step(
     *,
     what: str,
@@ -349,6 +397,7 @@ def verify_step(
     recorder: ChecksumRecorder,
     run_eager,
     run_graphed,
+    graph_calls,
     device: torch.device,
     saved: GradState | None = None,
     after: GradState | None = None,
@@ -356,10 +405,13 @@ def verify_step(
     """Run ``run_eager()`` and ``run_graphed()`` from the same state; compare them.
 
     Both return the step's outputs. Returns the result and the graphed run's outputs: the
-    step counts as run once, graphed (its gradients stay). ``saved``: the state to start
-    from when the live one is not it (a full-iteration capture ran the step's Python, e.g.
-    set ``accum_pending``, without running its kernels); default: the live state. ``after``:
-    the Python side to leave behind (the capture's: a replay runs no Python).
+    step counts as run once, graphed (its gradients stay). ``graph_calls()`` returns the
+    runner's running totals ``(replays, eager fallbacks)``; their growth during
+    ``run_graphed()`` says whether it replayed (else the result is not verified). ``saved``:
+    the state to start from when the live one is not it (a full-iteration capture ran the
+    step's Python, e.g. set ``accum_pending``, without running its kernels); default: the
+    live state. ``after``: the Python side to leave behind (the capture's: a replay runs no
+    Python).
     """
     grads = saved if saved is not None else GradState.save(states)
     grads.restore()
@@ -373,23 +425,28 @@ def verify_step(
     grads.restore()
     set_rng_state(rng, device)
     recorder.reset_values()
+    replays0, fallbacks0 = graph_calls()
     with recorder.recording("always"):
         out_graphed = run_graphed()
+    replays1, fallbacks1 = graph_calls()
     if after is not None:
         after.restore()
     sums_graphed = recorder.snapshot()
     grads_graphed = grads.grads_by_group(states)
     first = first_difference(order, sums_eager, sums_graphed)
-    differing = [k for k, v in grads_eager.items() if not torch.equal(v, grads_graphed.get(k, v))]
+    differing = differing_tensors(grads_eager, grads_graphed)
     outputs_equal = equal_trees(out_eager, out_graphed)
     result = VerifyResult(
         what=what,
-        identical=first is None and not differing and outputs_equal,
+        identical=False,
         outputs_equal=outputs_equal,
         differing_grads=differing,
         modules_checked=len(order),
         note=_coverage_note(recorder),
+        replays=replays1 - replays0,
+        fallbacks=fallbacks1 - fallbacks0,
     )
+    result.identical = result.verified and first is None and not differing and outputs_equal
     if first is not None:
         result.first_module, result.first_call, result.module_detail = first
     return result, out_graphed

@@ -12,8 +12,12 @@ one CUDA graph, megatron_fsdp (when importable) and two unsharded single-GPU bas
 with the per-GPU batch (fp32 weights, bf16 autocast, fused AdamW; eager, and forward+backward
 captured in one CUDA graph). Every ratio is taken against the faster of the two. ``--rows
 reference`` adds graph_fsdp's slower parity reference (bf16 weights + fp32 master, unfused
-AdamW). Rows that cannot run here are reported as skipped with the reason.
-Writes results.md, results.json and results.png to --output-dir.
+AdamW). Rows that cannot run here are reported as skipped with the reason. Each row reports its own
+peak memory (allocated and reserved, minus what it started with); a graphed row reports its
+captures, replays, eager fallbacks and communication graphs, and one whose graphs did not
+replay is FAILED with no time (graph_fsdp/bench/verdicts.py). Exit status 1 when a row failed.
+Writes results.md, results.json (both stamped with the git commit) and results.png to
+--output-dir.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ import os
 import sys
 
 from graph_fsdp.bench.peers import UNSHARDED_SCHEME, BenchSpec
+from graph_fsdp.bench.provenance import code_version
 from graph_fsdp.bench.report import gpu_tag, markdown, write_report
 from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
+from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import (
     add_common_args,
     add_scope_sets_arg,
@@ -38,6 +43,7 @@ from graph_fsdp.cli.options import (
     scope_sets_from,
 )
 from graph_fsdp.cli.paths import check_output_dir
+from graph_fsdp.launch import launch
 from graph_fsdp.train import placement_label
 
 
@@ -97,9 +103,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="DIR",
         help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
     )
-    from graph_fsdp.integrations.megatron_cli import add_megatron_model_args  # noqa: PLC0415
-
-    add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: integrations/megatron_bench.py
+    mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -148,12 +152,8 @@ def main(args: argparse.Namespace) -> int:
             "(the peers' rows do not clip); drop it (train and compare take it)"
         )
     if args.model != "gpt":
-        from graph_fsdp.integrations import megatron_bench  # noqa: PLC0415
-
-        return megatron_bench.main(args)
-    from graph_fsdp.integrations.megatron_cli import reject_mcore_only_flags  # noqa: PLC0415
-
-    reject_mcore_only_flags(args)
+        return mcore.bench_main(args)
+    mcore.reject_mcore_only_flags(args)
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)
@@ -198,6 +198,7 @@ def main(args: argparse.Namespace) -> int:
         "created": now.isoformat(timespec="seconds"),
         "setup": _setup_line(args, job),
         "argv": getattr(args, "argv", None),
+        "code": code_version(),
     }
     tag = "cpu" if res.plan.device == "cpu" else gpu_tag(out["device_name"])
     output_dir = args.output_dir or os.path.join("bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}")

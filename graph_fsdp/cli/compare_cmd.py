@@ -12,7 +12,12 @@ run it prints whether every step's loss and the final full parameters are bit-id
 Every graphed run also verifies its first graphed step (``TrainConfig.cuda_graph_verify``,
 graph_fsdp/capture/verify.py): the step runs eagerly and replayed from the same state, and a
 difference names the first module whose forward output differs.
-Exit status 1 when any run differs. Without CUDA no graph can be captured, so on CPU the
+A graphed run is IDENTICAL only if its graphs replayed: ``NOT GRAPHED`` when it reports no
+graphs, zero replays or fewer replays than graphed steps, ``FELL BACK`` when a captured
+module ran eagerly, ``NOT VERIFIED`` when its verification step replayed nothing, and
+``COMMUNICATION GRAPHS failed`` when its communication graphs failed - equal numbers from an
+eager run prove nothing about graphs. Exit status 1 when any run is not IDENTICAL. The header
+and ``--log-json`` name the git commit (graph_fsdp/bench/provenance.py). Without CUDA no graph can be captured, so on CPU the
 reference is an eager run of ``--reference-strategy`` and the compared run an eager run of
 ``--data-parallel-sharding-strategy``.
 """
@@ -27,10 +32,12 @@ from dataclasses import replace
 import torch
 
 from graph_fsdp.api import STRATEGIES
+from graph_fsdp.bench.provenance import code_version, stamp_line
+from graph_fsdp.bench.verdicts import graph_verdict
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
 from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
+from graph_fsdp.launch import launch
 from graph_fsdp.train import TrainConfig, run
 
 
@@ -73,10 +80,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
 
 GRAPH_REPORT_KEY = "cuda_graphs"
 """Key of ``train.run``'s result that describes what was captured (absent: nothing said)."""
-NO_GRAPH_REPORT = (
-    "train.run reported no captured graphs (its result has no 'cuda_graphs' entry): this "
-    "engine version may have run this configuration eagerly"
-)
 
 
 def run_label(cfg: TrainConfig) -> str:
@@ -124,18 +127,51 @@ def diff_runs(ref: dict, other: dict, start_step: int = 0) -> dict:
 
 
 def add_verification(verdict: dict, other: dict) -> None:
-    """The graphed run's step verification (graphed vs eager, first differing module)."""
-    checks = other.get(GRAPH_REPORT_KEY, {}).get("verification", [])
+    """The graphed run's step verification (graphed vs eager, first differing module); a
+    check whose graphed run replayed nothing is NOT VERIFIED (verify.py)."""
+    checks = (other.get(GRAPH_REPORT_KEY) or {}).get("verification", [])
     verdict["verification"] = [c["summary"] for c in checks]
-    flagged = [c for c in checks if not c["identical"]]
-    if flagged:
+    unverified = [c for c in checks if not c.get("verified", False)]
+    if unverified and "graph_failure" not in verdict:
+        c = unverified[0]
+        why = (
+            f"{c['fallbacks']} eager fallbacks"
+            if c.get("replays", 0) and c.get("fallbacks")
+            else "0 replays"
+        )
+        verdict["graph_failure"] = f"NOT VERIFIED: its verification step's graphed run had {why}"
+    flagged = [c for c in checks if not c["identical"] and c.get("verified", False)]
+    if unverified or flagged:
         verdict["identical"] = False
+    if flagged:
         verdict["first_differing_module"] = flagged[0].get("first_module")
+
+
+def add_graph_check(verdict: dict, other: dict, cfg: TrainConfig) -> None:
+    """A graphed run's captures, replays, fallbacks and communication graphs; one whose
+    graphs did not replay as configured is not IDENTICAL, whatever its numbers
+    (bench/verdicts.py [Note: graphed rows must replay])."""
+    if cfg.cuda_graph_impl == "none":
+        return
+    fields, failure = graph_verdict(
+        other.get(GRAPH_REPORT_KEY),
+        timed_steps=max(cfg.steps - cfg.cuda_graph_warmup_steps, 1),
+        comm_requested=cfg.cuda_graph_comm,
+    )
+    verdict.update(fields)
+    if failure is not None:
+        verdict.update(identical=False, graph_failure=failure)
 
 
 def format_verdict(label: str, v: dict) -> str:
     warning = f"\n  {'':<44} warning: {v['warning']}" if v.get("warning") else ""
+    if "graph_replays" in v:
+        warning += f"\n  {'':<44} graphs: {_graph_counts(v)}"
     warning += "".join(f"\n  {'':<44} verify: {line}" for line in v.get("verification", []))
+    if v.get("graph_failure"):
+        same = v.get("equal_steps") == v.get("steps") and not v.get("differing_params")
+        numbers = "numbers equal the reference" if same else "numbers differ from the reference"
+        return f"  {label:<44} {v['graph_failure']} ({numbers}){warning}"
     if v["identical"]:
         return (
             f"  {label:<44} IDENTICAL  losses {v['equal_steps']}/{v['steps']} steps and final "
@@ -167,6 +203,27 @@ def format_verdict(label: str, v: dict) -> str:
     return f"  {label:<44} DIFFERENT  " + "; ".join(parts) + warning
 
 
+def _graph_counts(v: dict) -> str:
+    return (
+        f"{v['graph_captures']} captures, {v['graph_replays']} replays, "
+        f"{v['graph_eager_fallbacks']} eager fallbacks; communication graphs {v['comm_graphs']}"
+    )
+
+
+def summary_line(verdicts: list[dict]) -> str:
+    if all(v["identical"] for v in verdicts):
+        graphed = any("graph_replays" in v for v in verdicts)
+        return "all runs bit-identical" + (
+            " (every graphed run replayed, none fell back)" if graphed else ""
+        )
+    unproven = sum(bool(v.get("graph_failure")) for v in verdicts)
+    different = sum(not v["identical"] and not v.get("graph_failure") for v in verdicts)
+    parts = [f"{different} run(s) DIFFER from the reference"] if different else []
+    if unproven:
+        parts.append(f"{unproven} graphed run(s) did not replay as configured")
+    return "; ".join(parts)
+
+
 def compare_worker(
     rank: int, world_size: int, reference: TrainConfig, runs: list[TrainConfig]
 ) -> list[dict] | None:
@@ -177,9 +234,9 @@ def compare_worker(
         other = run(rank, world_size, cfg)
         if rank == 0:
             verdict = diff_runs(ref, other, cfg.start_step)
-            if cfg.cuda_graph_impl != "none" and GRAPH_REPORT_KEY not in other:
-                verdict["warning"] = NO_GRAPH_REPORT
-            add_verification(verdict, other)
+            add_graph_check(verdict, other, cfg)
+            if cfg.cuda_graph_impl != "none":
+                add_verification(verdict, other)
             verdicts.append(verdict)
         del other
         if cfg.device == "cuda":
@@ -228,10 +285,11 @@ def main(args: argparse.Namespace) -> int:
             else ""
         )
     )
+    print(f"code: {stamp_line()}")
     for cfg, v in zip(runs, verdicts):
         print(format_verdict(run_label(cfg), v))
     ok = all(v["identical"] for v in verdicts)
-    print("all runs bit-identical" if ok else "runs DIFFER from the reference")
+    print(summary_line(verdicts))
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)), exist_ok=True)
         with open(args.log_json, "w") as f:
@@ -239,6 +297,7 @@ def main(args: argparse.Namespace) -> int:
                 {
                     "reference": run_label(reference),
                     "steps": base.steps,
+                    "code": code_version(),
                     "results": [{"run": run_label(c), **v} for c, v in zip(runs, verdicts)],
                 },
                 f,

@@ -23,7 +23,7 @@ import sys
 import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.supervision import VERBOSE_ENV, Interrupted, RankFailure
+from graph_fsdp.supervision import VERBOSE_ENV, Interrupted, RankFailure
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     if getattr(args, "verbose", False):
-        os.environ[VERBOSE_ENV] = "1"  # read by the launcher (cli/supervision.py)
+        os.environ[VERBOSE_ENV] = "1"  # read by the launcher (graph_fsdp/supervision.py)
     try:
         return args.handler(args)
     except CLIError as err:

@@ -14,8 +14,9 @@ import argparse
 import importlib.util
 import re
 from dataclasses import dataclass
+from typing import get_args
 
-from graph_fsdp.api import STRATEGIES, BufferPolicy
+from graph_fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     MOE_SCOPES,
@@ -27,7 +28,8 @@ from graph_fsdp.capture.scopes import (
 )
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import LaunchPlan, resolve_plan
+from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.launch import LaunchPlan
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.train import TrainConfig
 
@@ -35,6 +37,8 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 """Megatron's --transformer-impl: the reference torch layers or TransformerEngine layers."""
 OUTER_STRATEGIES = ("no_shard", "optim")
 """Megatron-FSDP's --outer-dp-sharding-strategy (HSDP across distributed-optimizer instances)."""
+BUFFER_ALLOCATORS = get_args(AllocatorKind)
+"""--fsdp-buffer: BufferPolicy's allocators (dynamic, double_buffer, trace_pool)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,15 +190,19 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "instances). Needs --num-distributed-optimizer-instances > 1.",
     )
     g.add_argument(
-        "--fsdp-double-buffer",
-        action="store_true",
-        help="Unsharded weights/grads live in a persistent double buffer (static "
-        "addresses, needed by layerwise CUDA graphs).",
+        "--fsdp-buffer",
+        choices=BUFFER_ALLOCATORS,
+        default=None,
+        help="Where the unsharded weights and gradients live (BufferPolicy.allocator): "
+        "dynamic - the caching allocator (lowest memory; addresses change, so eager only); "
+        "double_buffer - persistent slots that units of one size alternate; trace_pool - "
+        "slots planned from one traced step. The last two keep static addresses, as CUDA "
+        "graphs need. Default: dynamic.",
     )
     g.add_argument(
-        "--fsdp-trace-pool",
+        "--fsdp-double-buffer",
         action="store_true",
-        help="Like --fsdp-double-buffer, but a pool planned from one traced step.",
+        help="Megatron's spelling of --fsdp-buffer double_buffer.",
     )
     g.add_argument(
         "--fsdp-db-use-persist-buf-on-alloc-fail",
@@ -471,22 +479,21 @@ def check_scopes(
 
 
 def allocator_of(args: argparse.Namespace) -> str:
-    if args.fsdp_double_buffer and args.fsdp_trace_pool:
-        raise CLIError(
-            "--fsdp-double-buffer and --fsdp-trace-pool are two allocators for the same buffers; "
-            "pass only one of them"
-        )
-    allocator = (
-        "double_buffer"
-        if args.fsdp_double_buffer
-        else "trace_pool"
-        if args.fsdp_trace_pool
-        else "dynamic"
-    )
+    """BufferPolicy.allocator of --fsdp-buffer and its Megatron alias --fsdp-double-buffer."""
+    allocator = args.fsdp_buffer
+    if args.fsdp_double_buffer:
+        if allocator not in (None, "double_buffer"):
+            raise CLIError(
+                f"--fsdp-double-buffer and --fsdp-buffer {allocator} name two allocators for the "
+                "same buffers (--fsdp-double-buffer is --fsdp-buffer double_buffer): pass one "
+                "of them"
+            )
+        allocator = "double_buffer"
+    allocator = allocator or "dynamic"
     if args.fsdp_db_use_persist_buf_on_alloc_fail and allocator == "dynamic":
         raise CLIError(
             "--fsdp-db-use-persist-buf-on-alloc-fail has no effect with the dynamic allocator: "
-            "add --fsdp-double-buffer (or --fsdp-trace-pool)"
+            "add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
         )
     return allocator
 

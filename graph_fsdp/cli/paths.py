@@ -46,9 +46,8 @@ def check_can_create(flag: str, path: str) -> None:
 def check_output_file(flag: str, path: str) -> None:
     """A file the run (over)writes, e.g. ``--log-json``."""
     if os.path.isdir(path):
-        raise CLIError(
-            f"{flag} {path} is a directory; pass a file path (e.g. {os.path.join(path, 'steps.jsonl')})"
-        )
+        example = os.path.join(path, "steps.jsonl")
+        raise CLIError(f"{flag} {path} is a directory; pass a file path (e.g. {example})")
     if os.path.exists(path):
         try:
             with open(path, "a"):

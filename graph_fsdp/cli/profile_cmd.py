@@ -15,13 +15,16 @@ compute), then host time per ``graph_fsdp/<phase>/<fqn>`` range and per collecti
 allocated CUDA memory to roles (main params, main grads, optimizer state, compute shard,
 unsharded param/grad/grad-comm slots, activations, ...) and writes ``memory_<label>.json``;
 see :mod:`graph_fsdp.bench.memory`. ``python -m graph_fsdp.bench.memory A.json B.json``
-prints several side by side.
+prints several side by side. Every file written names the git commit
+(graph_fsdp/bench/provenance.py): ``memory_<label>.json``, and beside the traces
+``profile_summary.json`` (the per-rank summaries).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import shutil
 import subprocess
@@ -37,12 +40,13 @@ from graph_fsdp.bench.memory import (
     write_result,
 )
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
+from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
-from graph_fsdp.buffers.allocator import NVTX_ENV
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import LaunchPlan, launch
 from graph_fsdp.cli.options import add_common_args, resolve
 from graph_fsdp.cli.paths import check_output_dir
+from graph_fsdp.cuda_streams import NVTX_ENV
+from graph_fsdp.launch import LaunchPlan, launch
 
 UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"
 """Set in the environment of the re-executed command, so it does not re-exec again."""
@@ -209,6 +213,10 @@ def main(args: argparse.Namespace) -> int:
         f"{res.plan.describe()}; {res.cfg.strategy}, "
         f"{'eager' if res.cfg.cuda_graph_impl == 'none' else res.cfg.cuda_graph_impl + ' graphs'}"
     )
+    print(f"code: {stamp_line()}")
+    summary_path = os.path.join(output_dir, "profile_summary.json")
+    with open(summary_path, "w") as f:  # the per-rank summaries, stamped (provenance.py)
+        json.dump({"argv": getattr(args, "argv", None), "code": code_version(), **out}, f)
     for r in ranks:
         if r["summary"] is None:
             print(
@@ -260,6 +268,7 @@ def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
         f"graph-fsdp profile --memory {args.memory}: {label}, {args.train_iters} steps after "
         f"{args.warmup_iters} warmup on {res.plan.describe()}"
     )
+    print(f"code: {stamp_line()}")
     print(format_table({label: out}), end="")
     if out.get("top_sites"):
         print("\nLargest blocks at the peak that no known tensor claims:\n")

@@ -14,24 +14,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, replace
 from statistics import median
 
-from graph_fsdp import checkpoint
-from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import launch
-from graph_fsdp.cli.options import add_common_args, check_optimizer_args, check_positive, resolve
-from graph_fsdp.cli.paths import check_output_file, check_save_dir
-from graph_fsdp.cli.supervision import Interrupted, console
-from graph_fsdp.data import check_token_file, check_token_ids, training_samples
-from graph_fsdp.models import model_flops_per_token
-from graph_fsdp.train import TrainConfig, placement_label, run
+from tqdm import tqdm
 
-CHECKPOINT_META = checkpoint.META_FILE
-"""In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
+from graph_fsdp.cli import mcore
+from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.train_options import (
+    check_data_path,
+    check_train_only_flags,
+    checkpoint_plan,
+    graphs_label,
+    input_lines,
+    model_shapes,
+    verification_lines,
+    verify_option,
+)
+from graph_fsdp.launch import launch
+from graph_fsdp.models import model_flops_per_token
+from graph_fsdp.supervision import Interrupted, console
+from graph_fsdp.train import TrainConfig, placement_label, run
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
@@ -99,9 +104,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="PATH",
         help="Rank 0 writes one JSON record per step (JSON lines) to PATH (overwritten).",
     )
-    from graph_fsdp.integrations.megatron_cli import add_megatron_args  # noqa: PLC0415
-
-    add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
+    mcore.add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
     p.set_defaults(handler=main, subparser=p)
     return p
 
@@ -136,13 +139,11 @@ class StepLogFollower:
     """
 
     def __init__(self, raw_path: str, out_path: str | None, total: int, stats: StepStats) -> None:
-        from tqdm import tqdm
-
         # A thread lock, not tqdm's default multiprocessing one: a rank the launcher kills
         # after a stop signal must not leave a semaphore for the resource tracker to report.
         tqdm.set_lock(threading.RLock())
         self.raw_path, self.stats = raw_path, stats
-        self.out = open(out_path, "w") if out_path else None  # noqa: SIM115 - closed in stop()
+        self.out = open(out_path, "w") if out_path else None  # closed in stop()
         self.bar = tqdm(total=total, desc="train", unit="step", file=console(), dynamic_ncols=True)
         self.records: list[dict] = []
         self._pending = ""
@@ -231,182 +232,12 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
 # --------------------------------------------------------------------------------------------
 
 
-def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
-    """Rank 0, after a --save run: the iteration the checkpoint holds and the --model."""
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
-        json.dump({"iteration": iteration, "model": model}, f)
-
-
-def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
-    """The iteration a --load checkpoint holds. Refused with the fix, before any rank starts:
-    a directory that is not one of ours, one written for another --model, metadata that is
-    missing or corrupt, truncated files and (``shapes``: parameter name -> shape of this run's
-    model) another model shape. Strategy and world size need no check: the format loads onto
-    any (checkpoint.py)."""
-    path = args.load
-    if checkpoint.recover_interrupted_save(path):
-        print(
-            f"note: --load {path}: a save was killed while replacing it; the previous "
-            f"checkpoint was put back from {path}.old",
-            file=sys.stderr,
-        )
-    if not os.path.isdir(path):
-        raise CLIError(
-            f"--load {path}: no such checkpoint directory; pass the DIR a run with "
-            "--save DIR wrote, or drop --load to start from scratch"
-        )
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CLIError(
-            f"--load {path}: not a DCP checkpoint ({os.path.join(path, '.metadata')} "
-            "is missing; an interrupted save leaves only DIR.tmp); pass the DIR a completed "
-            "--save run wrote"
-        )
-    model = getattr(args, "model", "gpt")
-    meta_path = os.path.join(path, CHECKPOINT_META)
-    meta = _read_meta(meta_path) if os.path.isfile(meta_path) else {}
-    iteration = meta.get("iteration")
-    if not isinstance(iteration, int) or iteration < 0:
-        why = "has no iteration" if os.path.isfile(meta_path) else "is missing"
-        raise CLIError(
-            f"--load {path}: {meta_path} {why}, so the iteration to resume at is unknown "
-            "(graph-fsdp train --save writes it; graph_fsdp.checkpoint.save only with meta=). "
-            f'If this is a checkpoint of this model, write {{"iteration": N, "model": '
-            f'"{model}"}} there; else pass a DIR a graph-fsdp train --save run wrote'
-        )
-    saved_model = meta.get("model")
-    if saved_model is not None and saved_model != model:
-        raise CLIError(
-            f"--load {path} holds a --model {saved_model} checkpoint, but this run trains "
-            f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
-        )
-    try:
-        checkpoint.check_checkpoint(path, shapes)
-    except checkpoint.CheckpointError as err:
-        raise CLIError(f"--load: {err}") from None
-    return iteration
-
-
-def _read_meta(meta_path: str) -> dict:
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as err:
-        raise CLIError(f"--load: {meta_path} is unreadable ({err}); restore it") from None
-    return meta if isinstance(meta, dict) else {}
-
-
-def model_shapes(model_cfg) -> dict | None:
-    """Parameter name -> shape of the model ``model_cfg`` builds (on the meta device: no
-    memory, no weights); None where it cannot be built there (TransformerEngine layers)."""
-    from graph_fsdp.models import build_model  # noqa: PLC0415
-
-    if getattr(model_cfg, "transformer_impl", "local") != "local":
-        return None
-    try:
-        model = build_model(model_cfg, device="meta")
-    except Exception:  # noqa: BLE001 - no shape check then; the ranks' load still checks
-        return None
-    return {name: p.shape for name, p in model.named_parameters()}
-
-
-def check_data_path(
-    args: argparse.Namespace,
-    *,
-    seq_length: int,
-    vocab_size: int,
-    world_size: int,
-    grad_accum: int,
-    start: int,
-    steps: int,
-) -> str:
-    """--data-path: the file's shape, and the token ids of every sample the run will read
-    (training and eval) against --vocab-size; returns the absolute path."""
-    path = args.data_path
-    try:
-        num_tokens = check_token_file(path, seq_length, vocab_size)
-        runs = [
-            training_samples(
-                start,
-                steps,
-                grad_accum=grad_accum,
-                world_size=world_size,
-                micro_batch_size=args.micro_batch_size,
-            )
-        ]
-        if args.eval_interval:
-            per_eval = world_size * args.micro_batch_size
-            offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
-            for step in range(start, start + steps):
-                if (step + 1) % args.eval_interval == 0:
-                    runs.append((offset + step * per_eval, per_eval))
-        check_token_ids(path, seq_length, vocab_size, runs)
-    except ValueError as err:
-        raise CLIError(str(err)) from err
-    return os.path.abspath(path)
-
-
-def checkpoint_plan(
-    args: argparse.Namespace, shapes: dict | None = None
-) -> tuple[int, int, int | None]:
-    """(start_step, save_at relative to start, absolute save iteration or None); --save and
-    --load checked (``shapes``: see :func:`_load_start`)."""
-    check_positive(args, "save_interval")
-    if args.save_interval is not None and not args.save:
-        raise CLIError("--save-interval is given without --save; add --save DIR")
-    if args.save:
-        check_save_dir("--save", args.save)
-    start = 0
-    if args.load:
-        start = _load_start(args, shapes)
-        if start >= args.train_iters:
-            raise CLIError(
-                f"--load {args.load} holds iteration {start}, which already reaches --train-iters "
-                f"{args.train_iters}; raise --train-iters to train further"
-            )
-    if not args.save:
-        return start, 0, None
-    interval = args.save_interval or args.train_iters
-    last = args.train_iters // interval * interval
-    if last <= start:
-        raise CLIError(
-            f"--save-interval {interval} never saves between iteration {start} and --train-iters "
-            f"{args.train_iters}; lower --save-interval"
-        )
-    if last - interval > start:
-        print(
-            f"note: the engine saves once per run; --save {args.save} gets iteration {last}",
-            file=sys.stderr,
-        )
-    return start, last - start, last
-
-
-def check_train_only_flags(args: argparse.Namespace) -> None:
-    """Flags of ``train`` itself, for every --model: optimizer, --save-on-interrupt,
-    --log-json."""
-    check_optimizer_args(args)
-    if args.save_on_interrupt and not args.save:
-        raise CLIError(
-            "--save-on-interrupt (--exit-signal-handler) saves to --save DIR when a signal "
-            "stops the run: add --save DIR"
-        )
-    if args.save_on_interrupt and args.model != "gpt":
-        raise CLIError(
-            f"--save-on-interrupt (--exit-signal-handler) is not wired for --model {args.model} "
-            "(its ranks stop when signalled, without saving): drop it"
-        )
-    if args.log_json:
-        check_output_file("--log-json", args.log_json)
-
-
 def main(args: argparse.Namespace) -> int:
-    from graph_fsdp.integrations import megatron_cli  # noqa: PLC0415
-
     check_train_only_flags(args)
     if args.model != "gpt":
-        return megatron_cli.main(args)
-    megatron_cli.reject_mcore_only_flags(args)
-    megatron_cli.validate_bridge_flags(args)
+        return mcore.train_main(args)
+    mcore.reject_mcore_only_flags(args)
+    mcore.validate_bridge_flags(args)
     res = resolve(args)
     shapes = model_shapes(res.cfg.model) if args.load else None
     start, save_at, _ = checkpoint_plan(args, shapes)
@@ -451,42 +282,6 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(format_summary(cfg, res.plan.describe(), stats, out, args))
     return 0
-
-
-def verify_option(args: argparse.Namespace) -> bool | str:
-    """--cuda-graph-verify as the runners' ``verify`` (False, True = warn, "raise")."""
-    if args.cuda_graph_verify is None:
-        return False
-    if args.cuda_graph_impl == "none":
-        raise CLIError(
-            "--cuda-graph-verify checks a graphed step, but --cuda-graph-impl is none: add "
-            "--cuda-graph-impl te (or torch) or drop --cuda-graph-verify"
-        )
-    return "raise" if args.cuda_graph_verify == "raise" else True
-
-
-def verification_lines(result: dict) -> list[str]:
-    """Summary lines of the first graphed step's verification (--cuda-graph-verify)."""
-    report = result.get("cuda_graphs") or {}
-    return [f"  graph verification: {v['summary']}" for v in report.get("verification", [])]
-
-
-def graphs_label(cfg) -> str:
-    """How a run's steps execute, for summaries: ``eager`` or ``<impl> graphs [<scopes>]``."""
-    if cfg.cuda_graph_impl == "none":
-        return "eager"
-    return f"{cfg.cuda_graph_impl} graphs [{' '.join(cfg.cuda_graph_scope) or 'layer'}]"
-
-
-def input_lines(cfg) -> list[str]:
-    """Summary lines for the token file and the optimizer offload a run used (our models and
-    Megatron-Core's alike)."""
-    lines = []
-    if cfg.data_path:
-        lines.append(f"  data: {cfg.data_path} (uint16 token file)")
-    if cfg.optimizer_offload_fraction:
-        lines.append(f"  optimizer CPU offload: fraction {cfg.optimizer_offload_fraction}")
-    return lines
 
 
 def format_summary(

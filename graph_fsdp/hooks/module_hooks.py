@@ -32,9 +32,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-BACKWARD_HANDLER = "_cuda_graph_backward_handler"
-BACKWARD_PRE_HANDLER = "_cuda_graph_backward_pre_handler"
-CAPTURE_TIME_FN = "_capture_time_fn"
+from graph_fsdp.hook_markers import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 FLAG_DICTS = (
@@ -46,16 +44,6 @@ CAPTURE_KEYS = ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "bac
 """TE's ``capture_time_hooks`` keys (TE >= 2.19 rejects the ``*_with_kwargs`` spellings)."""
 
 CaptureHookFn = Callable[[nn.Module], None]
-
-
-def mark(attr: str, handler_name: str):
-    """Decorator for hook methods: set a sentinel naming the owner's capture-time method."""
-
-    def decorate(fn):
-        setattr(fn, attr, handler_name)
-        return fn
-
-    return decorate
 
 
 @dataclass

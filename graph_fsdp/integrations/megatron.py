@@ -32,6 +32,12 @@ What the integration maps (facts from megatron-core 0.19's source):
   ``finish_grad_sync``); :func:`forward_step` is a ``forward_step_func`` for it.
 - ``--cuda-graph-scope`` with Megatron's meaning, as modules of a ``TransformerLayer``:
   see :data:`MCORE_SCOPE_MODULES` (graph_fsdp's scope presets) and :func:`check_mcore_scopes`.
+- MoE experts under capture (docs/megatron_moe.md): Megatron's drop-padding
+  (``moe_expert_capacity_factor`` + ``moe_pad_expert_input_to_capacity``, alltoall dispatcher)
+  has static expert shapes; dropless, ``moe_experts_impl="grouped_mm"`` swaps in
+  graph_fsdp's experts with device token counts (graph_fsdp.integrations.megatron_moe). Either
+  captures the whole layer, ``moe`` and ``full_iteration``; Megatron's dropless experts copy
+  their token counts to the host, so only ``attn`` / ``moe_router`` [``moe_preprocess``].
 """
 
 from __future__ import annotations
@@ -43,14 +49,19 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.buffers.allocator import stream_capturing
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
+from graph_fsdp.cuda_streams import stream_capturing
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 """Megatron's AttnBackend names (TransformerConfig.attention_backend)."""
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""Megatron's token dispatchers (TransformerConfig.moe_token_dispatcher_type)."""
+MOE_EXPERTS_IMPLS = ("megatron", "grouped_mm")
+"""megatron: the layer spec's experts and dispatcher; grouped_mm: graph_fsdp's dropless experts
+with device token counts (megatron_moe.GroupedMMMoELayer)."""
 
 MCORE_SCOPE_MODULES: dict[str, str] = {
     scope: next(p.path for p in paths if "Megatron-Core" in p.family)
@@ -103,6 +114,20 @@ class MCoreGPTConfig:
     """Grouped GEMM experts (TEGroupedMLP with the TE spec)."""
     moe_token_dispatcher_type: str = "alltoall"
     """Megatron's token dispatcher (alltoall needs CUDA)."""
+    moe_expert_capacity_factor: float | None = None
+    """Token copies each expert takes: ceil(tokens x topk / experts x factor), the rest dropped;
+    None = dropless (Megatron's default)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (needs moe_expert_capacity_factor): drop-padding,
+    static expert shapes, so Megatron's own experts capture (whole layer, moe, full_iteration)."""
+    moe_experts_impl: str = "megatron"
+    """megatron: the layer spec's experts and token dispatcher (TEGroupedMLP / SequentialMLP;
+    dropless, they copy the token counts to the host). grouped_mm: graph_fsdp's dropless experts
+    with device token counts and torch._grouped_mm (megatron_moe.GroupedMMMoELayer; EP = 1,
+    bf16 on sm90 / sm100 under capture), captured whole."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of Megatron's load-balancing loss (moe_router_load_balancing_type aux_loss);
+    0 = off, Megatron's default."""
     transformer_impl: str = "transformer_engine"
     """transformer_engine: get_gpt_layer_with_transformer_engine_spec; local:
     get_gpt_layer_local_spec (no TransformerEngine)."""
@@ -143,6 +168,7 @@ class MCoreGPTConfig:
                     f"MCoreGPTConfig.moe_router_topk={self.moe_router_topk} must be between 1 "
                     f"and num_experts={self.num_experts}"
                 )
+        self._check_moe()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"MCoreGPTConfig.attention_backend={self.attention_backend!r}; choose one of "
@@ -169,9 +195,99 @@ class MCoreGPTConfig:
                 "must be the data-parallel group (EP = 1); set expert_model_parallel_size=1"
             )
 
+    def _check_moe(self) -> None:
+        """The MoE fields (Megatron's rules, plus what graph_fsdp's grouped_mm experts need)."""
+        name = "MCoreGPTConfig"
+        if not self.is_moe:
+            set_ = [f for f, default in _MOE_ONLY_DEFAULTS.items() if getattr(self, f) != default]
+            if set_:
+                raise ValueError(
+                    f"{name}.{set_[0]}={getattr(self, set_[0])!r} needs an MoE model: set "
+                    "num_experts (or leave it at its default)"
+                )
+            return
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise ValueError(
+                f"{name}.moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}; choose one "
+                f"of {', '.join(MOE_DISPATCHERS)}"
+            )
+        if self.moe_experts_impl not in MOE_EXPERTS_IMPLS:
+            raise ValueError(
+                f"{name}.moe_experts_impl={self.moe_experts_impl!r}; choose one of "
+                f"{', '.join(MOE_EXPERTS_IMPLS)}"
+            )
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"{name}.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        _check_capacity(self)
+        if self.moe_experts_impl == "grouped_mm":
+            _check_grouped_mm(self)
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+
+_MOE_ONLY_DEFAULTS = {
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_experts_impl": "megatron",
+    "moe_aux_loss_coeff": 0.0,
+}
+
+
+def _check_capacity(cfg: MCoreGPTConfig) -> None:
+    """Megatron's drop / drop-padding settings, with the values its code can run."""
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        raise ValueError(
+            f"MCoreGPTConfig.moe_expert_capacity_factor={factor} must be > 0 (None = dropless; "
+            "Megatron reads a negative factor as None: say None)"
+        )
+    if cfg.moe_pad_expert_input_to_capacity and factor is None:
+        raise ValueError(
+            "MCoreGPTConfig.moe_pad_expert_input_to_capacity=True pads each expert's input to its "
+            "capacity, which moe_expert_capacity_factor sets: give a factor (e.g. 1.0) or set "
+            "moe_pad_expert_input_to_capacity=False"
+        )
+    limit = cfg.num_experts / cfg.moe_router_topk
+    if cfg.moe_pad_expert_input_to_capacity and factor > limit:
+        raise ValueError(
+            f"MCoreGPTConfig.moe_expert_capacity_factor={factor} with "
+            f"moe_pad_expert_input_to_capacity: the capacity ceil(tokens x topk / experts x "
+            f"factor) would exceed the tokens, which Megatron's padded permutation "
+            f"(moe_utils.permute, drop_and_pad) cannot slice; use a factor <= num_experts / "
+            f"moe_router_topk = {limit:g} ({limit:g} already gives every expert every token)"
+        )
+
+
+def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
+    """What graph_fsdp's grouped_mm experts (megatron_moe.GroupedMMMoELayer) run."""
+    name = "MCoreGPTConfig.moe_experts_impl='grouped_mm'"
+    if cfg.moe_expert_capacity_factor is not None:
+        raise ValueError(
+            f"{name} is the dropless path, but moe_expert_capacity_factor="
+            f"{cfg.moe_expert_capacity_factor}: drop-padding captures with Megatron's own experts "
+            "(moe_experts_impl='megatron'); or set moe_expert_capacity_factor=None"
+        )
+    if cfg.moe_token_dispatcher_type == "flex":
+        raise ValueError(
+            f"{name} brings its own token dispatcher in place of alltoall / allgather; "
+            "moe_token_dispatcher_type='flex' (DeepEP / HybridEP) is not replaced: use alltoall"
+        )
+    if cfg.expert_model_parallel_size != 1:
+        raise ValueError(
+            f"{name} runs at expert_model_parallel_size=1: a dropless all-to-all over EP > 1 needs "
+            "its split sizes on the host (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize);"
+            " for EP > 1 use drop-padding (moe_experts_impl='megatron' with "
+            "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity)"
+        )
+    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    for field, size in (("hidden_size", cfg.hidden_size), ("ffn_hidden_size", ffn)):
+        if size % 8:
+            raise ValueError(
+                f"{name}: {field}={size} is not a multiple of 8; torch._grouped_mm reads "
+                "16-byte aligned bf16 rows"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,13 +329,6 @@ def init_parallel_state(*, expert_model_parallel_size: int = 1) -> None:
         )
 
 
-def destroy_parallel_state() -> None:
-    require_megatron()
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-    ps.destroy_model_parallel()
-
-
 def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
     """The Megatron ``TransformerConfig`` of ``cfg`` (dropout off: runs are reproducible)."""
     require_megatron()
@@ -235,6 +344,9 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
             moe_grouped_gemm=cfg.moe_grouped_gemm,
             moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
             moe_ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+            moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+            moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         )
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -267,10 +379,16 @@ def layer_spec(cfg: MCoreGPTConfig):
 
     grouped = cfg.moe_grouped_gemm if cfg.is_moe else False
     if cfg.transformer_impl == "transformer_engine":
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=cfg.num_experts, moe_grouped_gemm=grouped
         )
-    return get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
+    if cfg.is_moe and cfg.moe_experts_impl == "grouped_mm":
+        from graph_fsdp.integrations.megatron_moe import grouped_mm_moe_spec  # noqa: PLC0415
+
+        spec = grouped_mm_moe_spec(spec)
+    return spec
 
 
 class MCoreLM(nn.Module):
@@ -452,10 +570,12 @@ def _is_moe_layer(layer: nn.Module) -> bool:
 def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...]) -> list[str]:
     """Megatron's scopes this model can capture; clear errors for the others.
 
-    MoE layers with the dropless alltoall dispatcher copy ``tokens_per_expert`` to the host
-    for the grouped GEMM's split sizes (a host sync, data-dependent shapes): a graph cannot
-    hold the expert part, so whole-layer, ``moe`` and ``full_iteration`` are refused for MoE
-    models and ``moe_router`` (plus ``attn``) is the capturable part, as in Megatron.
+    The expert part of an MoE layer (captured by the whole layer, ``moe`` and
+    ``full_iteration``) needs no host sync with drop-padding through the alltoall dispatcher
+    (static expert shapes) or with graph_fsdp's ``grouped_mm`` experts (device token counts);
+    Megatron's dropless experts copy their token counts to the host, so there
+    :func:`moe_expert_capture_refusal` refuses, and ``attn`` / ``moe_router`` are the
+    capturable parts, as in Megatron.
     """
     scopes = list(scopes)
     check_scopes(scopes)
@@ -467,23 +587,71 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
                 "this GPT is dense; use attn, mlp, the whole layer or full_iteration"
             )
         return scopes
-    host_sync = (
-        "MoE layers with the dropless alltoall dispatcher copy tokens_per_expert to the host "
-        "for the grouped GEMM (a host sync with data-dependent shapes), which a CUDA graph "
-        "cannot hold"
-    )
     if not scopes or "moe" in scopes or "full_iteration" in scopes:
-        what = "the whole layer" if not scopes else "moe" if "moe" in scopes else "full_iteration"
-        raise GraphConfigError(
-            f"--cuda-graph-scope {what}: {host_sync}; capture the parts before the dispatch "
-            "instead: --cuda-graph-scope attn moe_router"
-        )
+        refusal = moe_expert_capture_refusal(cfg)
+        if refusal:
+            what = (
+                "the whole layer" if not scopes else "moe" if "moe" in scopes else "full_iteration"
+            )
+            raise GraphConfigError(f"--cuda-graph-scope {what}: {refusal}")
     if "mlp" in scopes:
         raise GraphConfigError(
             "--cuda-graph-scope mlp: every layer of this Megatron-Core MoE GPT is an MoELayer, "
             "so there is no dense MLP to capture; use moe_router"
         )
+    if "moe_preprocess" in scopes and (
+        cfg.moe_experts_impl == "grouped_mm" or cfg.moe_expert_capacity_factor is not None
+    ):
+        why = (
+            "the grouped_mm experts' dispatch has no host sync to split off: capture moe or the "
+            "whole layer instead"
+            if cfg.moe_experts_impl == "grouped_mm"
+            else "with a capacity factor, capture moe or the whole layer with drop-padding "
+            "(moe_pad_expert_input_to_capacity=True) instead"
+        )
+        raise GraphConfigError(
+            "--cuda-graph-scope moe_preprocess graphs the preprocess of Megatron's dropless "
+            f"alltoall dispatcher apart from its host-syncing dispatch; {why}"
+        )
     return scopes
+
+
+_DROPLESS_SYNC = {
+    "alltoall": "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize, token_dispatcher.py",
+    "allgather": "MoEAllGatherTokenDispatcher.dispatch_postprocess: tokens_per_expert.cpu()",
+    "flex": "MoEFlexTokenDispatcher and its DeepEP / HybridEP buffers",
+}
+
+
+def moe_expert_capture_refusal(cfg: MCoreGPTConfig) -> str | None:
+    """Why a CUDA graph cannot hold the expert part of ``cfg``'s MoE layers (None: it can),
+    naming the Megatron module that syncs and the settings that avoid it."""
+    if cfg.moe_experts_impl == "grouped_mm":
+        return None  # device token counts: megatron_moe.GroupedMMMoELayer (EP = 1)
+    factor, dispatcher = cfg.moe_expert_capacity_factor, cfg.moe_token_dispatcher_type
+    if factor is None:
+        return (
+            f"MoE layers with Megatron's dropless {dispatcher} dispatcher copy tokens_per_expert "
+            f"to the host for the experts' split sizes ({_DROPLESS_SYNC[dispatcher]}): a host "
+            "sync with data-dependent shapes, which a CUDA graph cannot hold. Capture the experts "
+            "with graph_fsdp's dropless experts (moe_experts_impl='grouped_mm': device token "
+            "counts, torch._grouped_mm) or with drop-padding (moe_expert_capacity_factor=1.0 and "
+            "moe_pad_expert_input_to_capacity=True; drops the tokens over capacity), or capture "
+            "the parts before the dispatch instead: --cuda-graph-scope attn moe_router"
+        )
+    if not cfg.moe_pad_expert_input_to_capacity:
+        return (
+            f"moe_expert_capacity_factor={factor} without moe_pad_expert_input_to_capacity drops "
+            "tokens to a data-dependent count, which MoEAlltoAllTokenDispatcher.preprocess sums "
+            "on the device and the permutation waits for on the host (_maybe_dtoh_and_synchronize,"
+            " a host sync): set moe_pad_expert_input_to_capacity=True (static expert inputs)"
+        )
+    if dispatcher != "alltoall":
+        return (
+            f"the {dispatcher} token dispatcher syncs with the host even with drop-padding "
+            f"({_DROPLESS_SYNC[dispatcher]}, .item()): use moe_token_dispatcher_type='alltoall'"
+        )
+    return None
 
 
 class MoEPreprocess(nn.Module):

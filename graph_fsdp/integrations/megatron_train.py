@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.train import make_optimizer
 
 
@@ -153,8 +154,6 @@ def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
     from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
-    from graph_fsdp.bench.peers import megatron_fsdp_shard  # noqa: PLC0415
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     if cfg.bf16:
         lm = lm.to(torch.bfloat16)
@@ -178,6 +177,21 @@ def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
     return torch.stack([r["lm loss"] for r in out]).sum() / len(batches)
 
 
+def _set_moe_aux_loss_scale(cfg: MCoreTrainConfig, device: torch.device) -> None:
+    """Megatron's schedule scales the gradient of the MoE auxiliary losses by 1 / microbatches
+    (``MoEAuxLossAutoScaler.set_loss_scale``), as it divides each microbatch's loss; graph_fsdp's
+    loop divides its losses the same way, so it sets the same scale. One tensor, filled in
+    place: captured graphs read it at a fixed address."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415
+
+    scale = 1.0 / cfg.grad_accum
+    current = MoEAuxLossAutoScaler.main_loss_backward_scale
+    if current is None or current.device != device:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = torch.full((1,), scale, device=device)
+    else:
+        current.fill_(scale)
+
+
 def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
     # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that cannot go.
     schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
@@ -199,6 +213,8 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     lm, opt = build_sharded(cfg, device)
+    if cfg.model.is_moe and not cfg.use_megatron_schedule:  # the schedule sets it per microbatch
+        _set_moe_aux_loss_scale(cfg, device)
     graphs = None
     if cfg.engine == "graph_fsdp":
         graphs = gm.make_graphs(
@@ -210,7 +226,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             verify=cfg.cuda_graph_verify,
         )
     losses, eval_losses, times = [], [], []
-    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None  # noqa: SIM115
+    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None:
             graphs.before_step()
@@ -262,7 +278,9 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
     if graphs is not None:
         result["cuda_graphs"] = graphs.report()
     if device.type == "cuda":
+        # Allocated misses what graph replays use in their pools; reserved holds the pools.
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     # parallel_state stays initialised: the next run in this process reuses its groups
     # (re-creating them would build new NCCL communicators every run).
     return result

@@ -23,8 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from graph_fsdp.experts import mark_expert_params
+from graph_fsdp.models.ep_dispatch import dispatch_to_experts
 
 __all__ = [
     "MLP",
@@ -40,6 +44,7 @@ __all__ = [
     "init_weights",
     "model_flops_per_token",
     "moe_capacity",
+    "partition_experts",
     "synthetic_batch",
     "transformer_layers",
 ]
@@ -218,7 +223,8 @@ def _copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
         if not _is_dtensor(param):
             param.copy_(full)
             return
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        # torch.distributed.tensor exists only where torch.distributed does (_is_dtensor)
+        from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
 
         assert isinstance(param, DTensor)
         # Every rank generated the same full tensor, so each cuts out its own shard locally
@@ -231,7 +237,7 @@ def _copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     if not torch.distributed.is_available():
         return False
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (needs torch.distributed)
 
     return isinstance(tensor, DTensor)
 
@@ -455,7 +461,16 @@ class MoEPreprocess(nn.Module):
 
 
 class MoEExperts(_SeededInit, nn.Module):
-    """E GELU(tanh) experts as two stacked weights, applied with one bmm each."""
+    """E GELU(tanh) experts as two stacked weights, applied with one bmm each.
+
+    After :func:`partition_experts` the module holds only its expert-parallel rank's E / EP
+    experts - rows ``[ep_rank * L, (ep_rank + 1) * L)`` of the weights above, initialised to
+    the same values - and reaches the other ranks' experts through an all-to-all
+    (ep_dispatch.py).
+    """
+
+    ep_group: dist.ProcessGroup | None = None
+    ep_rank: int = 0
 
     def __init__(self, config: GPTConfig) -> None:
         with _construction(self):
@@ -470,17 +485,51 @@ class MoEExperts(_SeededInit, nn.Module):
 
     def reset_parameters(self) -> None:
         std = self._init_config.init_std
-        self._seeded_normal_init_("w1", self.w1, std)
+        self._init_local_("w1", self.w1, std)
         out_std = std / math.sqrt(2.0 * self._init_config.num_layers)
-        self._seeded_normal_init_("w2", self.w2, out_std)
+        self._init_local_("w2", self.w2, out_std)
+
+    def _init_local_(self, name: str, param: torch.Tensor, std: float) -> None:
+        """This EP rank's rows of the global (all-expert) seeded weights."""
+        if self._init_fqn is None or param.is_meta:
+            return
+        fqn = f"{self._init_fqn}.{name}" if self._init_fqn else name
+        num_experts = self._init_config.num_experts
+        full = _seeded_normal((num_experts, *param.shape[1:]), std, self._init_config.seed, fqn)
+        lo = self.ep_rank * param.shape[0]
+        _copy_full_(param, full[lo : lo + param.shape[0]])
 
     def extra_repr(self) -> str:
         num_experts, h, ffn = self.w1.shape
-        return f"num_experts={num_experts}, hidden_size={h}, ffn_hidden_size={ffn}"
+        ep = "" if self.ep_group is None else f", ep_rank={self.ep_rank} (local experts)"
+        return f"num_experts={num_experts}, hidden_size={h}, ffn_hidden_size={ffn}{ep}"
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(F.gelu(torch.bmm(x, self.w1), approximate="tanh"), self.w2)
 
     def forward(self, expert_in: torch.Tensor) -> torch.Tensor:
-        """expert_in [E, C, h] -> [E, C, h]."""
-        return torch.bmm(F.gelu(torch.bmm(expert_in, self.w1), approximate="tanh"), self.w2)
+        """expert_in [E, C, h] -> [E, C, h] (every global expert's rows, also under EP)."""
+        if self.ep_group is None:
+            return self._experts(expert_in)
+        return dispatch_to_experts(expert_in, self._experts, self.ep_group)
+
+    def partition(self, ep_group: dist.ProcessGroup) -> None:
+        """Keep only this rank's experts of ``ep_group`` (see the class docstring)."""
+        ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        num_experts = self.w1.shape[0]
+        if self.ep_group is not None or num_experts % ep:
+            raise ValueError(
+                f"partition_experts: {num_experts} experts cannot be split over an "
+                f"expert-parallel group of {ep} ranks"
+                + (" (already partitioned)" if self.ep_group is not None else "")
+                + "; num_experts must be a multiple of the EP size"
+            )
+        local = num_experts // ep
+        rows = slice(rank * local, (rank + 1) * local)
+        with torch.no_grad():
+            self.w1 = nn.Parameter(self.w1[rows].clone(), requires_grad=self.w1.requires_grad)
+            self.w2 = nn.Parameter(self.w2[rows].clone(), requires_grad=self.w2.requires_grad)
+        self.ep_group, self.ep_rank = ep_group, rank
 
 
 class MoELayer(nn.Module):
@@ -619,6 +668,22 @@ def build_model(
         model = GPTModel(config)
     if dtype is not None:
         model = model.to(dtype=dtype)
+    return model
+
+
+def partition_experts(model: nn.Module, ep_group: dist.ProcessGroup) -> nn.Module:
+    """Expert parallelism: every ``MoEExperts`` of ``model`` keeps only its rank's experts of
+    ``ep_group`` (an all-to-all reaches the others) and is marked for ``fully_shard``'s
+    ``expert_mesh`` (graph_fsdp.experts). Before ``fully_shard``; returns ``model``."""
+    found = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    if not found:
+        raise ValueError(
+            f"partition_experts: {type(model).__name__} has no MoEExperts (GPTConfig."
+            "num_experts is None?): expert parallelism needs an MoE model"
+        )
+    for experts in found:
+        experts.partition(ep_group)
+        mark_expert_params(experts)
     return model
 
 

@@ -21,8 +21,8 @@ from graph_fsdp.bench.memory import (
     write_result,
 )
 from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig
 
 GPT = "/src/graph_fsdp/models/gpt.py"
@@ -181,10 +181,10 @@ def test_released_storages_are_attributed_by_stack_not_by_their_final_address() 
 def test_dynamic_reallocation_stack_carries_the_tag(monkeypatch) -> None:
     """The stack the CUDA allocator records (CapturedTraceback, Python frames) for the
     dynamic allocator's ``storage.resize_`` re-allocation carries the role's tag frame."""
-    from torch._C._profiler import gather_traceback, symbolize_tracebacks  # noqa: PLC0415
+    from torch._C._profiler import gather_traceback, symbolize_tracebacks
 
-    from graph_fsdp.bench.memory import tag_allocations  # noqa: PLC0415
-    from graph_fsdp.buffers.allocator import DynamicAllocator  # noqa: PLC0415
+    from graph_fsdp.bench.memory import tag_allocations
+    from graph_fsdp.buffers.allocator import DynamicAllocator
 
     stacks = []
     resize = torch.UntypedStorage.resize_
@@ -227,6 +227,11 @@ def test_table_and_merge(tmp_path) -> None:
     assert json.loads((tmp_path / "memory_a.json").read_text())["label"] == "a"
     assert "| role (GiB, rank 0, at the peak) | a | b |" in merge(paths)
     assert "no memory results" in merge([])
+    # Each result names the code that produced it (provenance.py); one stamp heads the table.
+    from graph_fsdp.bench.provenance import code_version, stamp_line
+
+    assert json.loads((tmp_path / "memory_a.json").read_text())["code"] == code_version()
+    assert merge(paths).startswith(f"Code: {stamp_line()}.\n")
     assert "a: largest blocks at the peak" in merge(paths)
     assert "| grad_comm | `graph_fsdp/buffers/allocator.py:1 allocate` | 0.000 |" in merge(paths)
 

@@ -413,6 +413,28 @@ def test_double_buffer_roles_are_separate_classes() -> None:
     assert allocator.memory_report()["reserved_bytes"] == {"param": 2 * 64 * 4, "grad": 2 * 64 * 4}
 
 
+def test_double_buffer_tagged_keys_get_their_own_rings() -> None:
+    """A unit holding a dense and an expert group of one size (keys tagged "experts",
+    graph_fsdp/experts.py): while unit 0's two buffers are held, unit 1's prefetch gets two
+    other slots - one ring per tag - and unit 2 reuses unit 0's."""
+    allocator = DoubleBufferAllocator()
+    keys = [[(f"l{i}", "param", F32), (f"l{i}.experts", "param", F32, "experts")] for i in range(3)]
+    for unit in keys:
+        for key in unit:
+            allocator.register(key, 64, F32, CPU)
+    held = [[allocator.allocate(key, 64, F32, CPU).data_ptr() for key in unit] for unit in keys[:2]]
+    assert len({*held[0], *held[1]}) == 4
+    for key in keys[0]:
+        allocator.free(key)
+    third = [allocator.allocate(key, 64, F32, CPU).data_ptr() for key in keys[2]]
+    assert third == held[0]
+    labels = {slot.label for slot in allocator.slots()}
+    assert labels == {"param[64xtorch.float32]#0", "param[64xtorch.float32]#1"} | {
+        "param[64xtorch.float32]/experts#0",
+        "param[64xtorch.float32]/experts#1",
+    }
+
+
 def test_double_buffer_one_slot_prefetch_is_busy_error() -> None:
     allocator = registered_double_buffer(num_slots=1)
     dense, _, _ = asymmetric_keys()

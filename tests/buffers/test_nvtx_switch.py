@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_fsdp.buffers import allocator
-from graph_fsdp.buffers.allocator import nvtx_enabled, nvtx_range, set_nvtx_ranges
+from graph_fsdp import cuda_streams
+from graph_fsdp.cuda_streams import nvtx_enabled, nvtx_range, set_nvtx_ranges
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def fake_cuda(monkeypatch):
     set_nvtx_ranges(None)
     yield pushed
     set_nvtx_ranges(None)
-    allocator._RANGES.clear()
+    cuda_streams._RANGES.clear()
 
 
 def _emit(name: str) -> None:

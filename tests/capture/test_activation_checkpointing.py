@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from graph_fsdp.capture.runner import under_activation_checkpoint
-from graph_fsdp.testing import spawn
+from graph_fsdp.capture.layerwise import under_activation_checkpoint
+from graph_fsdp.launch import spawn
 
 
 def test_checkpoint_regions_are_recognised():
@@ -32,7 +32,7 @@ def _checkpointed(rank: int, world: int) -> str:
     from tools.host_overhead import install_fakes
 
     install_fakes(cuda_comm=True)
-    from graph_fsdp.capture.runner import LayerwiseGraphs
+    from graph_fsdp.capture.layerwise import LayerwiseGraphs
     from graph_fsdp.capture.scopes import GraphConfigError
     from graph_fsdp.models import GPTConfig, build_model
     from graph_fsdp.train import TrainConfig, shard_model

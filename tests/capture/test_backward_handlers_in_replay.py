@@ -1,12 +1,15 @@
-"""The eager side of [Note: backward handlers in the replay] (capture/graphed.py), on gloo.
+"""The eager side of [Note: backward handlers in the replay] (capture/torch_backend.py), on gloo.
 
 While a whole-layer torch graph is captured its unit's ``backward_by_replay`` is set: FSDP's
-registration hooks stand aside and the dispatcher registers the handlers for every eager call
-(``FSDPState.forward_with_backward_handlers``); with the hooks handed to the dispatcher
-([Note: forward handlers in the dispatcher], state.py) it runs ``pre_forward`` and
-``post_forward`` too. The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py); here
-every layer takes the eager side, which must train exactly like the hooks, with the same
-order of handlers.
+registration hooks stand aside and the runner's dispatcher (``capture/layerwise.py``
+``_dispatcher``, the layer's ``forward`` once a ``LayerwiseGraphs`` targets it) registers
+the handlers for every eager call (``FSDPState.forward_with_backward_handlers``); with the
+hooks handed to the dispatcher ([Note: forward handlers in the dispatcher], state.py) it
+runs ``pre_forward`` and ``post_forward`` too. Here a real ``LayerwiseGraphs`` installs its
+dispatchers on a CPU model (built with the checks an eager runner makes: CPU cannot
+capture), each unit is put in the state its capture leaves it in, and every call takes the
+dispatcher's eager side, which must train exactly like the hooks, with the same order of
+handlers. The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py).
 """
 
 from __future__ import annotations
@@ -14,31 +17,36 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 
 
-def _dispatch_like_runner(layer: torch.nn.Module, forward_handlers: bool) -> None:
-    """What runner._dispatcher does for an eager call of a unit whose replay owns its
-    backward handlers (and, ``forward_handlers``, its forward handlers)."""
-    state, orig = layer._fsdp_state, layer.forward
+def _runner_dispatching(model: nn.Module, forward_handlers: bool):
+    """A ``LayerwiseGraphs`` over every unit (whole-unit targets) whose dispatchers own
+    the units' backward handlers (and, ``forward_handlers``, their forward handlers), as
+    after a torch-backend capture (``LayerwiseGraphs._capture``), without graphs."""
+    from graph_fsdp.capture import layerwise as runner
 
-    def forward(*args, **kwargs):
-        if not state.forward_by_dispatcher:
-            return state.forward_with_backward_handlers(orig, args, kwargs)
-        state.pre_forward()
-        out = state.forward_with_backward_handlers(orig, args, kwargs)
-        state.post_forward()
-        return out
-
-    state.backward_by_replay = True
-    if forward_handlers:
-        assert state.hand_forward_to_dispatcher()
-        assert not layer._forward_pre_hooks and not layer._forward_hooks
-    layer.forward = forward
+    checks = runner.check_capturable
+    runner.check_capturable = lambda *a, **kw: checks(*a, **{**kw, "graphs": False})
+    try:
+        graphs = runner.LayerwiseGraphs(model, impl="torch", scopes=[], warmup_steps=1)
+    finally:
+        runner.check_capturable = checks
+    targets = [c.module for c in graphs.caps]  # every unit below the root: whole units
+    assert all(any(layer is t for t in targets) for layer in transformer_layers(model))
+    for cap in graphs.caps:
+        assert cap.module.forward._graph_fsdp_dispatcher is cap  # the runner's dispatcher
+        assert not cap.captured
+        cap.unit_state = cap.module._fsdp_state
+        cap.unit_state.backward_by_replay = True
+        if forward_handlers:
+            assert cap.unit_state.hand_forward_to_dispatcher()
+            assert not cap.module._forward_pre_hooks and not cap.module._forward_hooks
+    return graphs
 
 
 def _train(rank: int, world: int, by_replay: bool, forward_handlers: bool = False) -> dict:
@@ -56,8 +64,7 @@ def _train(rank: int, world: int, by_replay: bool, forward_handlers: bool = Fals
                 inner()
 
             setattr(state, phase, traced)
-        if by_replay:
-            _dispatch_like_runner(layer, forward_handlers)
+    graphs = _runner_dispatching(model, forward_handlers) if by_replay else None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(3):
@@ -73,7 +80,8 @@ def _train(rank: int, world: int, by_replay: bool, forward_handlers: bool = Fals
             losses.append(model(x, y).item())  # eval: no handlers registered, none run
         model.train()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "order": list(order)}
+    eager_calls = sum(c.replays + c.fallbacks for c in graphs.caps) if graphs else 0
+    return {"losses": losses, "params": params, "order": list(order), "counted": eager_calls}
 
 
 def _three(rank: int, world: int) -> list[dict]:
@@ -100,6 +108,7 @@ def test_dispatcher_registered_handlers_train_like_the_hooks():
                 "pre_backward:1",
                 "post_backward:1",
             ]
+            assert d["counted"] == 0  # nothing captured: no replay, no counted fallback
 
 
 def _hand_over(rank: int, world: int) -> dict:

@@ -1,5 +1,5 @@
 """Which static buffers the torch backend chains ([Note: chained static buffers],
-capture/graphed.py): a callable's recorded input that *was* the previous callable's output
+capture/torch_backend.py): a callable's recorded input that *was* the previous callable's output
 (same address, shape, stride, dtype) is read in place; anything else keeps its own buffer.
 The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py, bit-exact with eager)."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from graph_fsdp.capture.graphed import CallSignature, _chain
+from graph_fsdp.capture.torch_backend import CallSignature, _chain
 
 
 def _prev(outputs, recorded):
@@ -52,7 +52,7 @@ def _flow_with_fake_graphs(rank: int, world: int) -> dict:
     from tools.host_overhead import install_fakes
 
     install_fakes(cuda_comm=True)
-    from graph_fsdp.capture.runner import LayerwiseGraphs
+    from graph_fsdp.capture.layerwise import LayerwiseGraphs
     from graph_fsdp.models import GPTConfig, build_model, transformer_layers
     from graph_fsdp.train import TrainConfig, make_optimizer, shard_model
 
@@ -95,7 +95,7 @@ def _flow_with_fake_graphs(rank: int, world: int) -> dict:
 
 
 def test_layer_graphs_chain_and_fall_back_when_the_chain_breaks():
-    from graph_fsdp.testing import spawn
+    from graph_fsdp.launch import spawn
 
     r = spawn(_flow_with_fake_graphs, 1)[0]
     assert r["chained"] == [(), ((0, 0),), ((0, 0),)], r

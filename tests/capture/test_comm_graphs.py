@@ -1,38 +1,129 @@
 """Communication graphs (comm_graphs.py [Note: communication graphs]) on real gloo groups.
 
-CUDA graphs do not exist on CPU, so ``CommGraphs._capture`` is replaced by a recorder
-whose replay calls the captured function again on the tensors it was captured with - what
-a graph does at fixed addresses. What is tested is ours: which calls go through a graph,
-the keys (a moved buffer is a new capture, a group whose buffers keep moving stops being
-captured), that the Python side effects happen outside the captured function, and that
-training with every gather and reduction replayed stays bit-identical to eager. The real
-capture runs in tests/gpu (layerwise graphs lend every unit their communication graphs).
+CUDA graphs do not exist on CPU, so ``CommGraphs._capture`` is replaced by ``_KernelGraph``,
+which does on CPU what a CUDA graph does: capturing records the dispatcher ops the function
+issues (aten kernels, c10d collectives) without their effects, and a replay re-issues
+exactly those ops on the recorded tensors - it never calls the function again, so Python
+work inside it would be lost and a key that maps to other buffers would update stale ones.
+What is tested is ours: which calls go through a graph, the keys (a moved buffer is a new
+capture, a group whose buffers keep moving stops being captured), that the Python side
+effects happen outside the captured function, and that training with every gather and
+reduction replayed stays bit-identical to eager. Real CUDA graphs of the same calls replay
+in tests/gpu/test_comm_graphs_gpu.py (and inside every layerwise run on 2 GPUs).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
-from graph_fsdp.comm_graphs import MAX_CAPTURES, CommGraphs
+from graph_fsdp.capture.comm_graphs import MAX_CAPTURES, CommGraphs
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
-from graph_fsdp.testing import spawn
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 
+COLLECTIVES = {
+    torch.ops.c10d._allgather_base_.default,
+    torch.ops.c10d._reduce_scatter_base_.default,
+}
+"""The collectives a gather or reduction issues; their first argument is the output."""
 
-class _Recorded:
-    """A stand-in graph: replay re-runs what was captured, on the same tensor objects."""
+
+class _Recording(TorchDispatchMode):
+    """Records the ops of a capture into ``ops`` as ``(op, args, kwargs, outputs)``.
+
+    Views run (no effect but aliasing); ops that write an argument do not run (a capture
+    records kernels, none runs) and return what they would - a collective its output and a
+    completed ``Work``; out-of-place ops run once to make their output tensor, which a replay
+    rewrites in place (the graph's pool). A value read on the host (``.item()``) is an
+    error, as under a real capture.
+    """
+
+    def __init__(self, ops: list) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.is_view:
+            return func(*args, **kwargs)
+        if func.namespace == "c10d":
+            if func not in COLLECTIVES:
+                raise AssertionError(f"{func}: not a collective this test knows how to record")
+            self.ops.append((func, args, kwargs, None))
+            done = torch.futures.Future()
+            done.set_result([args[0]])
+            return args[0], torch._C._distributed_c10d._create_work_from_future(done).boxed()
+        written = [
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ]
+        if written:
+            self.ops.append((func, args, kwargs, None))
+            i, name = written[0]
+            return args[i] if i < len(args) else kwargs[name]
+        result = func(*args, **kwargs)
+        outputs = tree_flatten(result)[0]
+        if any(not isinstance(x, torch.Tensor | None) for x in outputs):
+            raise RuntimeError(f"{func} reads a value on the host: not capturable")
+        self.ops.append((func, args, kwargs, outputs))
+        return result
+
+
+class _KernelGraph:
+    """A CPU stand-in for a CUDA graph of ``fn`` (see the module docstring)."""
 
     def __init__(self, fn) -> None:
-        self.fn = fn
+        self.fn = fn  # for the key check in _sound_keys only: never called again
+        self.ops: list = []
+        self.replays = 0
+        with _Recording(self.ops):
+            fn()
 
     def replay(self) -> None:
-        self.fn()
+        self.replays += 1
+        for func, args, kwargs, outputs in self.ops:
+            result = func(*args, **kwargs)
+            if func in COLLECTIVES:
+                result[1].wait()
+            elif outputs is not None:
+                for kept, new in zip(outputs, tree_flatten(result)[0], strict=True):
+                    if kept is not None:
+                        kept.copy_(new)
 
     def reset(self) -> None:
-        self.fn = None
+        self.ops = []
+
+
+def _kernel_graph(self, fn):
+    return _KernelGraph(fn)
+
+
+def test_a_kernel_graph_replays_kernels_not_python() -> None:
+    """The stand-in is honest: a replay repeats the recorded tensor work, on the tensors it
+    was recorded with, and none of the function's Python."""
+    calls = []
+    acc, x = torch.zeros(3), torch.ones(3)
+
+    def fn():
+        calls.append(1)  # Python: runs at capture only
+        tmp = x * 2  # an out-of-place kernel: its output is rewritten at every replay
+        acc.add_(tmp)
+
+    graph = _KernelGraph(fn)
+    assert calls == [1] and torch.equal(acc, torch.zeros(3))  # captured, nothing ran
+    graph.replay()
+    graph.replay()
+    x.fill_(10.0)  # a replay reads the recorded tensors' current values
+    graph.replay()
+    assert calls == [1] and torch.equal(acc, torch.full((3,), 24.0))
+    with pytest.raises(RuntimeError, match="reads a value on the host"):
+        _KernelGraph(lambda: x.sum().item())
 
 
 def _sound_keys(run):
@@ -54,8 +145,8 @@ def _sound_keys(run):
 def _train(rank: int, world: int, graphs: bool, pin: bool, mixed: bool, comm=None):
     """Six steps; ``mixed``: one or two microbatches (no_sync accumulation) and gradients
     kept or set to None by the optimizer, changing from step to step."""
-    if graphs:
-        CommGraphs._capture = lambda self, fn: _Recorded(fn)
+    if graphs:  # this spawned process only
+        CommGraphs._capture = _kernel_graph
         CommGraphs.run = _sound_keys(CommGraphs.run)
     torch.manual_seed(0)
     model = build_model(TINY, device="cpu")
@@ -97,6 +188,7 @@ def _train(rank: int, world: int, graphs: bool, pin: bool, mixed: bool, comm=Non
         "losses": losses,
         "params": [p.detach().clone() for p in model.parameters()],
         "report": comm_graphs.report(),
+        "graph_replays": sum(g.replays for g in comm_graphs.graphs.values()),
         "captures": dict(comm_graphs.captures),
         "keys_per_step": keys_per_step,
         "groups": sum(len(s.groups) for s in model._fsdp_state.root.states),
@@ -116,6 +208,7 @@ def test_replayed_gathers_and_reductions_train_bit_identically(mixed, comm) -> N
         assert all(torch.equal(a, b) for a, b in zip(e["params"], r["params"]))
         rep = r["report"]
         assert rep["failed"] is None and rep["replays"] > 0, rep
+        assert r["graph_replays"] == rep["replays"]  # every replay went through a graph
         # Every group's gathers and reductions went through graphs; the pinned slots keep
         # the gather keys, so only reductions whose buffers moved were captured again.
         owners = {kind for _, kind in r["captures"]}

@@ -1,5 +1,5 @@
 """Graphed modules may return Megatron-Core's ``(output, None)`` tuples: the graphs carry the
-tensors, the replay puts the structure and the None leaves back (capture/graphed.py)."""
+tensors, the replay puts the structure and the None leaves back (capture/torch_backend.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from graph_fsdp.capture.graphed import CapturedCallable
 from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.torch_backend import CapturedCallable
 
 
 def _cap() -> CapturedCallable:

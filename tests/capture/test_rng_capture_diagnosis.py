@@ -1,5 +1,5 @@
 """A capture that fails on a random-number generator's state is reported with its fix
-(tracker.py [Note: Megatron's RNG tracker under capture]), not the generic
+(diagnosis.py [Note: Megatron's RNG tracker under capture]), not the generic
 host-synchronization cause. CPU unit tests of the diagnosis; the capture itself fails on a
 GPU: tests/gpu/test_safe_defaults_gpu.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from graph_fsdp.capture.tracker import MEGATRON_RNG_FIX, ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.diagnosis import MEGATRON_RNG_FIX, ModuleTracker, explain_capture_failure
 
 
 def _explain(err: BaseException) -> str:

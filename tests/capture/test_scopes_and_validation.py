@@ -9,9 +9,9 @@ import torch
 
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
-from graph_fsdp.capture.graphed import CallSignature
+from graph_fsdp.capture.torch_backend import CallSignature
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -180,8 +180,8 @@ def test_te_attention_capture_check_for_the_reference_model(
         raise stop
 
     # Past the check make_graphs builds the runners, which need a sharded CUDA model.
-    monkeypatch.setattr("graph_fsdp.capture.LayerwiseGraphs", reached)
-    monkeypatch.setattr("graph_fsdp.capture.FullIterationGraphs", reached)
+    monkeypatch.setattr("graph_fsdp.train.LayerwiseGraphs", reached)
+    monkeypatch.setattr("graph_fsdp.train.FullIterationGraphs", reached)
     if expected is None:
         with pytest.raises(RuntimeError, match="past the attention check"):
             make_graphs(torch.nn.Linear(2, 2), cfg)

@@ -15,12 +15,12 @@ from graph_fsdp.capture import (
     parse_scope_modules,
     select_targets,
 )
-from graph_fsdp.capture.graphed import CallSignature
+from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_graph_args, scope_modules_of
 from graph_fsdp.cli.options import check_scopes as cli_check_scopes
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import hf_decoder_layers
+from graph_fsdp.models.hf import hf_decoder_layers
 
 
 class Leaf(nn.Linear):

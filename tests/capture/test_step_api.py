@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from graph_fsdp.capture import FullIterationGraphs, GraphConfigError
-from graph_fsdp.capture.full_iteration import eager_forward_backward
+from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -193,7 +193,7 @@ def _shard_hf(model, cfg: TrainConfig):
 
 def _hf_worker(rank: int, world: int) -> dict:
     from graph_fsdp.capture import select_targets
-    from graph_fsdp.capture.graphed import CallSignature
+    from graph_fsdp.capture.torch_backend import CallSignature
 
     cfg = dataclasses.replace(CFG, allocator="double_buffer", persist_on_alloc_fail=True)
     model, twin = _shard_hf(_hf_model(), cfg), _shard_hf(_hf_model(), cfg)

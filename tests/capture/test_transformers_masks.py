@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graph_fsdp.capture.transformers_masks import eager_mask_decisions
-from graph_fsdp.testing import hf_decoder, hf_decoder_layers, hf_family_available
+from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
 
 masking_utils = pytest.importorskip("transformers.masking_utils")
 

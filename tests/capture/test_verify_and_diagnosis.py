@@ -8,15 +8,15 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from graph_fsdp.capture.full_iteration import eager_forward_backward
-from graph_fsdp.capture.graphed import (
+from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure
+from graph_fsdp.capture.scopes import Target
+from graph_fsdp.capture.step import eager_forward_backward
+from graph_fsdp.capture.torch_backend import (
     CallSignature,
     CapturedCallable,
     backward_step,
     forward_step,
 )
-from graph_fsdp.capture.scopes import Target
-from graph_fsdp.capture.tracker import ModuleTracker, explain_capture_failure
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     VerifyResult,
@@ -25,9 +25,9 @@ from graph_fsdp.capture.verify import (
     verify_step,
 )
 from graph_fsdp.data import batch_for
-from graph_fsdp.fully_shard import collect_states
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.testing import spawn
+from graph_fsdp.state import collect_states
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -143,8 +143,29 @@ def test_a_submodule_that_runs_only_eagerly_names_its_parent_and_the_branch_take
     assert "under capture 0.flash ran instead" in detail, detail
 
 
+class _Replays:
+    """Stands in for a runner's counters around an eager "graphed" run on CPU (no graphs
+    exist there): ``graphed(fn)`` counts one replay per call, as a replayed step would;
+    ``graph_calls`` is what the runners hand ``verify_step``. The GPU tests verify real
+    replays (tests/gpu/test_capture_safety_gpu.py)."""
+
+    def __init__(self) -> None:
+        self.replays = self.fallbacks = 0
+
+    def graphed(self, fn):
+        def run():
+            self.replays += 1
+            return fn()
+
+        return run
+
+    def graph_calls(self) -> tuple[int, int]:
+        return self.replays, self.fallbacks
+
+
 def _verify_worker(rank: int, world: int) -> dict:
     cfg = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
+    counter = _Replays()
     models = [shard_model(build_for(cfg, torch.device("cpu")), cfg) for _ in range(2)]
     model, twin = models
     recorder = ChecksumRecorder(model)
@@ -162,7 +183,8 @@ def _verify_worker(rank: int, world: int) -> dict:
             states=collect_states(model),
             recorder=recorder,
             run_eager=step,
-            run_graphed=step,
+            run_graphed=counter.graphed(step),
+            graph_calls=counter.graph_calls,
             device=torch.device("cpu"),
         )
         ref = eager_forward_backward(twin, x, y, 2)
@@ -189,11 +211,40 @@ def _verify_worker(rank: int, world: int) -> dict:
         states=collect_states(model),
         recorder=recorder,
         run_eager=lambda: eager_forward_backward(model, x, y, 2),
-        run_graphed=perturbed_step,
+        run_graphed=counter.graphed(perturbed_step),
+        graph_calls=counter.graph_calls,
         device=torch.device("cpu"),
     )
     out["perturbed"] = (result.identical, result.first_module, result.differing_grads)
     out["perturbed_text"] = result.describe()
+    # A "graphed" run that replayed nothing (e.g. every call fell back) is not verified,
+    # however equal its numbers: it compared eager with eager.
+    for fallbacks in (0, 3):
+
+        def step():
+            return eager_forward_backward(model, x, y, 2)
+
+        def graphed(fallbacks=fallbacks):  # 0: nothing replayed; 3: one replay, 3 fell back
+            counter.replays += fallbacks > 0
+            counter.fallbacks += fallbacks
+            return step()
+
+        result, _ = verify_step(
+            what="no replay",
+            states=collect_states(model),
+            recorder=recorder,
+            run_eager=step,
+            run_graphed=graphed,
+            graph_calls=counter.graph_calls,
+            device=torch.device("cpu"),
+        )
+        out[f"unverified_{fallbacks}"] = (
+            result.identical,
+            result.verified,
+            result.replays,
+            result.fallbacks,
+            result.describe(),
+        )
     return out
 
 
@@ -208,6 +259,12 @@ def test_verify_step_restores_state_and_names_the_first_module_on_gloo():
     assert not identical and first == "layers.1.self_attention.proj", r["perturbed_text"]
     assert grads, "the perturbed step's gradients must differ"
     assert "first module whose output differs: layers.1.self_attention.proj" in r["perturbed_text"]
+    identical, verified, replays, fallbacks, text = r["unverified_0"]
+    assert (identical, verified, replays, fallbacks) == (False, False, 0, 0), text
+    assert "NOT VERIFIED: the graphed run replayed no graph (0 replays)" in text, text
+    identical, verified, replays, fallbacks, text = r["unverified_3"]
+    assert (identical, verified, replays, fallbacks) == (False, False, 1, 3), text
+    assert "3 call(s) of captured modules fell back to eager in the graphed run" in text, text
 
 
 class _Fails(nn.Module):
@@ -281,10 +338,13 @@ def test_compare_verdict_reports_the_verification():
     verdict = {"identical": True, "equal_steps": 3, "steps": 3, "params": 2}
     flagged = {
         "identical": False,
+        "verified": True,
+        "replays": 4,
+        "fallbacks": 0,
         "first_module": "model.layers.0.self_attn",
         "summary": "step: graphed != eager: first module whose output differs: ...",
     }
-    ok = {"identical": True, "summary": "step: graphed == eager bit for bit"}
+    ok = {"identical": True, "verified": True, "summary": "step: graphed == eager bit for bit"}
     clean = dict(verdict)
     add_verification(clean, {"cuda_graphs": {"verification": [ok]}})
     assert clean["identical"] and "verify: step: graphed == eager" in format_verdict("x", clean)
@@ -292,6 +352,20 @@ def test_compare_verdict_reports_the_verification():
     assert not verdict["identical"]
     text = format_verdict("torch [full_iteration]", verdict)
     assert "DIFFERENT" in text and "first at model.layers.0.self_attn" in text, text
+    # A verification whose graphed run replayed nothing proves nothing: NOT VERIFIED.
+    unverified = {
+        "identical": False,
+        "verified": False,
+        "replays": 0,
+        "fallbacks": 0,
+        "summary": "step: NOT VERIFIED: the graphed run replayed no graph (0 replays): ...",
+    }
+    plain = {"identical": True, "equal_steps": 3, "steps": 3, "params": 2}
+    add_verification(plain, {"cuda_graphs": {"verification": [unverified]}})
+    assert not plain["identical"] and "first_differing_module" not in plain
+    text = format_verdict("torch [attn]", plain)
+    assert "NOT VERIFIED: its verification step's graphed run had 0 replays" in text, text
+    assert "(numbers equal the reference)" in text and "IDENTICAL" not in text, text
 
 
 def _capture_like_worker(rank: int, world: int) -> dict:
@@ -305,6 +379,7 @@ def _capture_like_worker(rank: int, world: int) -> dict:
     model, twin = (shard_model(build_for(cfg, torch.device("cpu")), cfg) for _ in range(2))
     states = collect_states(model)
     recorder = ChecksumRecorder(model)
+    counter = _Replays()
     results = []
     for micro in range(2):
         x, y = batch_for(cfg, micro, rank, torch.device("cpu"))
@@ -330,7 +405,8 @@ def _capture_like_worker(rank: int, world: int) -> dict:
             states=states,
             recorder=recorder,
             run_eager=step,
-            run_graphed=replay_like,
+            run_graphed=counter.graphed(replay_like),
+            graph_calls=counter.graph_calls,
             device=torch.device("cpu"),
             saved=before,
             after=after,
@@ -420,8 +496,8 @@ class _BranchesOnCapture(nn.Module):
 
 
 def test_capture_state_queries_name_the_site_and_module(monkeypatch):
-    from graph_fsdp.buffers import allocator
-    from graph_fsdp.capture.full_iteration import record_verification
+    from graph_fsdp import cuda_streams
+    from graph_fsdp.capture.step import record_verification
 
     model = _model(_BranchesOnCapture())
     tracker = ModuleTracker.for_model(model)
@@ -439,7 +515,7 @@ def test_capture_state_queries_name_the_site_and_module(monkeypatch):
         model(torch.randn(2, 4))
         assert torch.cuda.graphs.is_current_stream_capturing()  # this file is the model's
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        assert allocator.stream_capturing()  # graph_fsdp's own check: no branch of the model
+        assert cuda_streams.stream_capturing()  # graph_fsdp's own check: no branch of the model
     # Restored: the (patched) originals, not the watchers.
     assert torch.cuda.is_current_stream_capturing.__name__ == "<lambda>"
     sites = list(tracker.capture_queries.items())
@@ -451,12 +527,15 @@ def test_capture_state_queries_name_the_site_and_module(monkeypatch):
     results = []
     with pytest.warns(UserWarning) as warned:
         record_verification(
-            results, VerifyResult("step", identical=False, outputs_equal=False), True, tracker
+            results,
+            VerifyResult("step", identical=False, outputs_equal=False, replays=1),
+            True,
+            tracker,
         )
     assert results[0].capture_queries[0].endswith("(in 1.1)")
     text = str(warned[0].message)
     assert "got True at " in text and "in forward <- " in text, text
-    same = VerifyResult("step", identical=True, outputs_equal=True)
+    same = VerifyResult("step", identical=True, outputs_equal=True, replays=1)
     record_verification(results, same, True, tracker)
     assert same.capture_queries == []  # named only when graphed != eager
 
@@ -470,9 +549,37 @@ def test_a_difference_in_gradients_only_names_the_summation_order():
         outputs_equal=True,
         differing_grads=["layers.0/accum"],
         modules_checked=12,
+        replays=4,
     )
     text = grads_only.describe()
     assert "forward is bit-identical (12 module outputs) and only gradients differ" in text
     assert "in another order than in eager" in text and "another branch" not in text
-    forward = VerifyResult("step", identical=False, outputs_equal=True, first_module="1.1")
+    forward = VerifyResult(
+        "step", identical=False, outputs_equal=True, first_module="1.1", replays=1
+    )
     assert "another branch" in forward.describe()
+
+
+def test_a_tensor_or_module_output_missing_on_one_side_is_a_difference():
+    """Never compared with itself: a gradient accumulator the graphed run lacks (or has
+    alone) differs, and so does a module recorded in only one of the runs."""
+    from graph_fsdp.capture.verify import differing_tensors
+
+    g = torch.ones(3)
+    assert differing_tensors({"a/main_grad": g}, {"a/main_grad": g.clone()}) == []
+    assert differing_tensors({"a/main_grad": g, "b/accum": g}, {"a/main_grad": g}) == [
+        "b/accum (only in the eager run)"
+    ]
+    assert differing_tensors({}, {"b/accum": g}) == ["b/accum (only in the graphed run)"]
+    assert differing_tensors({"a": g}, {"a": g + 1}) == ["a"]
+    # Module checksums (slot values as ChecksumRecorder.snapshot gives them): a module only
+    # the graphed run recorded.
+    from graph_fsdp.capture.verify import _UNSET
+
+    nan = float("nan")
+    order = [("a", 0), ("b", 0)]
+    eager = {("a", 0): (1.0, 5), ("b", 0): (2.0, 6), ("c", 0): (nan, _UNSET)}
+    assert first_difference(order, eager, dict(eager)) is None
+    graphed = {**eager, ("c", 0): (3.0, 7)}
+    name, call, detail = first_difference(order, eager, graphed)
+    assert (name, call) == ("c", 0) and "recorded only in the graphed run" in detail, detail

@@ -30,7 +30,7 @@ def ok(
         "min_step_ms": ms * 0.9,
         "tokens_per_s": tokens,
         "tflops_per_gpu": 1.5,
-        "peak_memory_bytes": peak,
+        "own_peak_allocated_bytes": peak,
         "final_loss": 4.2,
         "step_times_ms": [ms],
     }
@@ -45,15 +45,42 @@ REPORT = {
     "rows": [
         {
             **ok("graph_fsdp eager", 12.0, 2000.0, 2, 2**30),
-            "peak_reserved_bytes": 3 * 2**29,
+            "own_peak_reserved_bytes": 3 * 2**29,
             "start_allocated_bytes": 2**29,
+            "start_reserved_slack_bytes": 2**20,
             "median_host_ms": 11.5,
             "host_fwd_us_per_layer": 140.2,
             "host_bwd_us_per_layer": 201.7,
         },
         {"name": "megatron_fsdp", "status": "skipped", "reason": "not importable"},
         ok("unsharded eager (1 rank)", 10.0, 1200.0, 1, 2**31, baseline=True),
+        {
+            **ok("graph_fsdp torch [layer]", 9.0, 2600.0, 2, 2**30),
+            "own_peak_reserved_bytes": 2**31,
+            "start_reserved_slack_bytes": 2**28,
+            "graph_captures": 1,
+            "graph_replays": 40,
+            "graph_eager_fallbacks": 0,
+            "comm_graphs": "8 graphs, 160 replays, 0 eager calls",
+        },
+        {
+            "name": "graph_fsdp torch [attn]",
+            "status": "failed",
+            "reason": "FELL BACK: 3 calls of captured modules ran eagerly",
+            "own_peak_allocated_bytes": 2**30,
+            "own_peak_reserved_bytes": 2**31,
+            "graph_captures": 1,
+            "graph_replays": 37,
+            "graph_eager_fallbacks": 3,
+            "comm_graphs": "off",
+        },
     ],
+    "code": {
+        "commit": "0123abcd",
+        "dirty": True,
+        "commit_source": "git",
+        "source_sha256": "feedfacefeedface",
+    },
 }
 
 
@@ -107,19 +134,39 @@ def test_no_baseline_no_ratios_and_legacy_reports() -> None:
 
 def test_markdown_and_files(tmp_path) -> None:
     text = markdown(REPORT)
+    assert text.splitlines()[2] == (
+        "Code: commit 0123abcd (DIRTY; from git), graph_fsdp source sha256 feedfacefeedface."
+    )
     assert (
         "| graph_fsdp eager | 2 | 12.00 | 10.80 | 11.50 | 140, 202 | 2,000 | 1.500 | 1.00 | 1.50 | "
-        "4.20000 | 1.20x | 0.83x |" in text
+        "- | 4.20000 | 1.20x | 0.83x |" in text
     )
     assert "| unsharded eager (1 rank) | 1 | 10.00 | 9.00 | - | - | 1,200 |" in text
-    assert "| megatron_fsdp | skipped |" + " |" * 11 in text
+    # Own peaks, allocated and reserved, and the graph counts next to every graphed row.
+    assert (
+        "| 1.00 | 2.00 | 1/40/0, comm 8 graphs, 160 replays, 0 eager calls | 4.20000 | 0.90x |"
+        in text
+    )
+    # A failed graphed row gives no time, only its memory, its counts and the reason.
+    assert (
+        "| graph_fsdp torch [attn] | FAILED | | | | | | | 1.00 | 2.00 | 1/37/3, comm off | | | |"
+        in text
+    )
+    assert "- graph_fsdp torch [attn]: FAILED: FELL BACK: 3 calls of captured modules" in text
+    assert "| megatron_fsdp | skipped | | | | | | | - | - | - | | | |" in text
     assert "- megatron_fsdp: skipped: not importable" in text
     assert "- graph_fsdp eager: 0.50 GiB were still allocated when the row started" in text
+    assert "not counted in its own peaks" in text
+    assert "- graph_fsdp torch [layer]: its own reserved peak may be low by about 0.25 GiB" in text
+    assert "graph_fsdp eager: its own reserved" not in text  # 1 MiB of slack: no note
     assert "unsharded eager (1 rank): " not in text.split("Notes:")[1]
     paths = write_report(REPORT, str(tmp_path / "out"))
     assert set(paths) == {"md", "json", "png"}
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["rows"][0]["step_time_vs_ref"] == pytest.approx(1.2)
+    assert data["code"]["commit"] == "0123abcd" and data["code"]["dirty"] is True
+    assert "step_time_vs_ref" not in data["rows"][4]  # failed: no time, no ratio
+    assert "Code: not recorded" in markdown({k: v for k, v in REPORT.items() if k != "code"})
 
 
 def test_gpu_tag() -> None:

@@ -65,13 +65,6 @@ def test_bad_files_and_arguments(tmp_path, token_file) -> None:
         ds.batch(1, 0, rank=2)
 
 
-def test_cli_data_reexports_the_engine_module() -> None:
-    from graph_fsdp.cli import data as cli_data
-
-    assert cli_data.TokenFileDataset is TokenFileDataset
-    assert cli_data.check_token_file is check_token_file
-
-
 def test_stream_offset_shifts_whole_batches(token_file) -> None:
     ds = TokenFileDataset(token_file, seq_length=10, world_size=2)
     x, _ = ds.batch(2, step=0, rank=1, sample_offset=5)  # samples 5 + 2, 5 + 3

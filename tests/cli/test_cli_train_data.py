@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from _cli_helpers import TINY, run_cli
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 MODEL = GPTConfig(

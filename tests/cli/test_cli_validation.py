@@ -34,7 +34,8 @@ FP32_ACCUM = "--ddp-reduce-scatter-with-fp32-accumulation"
                 "te",
                 "--cuda-graph-scope",
                 "attn",
-                "--fsdp-trace-pool",
+                "--fsdp-buffer",
+                "trace_pool",
                 "--fsdp-db-use-persist-buf-on-alloc-fail",
             ],
             ["needs a CUDA device"],
@@ -95,7 +96,14 @@ FP32_ACCUM = "--ddp-reduce-scatter-with-fp32-accumulation"
             ["--fsdp-db-use-persist-buf-on-alloc-fail"],
             ["no effect with the dynamic allocator", "add --fsdp-double-buffer"],
         ),
-        (["--fsdp-double-buffer", "--fsdp-trace-pool"], ["pass only one of them"]),
+        (
+            ["--fsdp-double-buffer", "--fsdp-buffer", "trace_pool"],
+            ["--fsdp-double-buffer and --fsdp-buffer trace_pool name two allocators"],
+        ),
+        (
+            ["--fsdp-buffer", "dynamic", "--fsdp-db-use-persist-buf-on-alloc-fail"],
+            ["no effect with the dynamic allocator"],
+        ),
         (
             [
                 "--cuda-graph-impl",
@@ -167,7 +175,7 @@ def test_train_rejects(capsys: pytest.CaptureFixture, argv: list[str], expected:
             [
                 "unsharded buffers must be static",
                 "(--fsdp-double-buffer) or",
-                "(--fsdp-trace-pool) and",
+                "(--fsdp-buffer trace_pool) and",
                 "(--fsdp-db-use-persist-buf-on-alloc-fail)",
             ],
         ),
@@ -336,6 +344,24 @@ def test_transformer_impl_maps_to_gpt_config_and_is_checked(capsys: pytest.Captu
     with pytest.raises(SystemExit):
         main(["train", *TINY, "--transformer-impl", "te"])  # Megatron's spelling only
     assert "invalid choice: 'te'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "allocator"),
+    [
+        ([], "dynamic"),
+        (["--fsdp-buffer", "dynamic"], "dynamic"),
+        (["--fsdp-buffer", "double_buffer"], "double_buffer"),
+        (["--fsdp-double-buffer"], "double_buffer"),  # Megatron's spelling
+        (["--fsdp-double-buffer", "--fsdp-buffer", "double_buffer"], "double_buffer"),
+        (["--fsdp-buffer", "trace_pool"], "trace_pool"),
+    ],
+)
+def test_fsdp_buffer_sets_the_buffer_policy(argv: list[str], allocator: str) -> None:
+    from graph_fsdp.cli.options import resolve
+
+    for command in ("train", "compare", "bench", "profile"):
+        assert resolve(_args(command, *argv)).cfg.allocator == allocator
 
 
 def test_deterministic_is_opt_in_for_train_and_default_for_compare() -> None:

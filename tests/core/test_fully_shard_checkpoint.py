@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from graph_fsdp import checkpoint as ckpt
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)

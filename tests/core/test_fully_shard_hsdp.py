@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graph_fsdp import fully_shard
 from graph_fsdp.checkpoint import full_state_dict
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)

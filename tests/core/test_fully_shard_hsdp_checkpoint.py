@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_fully_shard_checkpoint import CPU, EVAL_STEP, TINY, _load, _train_and_save
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import build_model, synthetic_batch
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig
 
 SAVED = {

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)

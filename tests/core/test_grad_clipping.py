@@ -14,7 +14,7 @@ from torch import nn
 import graph_fsdp
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.testing import spawn
+from graph_fsdp.launch import spawn
 
 VOCAB, HIDDEN, STEPS, MAX_NORM = 32, 16, 3, 0.05
 

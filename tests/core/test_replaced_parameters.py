@@ -13,7 +13,7 @@ from torch import nn
 
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.testing import spawn
+from graph_fsdp.launch import spawn
 
 VOCAB, HIDDEN, LAYERS, STEPS = 32, 16, 2, 3
 

@@ -9,13 +9,8 @@ import torch
 
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.testing import (
-    HF_DECODERS,
-    hf_decoder,
-    hf_decoder_layers,
-    hf_family_available,
-    spawn,
-)
+from graph_fsdp.launch import spawn
+from graph_fsdp.models.hf import HF_DECODERS, hf_decoder, hf_decoder_layers, hf_family_available
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,9 +19,10 @@ import os
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -122,26 +123,41 @@ def results():
     return spawn(_all, WORLD, backend="nccl", timeout=900)[0]
 
 
+def _replayed(report: dict, checks: int) -> list[dict]:
+    """The run captured once and replayed every step after its warmup, with no eager
+    fallback; it made ``checks`` verifications, each of whose graphed runs replayed (not
+    eager against eager). Returns them."""
+    assert report["captures"] == 1, report
+    assert report["replays"] >= (STEPS - 2) * ACCUM, report  # warmup_steps=2
+    assert report["eager_fallbacks"] == 0, report
+    verification = report["verification"]
+    assert len(verification) == checks, verification
+    for c in verification:
+        assert c["verified"] and c["replays"] > 0 and c["fallbacks"] == 0, c["summary"]
+    return verification
+
+
 def test_step_api_full_iteration_is_bit_exact_and_owned(results):
     eager, full = results["eager"], results["full"]
     assert full["losses"] == eager["losses"], (full["losses"], eager["losses"])
     assert full["owned"], "a replay overwrote a loss the caller holds"
     report = full["report"]
     assert report["callables"] == ["microbatch 0", "microbatch 1"], report
-    assert [c["identical"] for c in report["verification"]] == [True, True], report
-    assert "graphed == eager bit for bit" in report["verification"][0]["summary"]
+    checks = _replayed(report, ACCUM)  # one per microbatch position
+    assert [c["identical"] for c in checks] == [True, True], report
+    assert "graphed == eager bit for bit" in checks[0]["summary"]
 
 
 def test_layerwise_verification_passes(results):
     run = results["layer_attn"]
     assert run["losses"] == results["eager"]["losses"]
-    checks = run["report"]["verification"]
-    assert len(checks) == 1 and checks[0]["identical"], checks
+    checks = _replayed(run["report"], 1)
+    assert checks[0]["identical"], checks
 
 
 @pytest.mark.parametrize("key", ["full_perturbed", "layer_perturbed"])
 def test_verification_names_the_module_that_differs_under_capture(results, key):
-    checks = results[key]["report"]["verification"]
+    checks = _replayed(results[key]["report"], ACCUM if key.startswith("full") else 1)
     flagged = [c for c in checks if not c["identical"]]
     assert flagged, checks
     assert flagged[0]["first_module"] == "layers.1.mlp.fc2", flagged[0]["summary"]

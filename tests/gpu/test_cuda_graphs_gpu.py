@@ -15,9 +15,10 @@ import tempfile
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 from graph_fsdp.train import TrainConfig, run
 
 pytestmark = [
@@ -163,7 +164,7 @@ def _lockstep(
     a changed sequence length (eager fallback), eval passes, and release() (recapture).
 
     ``scopes=[]`` (whole layers) with the torch backend puts the units' backward handlers in
-    the replay Function (capture/graphed.py, [Note: backward handlers in the replay]), and the
+    the replay Function (capture/torch_backend.py, [Note: backward handlers in the replay]), and the
     fallback, eval and recapture steps register them from the dispatcher instead.
     ``frozen_embeddings``: layer 0's input requires no grad (the replay's anchor leaf)."""
     import warnings

@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 from graph_fsdp.train import TrainConfig, run
 
 pytestmark = [
@@ -92,8 +93,8 @@ def test_all_gather_and_reduce_scatter_overlap_compute():
 
 
 def _addresses(rank: int, world: int, allocator: str, pin: bool) -> dict:
-    from graph_fsdp.fully_shard import collect_states
     from graph_fsdp.models import build_model, synthetic_batch
+    from graph_fsdp.state import collect_states
     from graph_fsdp.train import shard_model
 
     cfg = TrainConfig(

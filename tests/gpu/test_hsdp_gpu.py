@@ -19,8 +19,8 @@ import tempfile
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, run
 
 pytestmark = [pytest.mark.gpu]

@@ -97,7 +97,7 @@ def _shutdown_rank(rank: int, mode: str, port: int) -> None:
 def _shutdown_main(mode: str) -> None:
     import torch.multiprocessing as mp
 
-    from graph_fsdp.testing import free_port
+    from graph_fsdp.launch import free_port
 
     mp.spawn(_shutdown_rank, args=(mode, free_port()), nprocs=WORLD, join=True)
 
@@ -193,7 +193,7 @@ def _graphed_cycle(rank: int, world_size: int, mode: str) -> dict:
 @needs_gpus()
 @pytest.mark.parametrize("mode", ["full_iteration", "layerwise"])
 def test_graphs_replay_bit_identically_after_offload_cycle(mode):
-    from graph_fsdp.testing import spawn
+    from graph_fsdp.launch import spawn
 
     result = spawn(_graphed_cycle, WORLD, mode, backend="nccl")[0]
     plain, cycled = result["losses"]["plain"], result["losses"]["cycled"]
@@ -279,7 +279,7 @@ def _offload_cost(rank: int, world_size: int) -> dict:
 @pytest.mark.gpu
 @needs_gpus()
 def test_optimizer_offload_step_time():
-    from graph_fsdp.testing import spawn
+    from graph_fsdp.launch import spawn
 
     result = spawn(_offload_cost, WORLD, backend="nccl")[0]
     device_ms = result["device"]["median_ms"]

@@ -24,8 +24,9 @@ from statistics import median
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus, spawn
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -123,9 +124,15 @@ def _check(out: dict, variants: dict) -> list[str]:
             d = _diff(f"{label} {what}", ref[what], got[what])
             if d:
                 problems.append(d)
+        # A graphed run proves nothing about graphs unless it replayed them throughout.
         report = got.get("cuda_graphs")
-        if report is not None and report["replays"] == 0:
-            problems.append(f"{label}: the graphs never replayed ({report})")
+        if report is None:
+            problems.append(f"{label}: no graph report (the run may have run eagerly)")
+        elif report["replays"] == 0 or report["eager_fallbacks"]:
+            problems.append(
+                f"{label}: {report['replays']} replays, {report['eager_fallbacks']} eager "
+                f"fallbacks ({report})"
+            )
     res = out.get("resume", {"first": [], "second": []})
     for name, vals, off in (
         ("resume first", res["first"], 0),
@@ -272,9 +279,9 @@ CLI_MOE = [
     "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "256", *CLI_COMMON,
     "--cuda-graph-scope", "attn", "moe_router",
 ]  # fmt: skip
-# Session 5 ran these at seq 64, where TE's graphed attention differs from its eager one: a
-# resumed run, whose first steps are eager warmup, then differed from an uninterrupted
-# graphed run at the first resumed step.
+# Seq 128: at seq 64 TE's graphed attention differs from its eager one (te_backend.py [Note:
+# TE attention under capture]), so a resumed run, whose first steps are eager warmup, differs
+# from an uninterrupted graphed run at the first resumed step.
 CLI_GPT = ["--model", "mcore-gpt", *CLI_COMMON, "--cuda-graph-scope", "attn", "mlp"]
 
 
@@ -409,3 +416,322 @@ def test_cli_torch_graphs_of_cudnn_attention_at_seq_64_are_refused() -> None:
     if proc.returncode != 0:
         assert "cannot be captured at sequence length 64" in text, text[-3000:]
         assert "--attention-backend unfused" in text, text[-3000:]
+
+
+# --------------------------------------------------------------------------------------------
+# MoE experts inside the graphs (docs/megatron_moe.md): graph_fsdp's dropless grouped_mm
+# experts (device token counts) and Megatron's drop-padding, each with the whole layer, moe
+# and full_iteration; bit-identical to eager in losses, eval losses and the final checkpoint.
+# Run: GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k moe
+# --------------------------------------------------------------------------------------------
+
+AUX = 1e-2
+"""Megatron's load-balancing loss on: its autograd path is captured with the router."""
+WHOLE_VARIANTS = {
+    "te layer": ("te", []),
+    "torch moe": ("torch", ["moe"]),
+    "torch full_iteration": ("torch", ["full_iteration"]),
+}
+
+
+def _whole_models() -> dict:
+    _, moe = _models()
+    moe = dataclasses.replace(moe, moe_aux_loss_coeff=AUX)
+    return {
+        "dropless grouped_mm": dataclasses.replace(moe, moe_experts_impl="grouped_mm"),
+        "drop-padding": dataclasses.replace(
+            moe, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
+        ),
+        # Megatron's dropless experts (TEGroupedMLP: another GEMM, another model): the eager
+        # step the issue's targets compare against, and its best capture, attn moe_router.
+        "dropless megatron": moe,
+    }
+
+
+def _saved(root: str, family: str, label: str) -> dict:
+    """The run writes its final weights and optimizer state (graph_fsdp.checkpoint) here."""
+    return dict(save_path=_ckpt_dir(root, family, label), save_at=STEPS)
+
+
+def _ckpt_dir(root: str, family: str, label: str) -> str:
+    return os.path.join(root, family.replace(" ", "_"), label.replace(" ", "_"))
+
+
+def _whole_family(rank: int, world: int, root: str) -> dict:
+    from graph_fsdp.integrations.megatron_train import run
+
+    out: dict = {}
+    for family, model in _whole_models().items():
+        if family == "dropless megatron":
+            graphed = dict(cuda_graph_impl="te", cuda_graph_scope=["attn", "moe_router"], **STATIC)
+            out[family] = {
+                "eager": run(rank, world, _cfg(model)),
+                "te attn moe_router": run(rank, world, _cfg(model, **graphed)),
+            }
+            continue
+        fam = {"eager": run(rank, world, _cfg(model, **_saved(root, family, "eager")))}
+        for label, (impl, scopes) in WHOLE_VARIANTS.items():
+            kw = dict(cuda_graph_impl=impl, cuda_graph_scope=scopes, **STATIC)
+            fam[label] = run(rank, world, _cfg(model, **kw, **_saved(root, family, label)))
+        out[family] = fam
+    # The stacked expert weights through a DCP save and load, with graphs on both sides.
+    model = _whole_models()["dropless grouped_mm"]
+    graphed = dict(cuda_graph_impl="te", cuda_graph_scope=[], **STATIC)
+    path = _ckpt_dir(root, "dropless grouped_mm", "resume")
+    first = run(rank, world, _cfg(model, steps=SAVE_AT, save_path=path, save_at=SAVE_AT, **graphed))
+    second = run(
+        rank,
+        world,
+        _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=path, **graphed),
+    )
+    out["dropless grouped_mm"]["resume"] = {"first": first["losses"], "second": second["losses"]}
+    return out
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _flat(val, f"{prefix}{key}.").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, val in enumerate(obj) for k, v in _flat(val, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: obj}
+
+
+def _checkpoint(path: str) -> dict:
+    """Every tensor and value of a graph_fsdp DCP checkpoint (weights and AdamW state)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, f"{path}.pt")
+    return _flat(torch.load(f"{path}.pt", weights_only=False))
+
+
+def _checkpoint_diff(label: str, ref: dict, got: dict) -> str | None:
+    if ref.keys() != got.keys():
+        return f"{label}: checkpoint keys differ from eager: {sorted(ref.keys() ^ got.keys())[:6]}"
+    for key, a in ref.items():
+        b = got[key]
+        if torch.is_tensor(a):
+            if not torch.equal(a, b):
+                delta = (a.double() - b.double()).abs().max().item()
+                return f"{label}: final {key} differs from eager (max |delta| {delta:.3e})"
+        elif a != b:
+            return f"{label}: final {key} differs from eager: {a!r} vs {b!r}"
+    return None
+
+
+def _check_whole(out: dict, root: str) -> list[str]:
+    problems = []
+    for family in ("dropless grouped_mm", "drop-padding"):
+        fam = out[family]
+        ref_ckpt = _checkpoint(_ckpt_dir(root, family, "eager"))
+        expert_keys = [k for k in ref_ckpt if ".mlp.experts." in k]
+        if not expert_keys:
+            problems.append(f"{family}: no expert weights in the checkpoint ({list(ref_ckpt)[:4]})")
+        for label in WHOLE_VARIANTS:
+            got = fam[label]
+            name = f"{family}, {label}"
+            for what in ("losses", "eval_losses"):
+                d = _diff(f"{name} {what}", fam["eager"][what], got[what])
+                if d:
+                    problems.append(d)
+            report = got["cuda_graphs"]
+            if report["replays"] == 0 or report["eager_fallbacks"] != 0:
+                problems.append(
+                    f"{name}: {report['replays']} replays, {report['eager_fallbacks']} eager "
+                    f"fallbacks (want > 0 and 0): {report['callables'][:4]}"
+                )
+            d = _checkpoint_diff(name, ref_ckpt, _checkpoint(_ckpt_dir(root, family, label)))
+            if d:
+                problems.append(d)
+    res = out["dropless grouped_mm"]["resume"]
+    ref = out["dropless grouped_mm"]["eager"]["losses"]
+    for name, vals, off in (
+        ("resume first", res["first"], 0),
+        ("resume second", res["second"], SAVE_AT),
+    ):
+        d = _diff(f"dropless grouped_mm {name}", ref[off : off + len(vals)], vals, off)
+        if d:
+            problems.append(d)
+    return problems
+
+
+def _timing(res: dict, skip: int = 3) -> dict:
+    return {
+        "median_step_ms": round(median(res["times"][skip:]) * 1e3, 3),
+        "peak_allocated_gib": round(res["peak_memory_bytes"] / 2**30, 4),
+        "peak_reserved_gib": round(res["peak_reserved_bytes"] / 2**30, 4),
+    }
+
+
+def _targets(rows: dict) -> dict:
+    """The issue's targets, measured (printed, not asserted: these machines are noisy)."""
+    full = "torch full_iteration"
+    step = {f: {k: v["median_step_ms"] for k, v in r.items()} for f, r in rows.items()}
+    peak = {f: {k: v["peak_allocated_gib"] for k, v in r.items()} for f, r in rows.items()}
+    grouped, pad = "dropless grouped_mm", "drop-padding"
+    return {
+        "dropless full_iteration / Megatron dropless eager (<= 0.25)": round(
+            step[grouped][full] / step["dropless megatron"]["eager"], 3
+        ),
+        "dropless full_iteration / drop-padding full_iteration (<= 1.2)": round(
+            step[grouped][full] / step[pad][full], 3
+        ),
+        "dropless grouped_mm eager / Megatron dropless eager": round(
+            step[grouped]["eager"] / step["dropless megatron"]["eager"], 3
+        ),
+        "peak allocated / family eager (<= 1.15)": {
+            f"{family}, {label}": round(peak[family][label] / peak[family]["eager"], 3)
+            for family in (grouped, pad)
+            for label in rows[family]
+            if label != "eager"
+        },
+    }
+
+
+def test_mcore_moe_experts_captured_whole_bit_identical_to_eager(tmp_path) -> None:
+    root = str(tmp_path)
+    out = spawn(_whole_family, WORLD, root, backend="nccl")[0]
+    rows = {
+        family: {label: _timing(res) for label, res in fam.items() if label != "resume"}
+        for family, fam in out.items()
+    }
+    for family, fam in rows.items():
+        for label, row in fam.items():
+            print("MCORE_MOE_WHOLE " + json.dumps({"family": family, "row": label, **row}))
+    print("MCORE_MOE_WHOLE_TARGETS " + json.dumps(_targets(rows)))
+    problems = _check_whole(out, root)
+    assert not problems, "\n".join(problems)
+
+
+def test_grouped_moe_has_no_host_sync_and_replays_new_routing_bit_identical() -> None:
+    """graph_fsdp's dropless pieces alone (grouped_moe.py), bf16 on this GPU: forward+backward
+    with no synchronising CUDA call (sync debug mode "error"), captured in one CUDA graph and
+    replayed with new routings written into its inputs (an expert without tokens, all tokens on
+    two experts): every output bit-identical to an eager run of the same routing."""
+    import torch.nn.functional as F
+
+    from graph_fsdp.integrations import grouped_moe as gmoe
+
+    dev, bf16 = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    tokens, hidden, ffn, experts, topk = 1024, 256, 512, 8, 2
+    gen = torch.Generator().manual_seed(0)
+
+    def routing(case: str) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.randn(tokens, experts, generator=gen)
+        if case == "expert 3 gets nothing":
+            logits[:, 3] = -1e9
+        elif case == "all tokens on two experts":
+            logits[:, 1], logits[:, 6] = 1e9, 1e9
+        top = logits.topk(topk, dim=1).indices
+        probs = torch.zeros(tokens, experts).scatter(
+            1, top, torch.rand(tokens, topk, generator=gen)
+        )
+        return top.to(dev), probs.to(dev, bf16)
+
+    def leaf(*shape) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) / 16).to(dev, bf16).requires_grad_()
+
+    x, fc1, fc2 = leaf(tokens, hidden), leaf(experts, 2 * ffn, hidden), leaf(experts, hidden, ffn)
+    top, p = routing("random")
+    probs = p.clone().requires_grad_()
+    grad_out = torch.randn(tokens, hidden, generator=gen).to(dev, bf16)
+
+    def step():
+        y = gmoe.dropless_moe(x, probs, top, fc1, fc2, activation=F.silu, gated=True)
+        return (y, *torch.autograd.grad(y, (x, probs, fc1, fc2), grad_out))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):  # the mode does catch a sync
+            torch.ones(1, device=dev).item()
+        step()  # raises on any synchronising call
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    names = ("y", "grad x", "grad probs", "grad fc1", "grad fc2")
+    for case in ("random", "expert 3 gets nothing", "all tokens on two experts"):
+        new_top, new_probs = routing(case)
+        with torch.no_grad():
+            top.copy_(new_top)
+            probs.copy_(new_probs)
+        graph.replay()
+        eager = step()
+        for name, a, b in zip(names, static, eager):
+            assert torch.equal(a, b), (case, name, (a.float() - b.float()).abs().max().item())
+        if case == "expert 3 gets nothing":
+            assert not static[3][3].any() and not static[4][3].any(), "empty expert's wgrad"
+
+
+# Bigger MoE: step time and peak memory only (bit-exactness is the small model's test above).
+BIG = dict(
+    num_layers=8,
+    hidden_size=1024,
+    num_attention_heads=16,
+    ffn_hidden_size=2048,
+    seq_length=2048,
+    num_experts=8,
+    moe_router_topk=2,
+    moe_shared_expert_intermediate_size=2048,
+    moe_aux_loss_coeff=AUX,
+)
+BIG_ROWS = {
+    "dropless megatron": ["eager", "te attn moe_router"],
+    "dropless grouped_mm": ["eager", "te layer", "torch full_iteration"],
+    "drop-padding": ["eager", "te attn moe_router", "te layer", "torch full_iteration"],
+}
+BIG_SCOPES = {
+    "te attn moe_router": ("te", ["attn", "moe_router"]),
+    "te layer": ("te", []),
+    "torch full_iteration": ("torch", ["full_iteration"]),
+}
+
+
+def _big_rows(rank: int, world: int) -> dict:
+    from graph_fsdp.integrations.megatron import MCoreGPTConfig
+    from graph_fsdp.integrations.megatron_train import run
+
+    base = MCoreGPTConfig(**BIG)
+    models = {
+        "dropless megatron": base,
+        "dropless grouped_mm": dataclasses.replace(base, moe_experts_impl="grouped_mm"),
+        "drop-padding": dataclasses.replace(
+            base, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
+        ),
+    }
+    out: dict = {}
+    for family, labels in BIG_ROWS.items():
+        for label in labels:
+            kw = dict(steps=8, eval_interval=0, micro_batch_size=2)
+            if label != "eager":
+                impl, scopes = BIG_SCOPES[label]
+                kw.update(cuda_graph_impl=impl, cuda_graph_scope=scopes, **STATIC)
+            res = run(rank, world, _cfg(models[family], **kw))
+            report = res.get("cuda_graphs")
+            out.setdefault(family, {})[label] = {
+                **_timing(res),
+                "replays": report["replays"] if report else None,
+                "eager_fallbacks": report["eager_fallbacks"] if report else None,
+            }
+    return out
+
+
+def test_mcore_moe_bigger_model_timing() -> None:
+    """8 layers, hidden 1024, 8 experts top-2 + a shared expert, seq 2048, 2 sequences a step:
+    one JSON line per row (median step over steps 3..7, peak allocated and reserved memory),
+    then the ratios the issue sets targets for. Checks only that the graphs replayed."""
+    rows = spawn(_big_rows, WORLD, backend="nccl")[0]
+    for family, fam in rows.items():
+        for label, row in fam.items():
+            print("MCORE_MOE_BIG " + json.dumps({"family": family, "row": label, **row}))
+    print("MCORE_MOE_BIG_TARGETS " + json.dumps(_targets(rows)))
+    for family, fam in rows.items():
+        for label, row in fam.items():
+            if label != "eager":
+                assert row["replays"] and row["eager_fallbacks"] == 0, (family, label, row)

@@ -22,7 +22,9 @@ import sys
 import pytest
 import torch
 
-from graph_fsdp.testing import hf_decoder, hf_decoder_layers, hf_family_available, needs_gpus, spawn
+from graph_fsdp.launch import spawn
+from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 

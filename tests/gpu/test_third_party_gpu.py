@@ -10,16 +10,19 @@ pass every 5 steps, against the eager run of the same model:
 - layerwise whole-layer, ``attn`` and ``mlp`` scopes (HuggingFace presets ``self_attn`` /
   ``mlp``): every loss, eval loss and final parameter bit-identical, and the verification
   step (``verify=True``) reports graphed == eager;
-- ``full_iteration``: either bit-identical, or flagged by the verification step with the first
-  differing module and the transformers line that asked whether a capture runs named
-  (HuggingFace builds its attention mask another way under stream capture), or refused at
-  capture with the running module named; with a ready 4-D attention mask handed in (both
-  runs then compute the same attention), bit-identical.
+- ``full_iteration`` with the model's own mask: not bit-identical, and flagged by the
+  verification step with the first differing module and the transformers line that asked
+  whether a capture runs (HuggingFace builds its attention mask another way under stream
+  capture); with a ready 4-D attention mask handed in (both runs then compute the same
+  attention), bit-identical.
 
-Qwen2 (biased q/k/v) and Mixtral (top-2 MoE, transformers 5 naming: ``mlp`` is the sparse
-block, ``mlp.gate`` its router) run the same way: ``attn``, ``mlp`` / ``moe_router`` /
-``attn moe`` scopes with the model's own mask and ``full_iteration`` with a 4-D mask, each
-bit-identical or refused with the module named.
+Qwen2 (biased q/k/v), Mixtral (top-2 MoE, transformers 5 naming: ``mlp`` is the sparse block,
+``mlp.gate`` its router), GPT-2 and GPT-NeoX run the same way: whole layers and partial scopes
+with the model's own mask and ``full_iteration`` with a 4-D mask, each bit-identical. The
+other families of ``HF_DECODERS`` are swept in one launch, each run pinned (``EXPECTED``):
+bit-identical, flagged for a named reason, or refused naming the module and the model's line.
+Every graphed run must have captured once, replayed, never fallen back to eager, and its
+verification must have replayed.
 """
 
 from __future__ import annotations
@@ -29,15 +32,10 @@ import os
 import pytest
 import torch
 
+from graph_fsdp.launch import spawn
+from graph_fsdp.models.hf import HF_DECODERS, hf_decoder, hf_decoder_layers, hf_family_available
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import (
-    HF_DECODERS,
-    hf_decoder,
-    hf_decoder_layers,
-    hf_family_available,
-    needs_gpus,
-    spawn,
-)
+from graph_fsdp.testing import needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -191,7 +189,10 @@ def _graphed_problems(eager: dict, run: dict, what: str) -> list[str]:
     report = run["report"]
     assert report["captures"] == 1 and report["replays"] > 0, report
     assert report["eager_fallbacks"] == 0, report
+    assert report["verification"], f"{what}: no verification ran"
     assert run["owned"]
+    # identical implies verified: the check's graphed run replayed (a NOT VERIFIED check is
+    # reported here with its summary).
     problems = [f"{what}: {c['summary']}" for c in report["verification"] if not c["identical"]]
     return problems + _bit_identical(eager, run, what)
 
@@ -224,27 +225,28 @@ def test_huggingface_llama_layerwise_graphs_are_bit_exact(backend):
 
 @pytest.mark.parametrize("mask4d", [False, True], ids=["own-mask", "4d-mask"])
 def test_huggingface_llama_full_iteration_is_exact_or_flagged(mask4d):
-    """Without a mask HuggingFace asks whether a capture runs and builds another attention
-    under one; the verification must name that line. With a ready 4-D mask both runs
-    compute the same: bit-identical."""
+    """Pinned both ways. Without a mask HuggingFace asks whether a capture runs and builds
+    another attention under one: the run differs, and the verification flags it, naming the
+    transformers line. With a ready 4-D mask both runs compute the same: bit-identical."""
     variants = [("torch", ["full_iteration"])]
     res = spawn(_family, WORLD, variants, mask4d, backend="nccl", timeout=900)[0]
     run = res["torch:full_iteration"]
-    if "refused" in run:  # the error must name the module that was running
-        assert not mask4d, run["refused"]  # with a ready mask nothing reads the host
-        assert run["module"], run["refused"]
-        assert "while the" in run["refused"], run["refused"]
-        return
-    checks = run["report"]["verification"]
+    assert "refused" not in run, run["refused"]  # nothing in it reads the host
+    report = run["report"]
+    assert report["captures"] == 1 and report["replays"] > 0, report
+    assert report["eager_fallbacks"] == 0, report
+    checks = report["verification"]
     assert len(checks) == ACCUM, checks  # one check per microbatch position
+    assert all(c["verified"] and c["replays"] > 0 for c in checks), checks
     assert run["owned"], "the returned loss must not be overwritten by the next replay"
     problems = _bit_identical(res["eager"], run, "full_iteration")
     flagged = [c for c in checks if not c["identical"]]
-    if not problems or mask4d:
+    if mask4d:
         assert not problems and not flagged, problems + [c["summary"] for c in flagged]
         return
-    # Not bit-identical: the verification step must have caught it, naming the module and
-    # the transformers code that branched on the capture.
+    # Not bit-identical, and the verification step caught it, naming the module and the
+    # transformers code that branched on the capture.
+    assert problems, "own mask: full_iteration became bit-identical - update this pin"
     assert flagged, f"full_iteration differs from eager but verification passed: {problems}"
     first = flagged[0]
     assert first["first_module"] or first["differing_grads"], first["summary"]
@@ -268,13 +270,17 @@ def test_huggingface_activation_checkpointing():
     assert not problems, "\n".join(problems)
 
 
-# Other decoders: partial scopes with the model's own mask, full_iteration with a ready 4-D
-# mask. A scope whose capture is refused (e.g. MoE expert dispatch reading routing results on
-# the host) must name the module; every scope that captures is bit-identical to eager.
+# Other decoders: whole layers and partial scopes with the model's own mask, full_iteration
+# with a ready 4-D mask. Every run is pinned bit-identical to eager: replayed, no eager
+# fallback, verification identical (MoE included: transformers 5's experts read nothing on
+# the host).
 OTHERS = {
-    "qwen2": ([("torch", ["attn"]), ("torch", ["mlp"])], [("torch", ["full_iteration"])]),
+    "qwen2": (
+        [("torch", []), ("torch", ["attn"]), ("torch", ["mlp"])],
+        [("torch", ["full_iteration"])],
+    ),
     "mixtral": (
-        [("torch", ["attn"]), ("torch", ["moe_router"]), ("torch", ["attn", "moe"])],
+        [("torch", []), ("torch", ["attn"]), ("torch", ["moe_router"]), ("torch", ["attn", "moe"])],
         [("torch", ["full_iteration"])],
     ),
     "gpt2": ([("torch", []), ("torch", ["attn", "mlp"])], [("torch", ["full_iteration"])]),
@@ -291,33 +297,64 @@ def _both(rank: int, world: int, family: str) -> dict:
 
 
 @pytest.mark.parametrize("family", list(OTHERS))
-def test_other_huggingface_decoders_are_bit_exact_or_refused(family):
+def test_other_huggingface_decoders_are_bit_exact(family):
     res = spawn(_both, WORLD, family, backend="nccl", timeout=900)[0]
-    problems, refused = [], []
+    problems = []
     for mask, runs in res.items():
         eager = runs.pop("eager")
         assert len(eager["losses"]) == STEPS
         for key, run in runs.items():
-            if "refused" in run:  # the error names the module and the way out
-                assert run["module"] and "while the" in run["refused"], run["refused"]
-                refused.append(f"{mask} {key}: {run['refused'][:300]}")
+            if "refused" in run:
+                problems.append(f"{mask} {key}: refused: {run['refused'][:600]}")
                 continue
             problems += _graphed_problems(eager, run, f"{mask} {key}")
-    print(f"{family} refused:", refused)
     assert not problems, "\n".join(problems)
-    # The attention scope captures on every decoder (nothing in it reads the host).
-    assert not any(" torch:attn:" in r for r in refused), refused
 
 
-# Every other family of graph_fsdp.testing.HF_DECODERS, in one launch, each variant against
+# Every other family of graph_fsdp.models.hf.HF_DECODERS, in one launch, each variant against
 # its eager run: whole layers and the attn + mlp (dense) or attn + moe_router (MoE) scopes
 # with the model's own mask, and full_iteration with a ready 4-D mask (OPT: its own mask).
-# Whole layers and the full iteration are bit-identical, or refused at capture naming the
-# module and the model's line. Partial scopes are bit-identical or flagged by the
-# verification step with a bit-identical forward: where a tensor feeds a captured module and
-# also something outside it (a parallel attention + MLP block, attention reading the residual
-# stream), autograd sums its gradient in another order than eager.
+# What each run gives is pinned per family (EXPECTED): bit-identical (the default), flagged
+# by the verification for a named reason, or refused at capture naming the module and the
+# model's line - a change either way fails the test.
 SWEPT = tuple(f for f in HF_DECODERS if f not in ("llama", *OTHERS) and hf_family_available(f))
+
+GRADS_ONLY = "flagged: only gradients differ"
+"""Partial scopes where a tensor feeds a captured module and also something outside it (a
+parallel attention + MLP block, attention reading the residual stream): autograd sums its
+gradient in another order than eager. The verification flags it with a bit-identical
+forward ("only gradients differ")."""
+CAPTURE_QUERY = "flagged: the model asked whether a capture runs"
+"""The model computes another value under stream capture (HuggingFace's mask code asks
+``is_current_stream_capturing()``): the verification names the transformers line."""
+REFUSED = "refused"
+"""The capture fails (e.g. a host-to-device copy in every forward), naming the module and the
+model's line."""
+
+EXPECTED = {
+    "phi": {"layerwise torch:attn mlp": GRADS_ONLY},
+    "cohere": {"layerwise torch:attn mlp": GRADS_ONLY},
+    "olmo2": {"layerwise torch:attn mlp": GRADS_ONLY},
+    # Falcon's _split_heads copies a host tensor to the GPU in every attention forward.
+    "falcon": {
+        "layerwise torch:layer": REFUSED,
+        "layerwise torch:attn mlp": REFUSED,
+        "full torch:full_iteration": REFUSED,
+    },
+    # OPT takes a 2-D mask only (its learned positions come from it): its own mask, built
+    # another way under capture.
+    "opt": {"full torch:full_iteration": CAPTURE_QUERY},
+}
+"""Per family, the runs (``"<mode> <impl>:<scopes>"``) that are not bit-identical, and how
+(one H100, world size 1, transformers 5.17, and 2x H200 before it). Every run not named must
+be bit-identical to eager, replayed, with no eager fallback."""
+
+OWN_MASK = ("opt",)
+"""Families that take a 2-D mask only (OPT derives its learned positions from it): their
+full_iteration runs with the model's own mask."""
+
+REFUSED_AT = {"falcon": "modeling_falcon.py"}
+"""The file a family's refusal names (its line of the model)."""
 
 
 def _sweep_variants(family: str) -> tuple[bool, list[tuple[str, list[str]]]]:
@@ -368,51 +405,51 @@ def swept_families() -> dict:
     return spawn(_sweep, WORLD, SWEPT, backend="nccl", timeout=1500)[0]
 
 
+def _outcome(eager: dict, run: dict, what: str) -> tuple[str, str]:
+    """(outcome, detail) of one swept run: REFUSED, GRADS_ONLY, CAPTURE_QUERY, "identical",
+    or "unexplained" with what differs."""
+    if "refused" in run:
+        text = run["refused"]
+        named = run["module"] and "while the" in text and ", at " in text
+        return (REFUSED if named else "unexplained"), text
+    report = run["report"]
+    assert report["captures"] == 1 and report["replays"] > 0, (what, report)
+    assert report["eager_fallbacks"] == 0, (what, report)
+    assert all(c["verified"] and c["replays"] > 0 for c in report["verification"]), report
+    assert run["owned"], what
+    differences = _bit_identical(eager, run, what)
+    first = next((c for c in report["verification"] if not c["identical"]), None)
+    if first is None:
+        return ("identical" if not differences else "unexplained"), "; ".join(differences)
+    summary = first["summary"]
+    if first["first_module"] is None and first["outputs_equal"]:
+        if "only gradients differ" in summary:
+            return GRADS_ONLY, summary
+    if any("transformers" in q for q in first["capture_queries"]):
+        return CAPTURE_QUERY, summary
+    return "unexplained", summary
+
+
 @pytest.mark.parametrize("family", SWEPT)
-def test_huggingface_families_sweep_bit_exact_or_refused(family, swept_families):
+def test_huggingface_families_sweep_pinned(family, swept_families):
     res = swept_families[family]
     assert "error" not in res, res.get("error")
-    problems, refused, flagged = [], [], []
+    expected = EXPECTED.get(family, {})
+    seen, problems = {}, []
     for mode in ("layerwise", "full"):
         runs = dict(res[mode])
         eager = runs.pop("eager")
         assert len(eager["losses"]) == STEPS
         for key, run in runs.items():
             what = f"{mode} {key}"
-            if "refused" in run:  # the module, and the line of the model that broke it
-                assert run["module"] and "while the" in run["refused"], run["refused"]
-                assert ", at " in run["refused"], run["refused"]
-                refused.append(f"{what}: {run['refused']}")
-                continue
-            found = _graphed_problems(eager, run, what)
-            first = next((c for c in run["report"]["verification"] if not c["identical"]), None)
-            if found and first and key not in ("torch:layer", "torch:full_iteration"):
-                assert first["first_module"] is None and first["outputs_equal"], first["summary"]
-                assert "only gradients differ" in first["summary"], first["summary"]
-                flagged.append(what)
-                continue
-            if found and first and key == "torch:full_iteration" and family in OWN_MASK:
-                # the attention mask HuggingFace builds another way under capture, named
-                assert any("transformers" in q for q in first["capture_queries"]), first
-                flagged.append(what)
-                continue
-            problems += found
-    print(f"{family} (moe={res['moe']}) flagged: {flagged} refused: {refused}")
+            outcome, detail = _outcome(eager, run, what)
+            seen[what] = outcome
+            want = expected.get(what, "identical")
+            if outcome != want:
+                problems.append(f"{what}: expected {want}, got {outcome}: {detail[:600]}")
+            elif outcome == REFUSED and family in REFUSED_AT:
+                assert REFUSED_AT[family] in detail, detail
+    print(f"{family} (moe={res['moe']}): {seen}")
+    # A pin for a run the sweep no longer makes is stale: it must go.
+    assert set(expected) <= set(seen), (sorted(set(expected) - set(seen)), seen)
     assert not problems, "\n".join(problems)
-    if family in HOST_COPY_IN_ATTENTION:
-        return
-    # Attention reads nothing on the host; a dense family's whole layers capture.
-    assert not any(":attn" in r.split(": ", 1)[0] for r in refused), refused
-    if not res["moe"]:
-        assert not refused, refused
-
-
-OWN_MASK = ("opt",)
-"""Families that take a 2-D mask only (OPT derives its learned positions from it): their
-full_iteration runs with the model's own mask, bit-identical or flagged naming the
-transformers line that asked whether a capture runs."""
-
-HOST_COPY_IN_ATTENTION = ("falcon",)
-"""Dense families whose attention copies a host tensor to the GPU in every forward (Falcon's
-``_split_heads`` in transformers 5.17): every capture that includes it is refused, naming the
-module and that line."""

@@ -19,7 +19,7 @@ from graph_fsdp.hooks import (
     user_hook_count,
 )
 from graph_fsdp.hooks.module_hooks import FLAG_DICTS, HOOK_DICTS
-from graph_fsdp.testing import spawn
+from graph_fsdp.launch import spawn
 
 
 def _snapshot(module: nn.Module) -> dict:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from graph_fsdp.bench import megatron as mb
+from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import build_parser
-from graph_fsdp.integrations import megatron_bench as mb
-from graph_fsdp.integrations import megatron_cli
 from graph_fsdp.testing import cli_error
 
 MOE = ["bench", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "512"]
@@ -74,7 +74,7 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
     argv += [*STATIC, "--graph-impls", "te", "torch", *SETS, "--warmup-iters", "5"]
     argv += ["--train-iters", "20", "--nproc", "2", "--fused-adamw"]
     args = build_parser().parse_args(argv)
-    job, plan, setup = mb.build_job(args)
+    job, plan, setup = megatron_cli.build_bench_job(args)
     assert [r[0] for r in job.rows] == [
         "graph_fsdp eager",
         "graph_fsdp te [attn]",
@@ -97,10 +97,10 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
 def test_only_rows_a_megatron_model_has(monkeypatch) -> None:
     monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
     args = build_parser().parse_args([*MOE, "--rows", "graph_fsdp", "megatron_fsdp"])
-    job, _, _ = mb.build_job(args)
+    job, _, _ = megatron_cli.build_bench_job(args)
     assert [r[0] for r in job.rows] == ["graph_fsdp eager", "megatron_fsdp eager"]
     with pytest.raises(CLIError, match="choose from graph_fsdp, graph_fsdp_graphed"):
-        mb.build_job(build_parser().parse_args([*MOE, "--rows", "reference"]))
+        megatron_cli.build_bench_job(build_parser().parse_args([*MOE, "--rows", "reference"]))
 
 
 def _row(name: str, ms: float, peak: int, losses: list[float]) -> dict:
@@ -109,8 +109,8 @@ def _row(name: str, ms: float, peak: int, losses: list[float]) -> dict:
         "status": "ok",
         "median_step_ms": ms,
         "min_step_ms": ms - 1,
-        "peak_memory_bytes": peak,
-        "peak_reserved_bytes": 2 * peak,
+        "own_peak_allocated_bytes": peak,
+        "own_peak_reserved_bytes": 2 * peak,
         "losses": losses,
         "final_loss": losses[-1],
     }
@@ -123,7 +123,22 @@ def test_report_ratios_and_verdicts(tmp_path) -> None:
         _row("graph_fsdp te [attn]", 30.0, 2 * gib, [6.0, 5.5, 5.0]),
         _row("graph_fsdp torch [attn]", 45.0, gib, [6.0, 5.5, 5.0000001]),
         {"name": "megatron_fsdp eager", "status": "skipped", "reason": "no megatron_fsdp"},
+        {
+            "name": "graph_fsdp te [moe_router]",
+            "status": "failed",
+            "reason": "NOT GRAPHED: 0 replays (every step ran eagerly)",
+            "graph_captures": 1,
+            "graph_replays": 0,
+            "graph_eager_fallbacks": 40,
+            "comm_graphs": "not lent (one rank, or not NCCL)",
+        },
     ]
+    rows[1] |= {
+        "graph_captures": 1,
+        "graph_replays": 40,
+        "graph_eager_fallbacks": 0,
+        "comm_graphs": "not lent (one rank, or not NCCL)",
+    }
     report = {
         "rows": rows,
         "model": "mcore-moe",
@@ -132,13 +147,23 @@ def test_report_ratios_and_verdicts(tmp_path) -> None:
         "backend": "nccl",
         "created": "now",
         "setup": "setup line",
+        "code": {"commit": "abc", "dirty": False, "commit_source": "git", "source_sha256": "f"},
     }
     out = mb.with_ratios(rows)
     assert out[1]["step_time_vs_eager"] == 0.5 and out[1]["peak_memory_vs_eager"] == 2.0
+    assert out[1]["peak_reserved_vs_eager"] == 2.0
     assert out[1]["losses_equal_eager"] and not out[2]["losses_equal_eager"]
     assert out[2]["first_loss_difference_step"] == 2
     md = mb.markdown(report)
-    assert "| graph_fsdp te [attn] | 30.00 | 29.00 | 2.00 | 4.00 | 5.00000 | 0.50x | 2.00x" in md
+    assert "Code: commit abc (clean; from git), graph_fsdp source sha256 f." in md
+    assert (
+        "| graph_fsdp te [attn] | 30.00 | 29.00 | 2.00 | 4.00 | 1/40/0, comm not lent (one rank, "
+        "or not NCCL) | 5.00000 | 0.50x | 2.00x | 2.00x | bit-identical |" in md
+    )
+    # A graphed row that never replayed: FAILED, no time, its counts and the reason.
+    assert "| graph_fsdp te [moe_router] | FAILED | | - | - | 1/0/40, comm" in md
+    assert "- graph_fsdp te [moe_router]: FAILED: NOT GRAPHED: 0 replays" in md
+    assert "step_time_vs_eager" not in mb.with_ratios(rows)[4]
     assert "| bit-identical |" in md and "differs from step 2 (max abs 1.00e-07)" in md
     assert "- megatron_fsdp eager: skipped: no megatron_fsdp" in md
     paths = mb.write_report(report, str(tmp_path / "out"))
@@ -149,8 +174,10 @@ def test_report_ratios_and_verdicts(tmp_path) -> None:
 def test_memory_ratio_counts_only_the_rows_own_bytes() -> None:
     gib = 2**30
     eager = _row("graph_fsdp eager", 60.0, gib, [6.0])
-    # A later row that started with 1 GiB left by earlier rows and peaked 1.5 GiB above it.
-    later = _row("graph_fsdp te [attn]", 30.0, gib * 5 // 2, [6.0]) | {"start_allocated_bytes": gib}
+    # A later row's own peaks (what it added to what it started with): ratios use those.
+    later = _row("graph_fsdp te [attn]", 30.0, 3 * gib // 2, [6.0]) | {
+        "start_allocated_bytes": gib,
+        "process_peak_allocated_bytes": 5 * gib // 2,
+    }
     out = mb.with_ratios([eager, later])
-    assert mb.own_peak(later) == 3 * gib // 2
-    assert out[1]["peak_memory_vs_eager"] == 1.5
+    assert out[1]["peak_memory_vs_eager"] == 1.5 and out[1]["peak_reserved_vs_eager"] == 1.5

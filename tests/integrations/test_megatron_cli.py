@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
+from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import main
-from graph_fsdp.integrations import megatron_cli
 from graph_fsdp.testing import cli_error
 
 # A dense local-spec Megatron-Core GPT: the one --model mcore-* shape that passes every check
@@ -126,14 +126,6 @@ def test_only_the_samples_the_run_reads_are_checked(capsys, tmp_path, monkeypatc
 
 
 # ------------------------------------------------------------------ offload flags
-def test_cpu_offload_is_refused_with_what_exists_instead(capsys) -> None:
-    err = error_of(capsys, *MCORE, "--cpu-offload")
-    assert "activation CPU offloading" in err and "drop --cpu-offload" in err
-    assert "--optimizer-cpu-offload" in err
-    err = error_of(capsys, "train", "--device", "cpu", "--cpu-offload")  # --model gpt too
-    assert "graph_fsdp does not implement" in err
-
-
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

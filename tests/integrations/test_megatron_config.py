@@ -12,8 +12,8 @@ import pytest
 
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.testing import cli_error
 
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
@@ -29,7 +29,7 @@ def _megatron_imports() -> bool:
 
 # ------------------------------------------------------------------ import guard
 def test_importing_graph_fsdp_and_the_integration_needs_no_megatron() -> None:
-    import graph_fsdp.integrations.megatron  # noqa: F401
+    import graph_fsdp.integrations.megatron
     import graph_fsdp.integrations.megatron_train  # noqa: F401
 
     assert gm.INSTALL_HINT == 'pip install -e ".[megatron]"'
@@ -115,6 +115,41 @@ def test_full_iteration_needs_no_layerwise_buffer_flags() -> None:
         ({"transformer_impl": "te"}, "transformer_impl='te'"),
         ({"attention_backend": "cudnn"}, "attention_backend='cudnn'; choose one of auto"),
         ({"attention_backend": "local"}, "the local layer spec's attention"),
+        ({"moe_expert_capacity_factor": 1.0}, "moe_expert_capacity_factor=1.0 needs an MoE"),
+        ({"moe_experts_impl": "grouped_mm"}, "needs an MoE model: set num_experts"),
+        ({"num_experts": 4, "moe_experts_impl": "te"}, "moe_experts_impl='te'; choose one of"),
+        ({"num_experts": 4, "moe_token_dispatcher_type": "a2a"}, "choose one of alltoall"),
+        ({"num_experts": 4, "moe_aux_loss_coeff": -1.0}, "moe_aux_loss_coeff=-1.0 must be >= 0"),
+        ({"num_experts": 4, "moe_expert_capacity_factor": 0.0}, "must be > 0"),
+        ({"num_experts": 4, "moe_expert_capacity_factor": -1.0}, "say None"),
+        (
+            {"num_experts": 4, "moe_pad_expert_input_to_capacity": True},
+            "moe_expert_capacity_factor sets: give a factor",
+        ),
+        (
+            {
+                "num_experts": 4,
+                "moe_expert_capacity_factor": 2.5,
+                "moe_pad_expert_input_to_capacity": True,
+            },
+            "use a factor <= num_experts / moe_router_topk = 2",
+        ),
+        (
+            {"num_experts": 4, "moe_experts_impl": "grouped_mm", "moe_expert_capacity_factor": 1.0},
+            "is the dropless path",
+        ),
+        (
+            {
+                "num_experts": 4,
+                "moe_experts_impl": "grouped_mm",
+                "moe_token_dispatcher_type": "flex",
+            },
+            "is not replaced: use alltoall",
+        ),
+        (
+            {"num_experts": 4, "moe_experts_impl": "grouped_mm", "ffn_hidden_size": 100},
+            "ffn_hidden_size=100 is not a multiple of 8",
+        ),
     ],
 )
 def test_mcore_config_rejects(kwargs: dict, expected: str) -> None:
@@ -124,6 +159,12 @@ def test_mcore_config_rejects(kwargs: dict, expected: str) -> None:
 
 DENSE = gm.MCoreGPTConfig()
 MOE = gm.MCoreGPTConfig(num_experts=4, moe_shared_expert_intermediate_size=64)
+DROP_PAD = dataclasses.replace(
+    MOE, moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
+)
+DROP_ONLY = dataclasses.replace(MOE, moe_expert_capacity_factor=1.0)
+DROP_PAD_ALLGATHER = dataclasses.replace(DROP_PAD, moe_token_dispatcher_type="allgather")
+GROUPED = dataclasses.replace(MOE, moe_experts_impl="grouped_mm", moe_aux_loss_coeff=1e-2)
 
 
 @pytest.mark.parametrize(
@@ -138,6 +179,16 @@ MOE = gm.MCoreGPTConfig(num_experts=4, moe_shared_expert_intermediate_size=64)
         (MOE, ["attn", "moe_router"]),
         (MOE, ["moe_router", "moe_preprocess"]),
         (MOE, ["attn", "moe_router", "moe_preprocess"]),
+        (DROP_PAD, []),
+        (DROP_PAD, ["moe"]),
+        (DROP_PAD, ["attn", "moe"]),
+        (DROP_PAD, ["full_iteration"]),
+        (DROP_PAD, ["attn", "moe_router"]),
+        (GROUPED, []),
+        (GROUPED, ["moe"]),
+        (GROUPED, ["attn", "moe"]),
+        (GROUPED, ["full_iteration"]),
+        (GROUPED, ["attn", "moe_router"]),
     ],
 )
 def test_capturable_scopes(cfg: gm.MCoreGPTConfig, scopes: list[str]) -> None:
@@ -153,11 +204,34 @@ def test_capturable_scopes(cfg: gm.MCoreGPTConfig, scopes: list[str]) -> None:
         (MOE, ["full_iteration"], "full_iteration"),
         (MOE, ["mlp"], "no dense MLP"),
         (MOE, ["moe_preprocess"], "requires moe_router"),
+        (DROP_ONLY, [], "set moe_pad_expert_input_to_capacity=True"),
+        (DROP_PAD_ALLGATHER, ["moe"], "use moe_token_dispatcher_type='alltoall'"),
+        (GROUPED, ["moe_router", "moe_preprocess"], "no host sync to split off"),
+        (DROP_PAD, ["moe_router", "moe_preprocess"], "capture moe or the whole layer with drop"),
+        (GROUPED, ["mlp"], "no dense MLP"),
     ],
 )
 def test_scopes_the_model_cannot_capture(cfg, scopes, expected: str) -> None:
     with pytest.raises(GraphConfigError, match=expected):
         gm.check_mcore_scopes(cfg, scopes)
+
+
+@pytest.mark.parametrize("scopes", [[], ["moe"], ["full_iteration"]])
+def test_dropless_refusal_names_the_sync_and_both_ways_out(scopes: list[str]) -> None:
+    with pytest.raises(GraphConfigError) as err:
+        gm.check_mcore_scopes(MOE, scopes)
+    text = str(err.value)
+    for part in (
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+        "moe_experts_impl='grouped_mm'",
+        "moe_expert_capacity_factor=1.0 and moe_pad_expert_input_to_capacity=True",
+        "--cuda-graph-scope attn moe_router",
+    ):
+        assert part in text, (part, text)
+    allgather = dataclasses.replace(MOE, moe_token_dispatcher_type="allgather")
+    assert "MoEAllGatherTokenDispatcher.dispatch_postprocess" in gm.moe_expert_capture_refusal(
+        allgather
+    )
 
 
 # ------------------------------------------------------------------ CLI
@@ -168,10 +242,7 @@ def error_of(capsys: pytest.CaptureFixture, *argv: str) -> str:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--use-torch-fsdp2"], ["use_torch_fsdp2", "drop --use-torch-fsdp2"]),
-        (["--use-tp-pp-dp-mapping"], ["use_tp_pp_dp_mapping=True is not supported"]),
         (["--ckpt-format", "torch_dist", "--save", "ck"], ["torch_dist", "fsdp_dtensor"]),
-        (["--cpu-offload", "--recompute-activations"], ["activation recompute"]),
         (["--model", "mcore-moe", "--cuda-graph-impl", "te"], ["the whole layer", "moe_router"]),
         (
             ["--model", "mcore-moe", "--cuda-graph-impl", "te", "--cuda-graph-scope", "moe"],
@@ -241,8 +312,8 @@ def test_cli_model_flag_parses() -> None:
         ["train", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "64"]
     )
     assert args.model == "mcore-moe" and args.moe_shared_expert_intermediate_size == 64
-    assert args.ckpt_format == "fsdp_dtensor" and not args.use_torch_fsdp2
-    from graph_fsdp.integrations.megatron_cli import mcore_config
+    assert args.ckpt_format == "fsdp_dtensor"
+    from graph_fsdp.cli.mcore import mcore_config
 
     cfg = mcore_config(args)
     assert cfg.num_experts == 4 and cfg.moe_shared_expert_intermediate_size == 64

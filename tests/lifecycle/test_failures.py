@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.checkpoint import CheckpointError
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import spawn
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -138,16 +138,16 @@ def _world(rank: int, world_size: int) -> int:
 
 
 def test_spawn_retries_when_its_port_was_taken(monkeypatch):
-    import socket  # noqa: PLC0415
+    import socket
 
-    import graph_fsdp.testing as testing  # noqa: PLC0415
+    import graph_fsdp.launch as launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     ports = [taken.getsockname()[1]]
-    real = testing.free_port
-    monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else real())
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: ports.pop() if ports else real())
     start = time.monotonic()
     try:
         assert spawn(_world, 2) == [2, 2]

@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp import iter_full_params, synchronize_param_gather
+from graph_fsdp.capture import FullIterationGraphs
 from graph_fsdp.checkpoint import full_state_dict
+from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import spawn
+from graph_fsdp.state import collect_states
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -61,8 +63,6 @@ def _cycle(model, opt) -> dict:
 
 
 def _states(model):
-    from graph_fsdp.fully_shard import collect_states
-
     return collect_states(model)
 
 
@@ -186,6 +186,38 @@ def _collectable(rank: int, world_size: int) -> dict:
     return {"collected": model_ref() is None and opt_ref() is None}
 
 
+def _suspend_on_offload(rank: int, world_size: int) -> dict:
+    """offload_params suspends the graph runners registered with the model's units (an eager
+    runner on CPU: its warmup count restarts), not another model's or a closed one's."""
+    model, _ = _build("optim_grads_params")
+    other, _ = _build("optim_grads_params")
+    mine = FullIterationGraphs(model, warmup_steps=1, eager=True)
+    theirs = FullIterationGraphs(other, warmup_steps=1, eager=True)
+    closed = FullIterationGraphs(model, warmup_steps=1, eager=True)
+    closed.close()
+    for graphs, m in ((mine, model), (theirs, other)):
+
+        def step_fn(x, y, m=m):
+            loss = m(x, y)
+            loss.backward()
+            return loss.detach()
+
+        graphs.before_step()
+        graphs.capture(step_fn)(*synthetic_batch(TINY, 1, 0, rank=rank, device=CPU))
+    registered = [{id(r) for r in s.graph_runners} for s in _states(model)]
+    model.offload_params()
+    return {
+        "registered": registered == [{id(mine)}] * len(registered),
+        "steps_seen": (mine.steps_seen, theirs.steps_seen),
+    }
+
+
+def test_offload_suspends_the_models_graph_runners():
+    for result in spawn(_suspend_on_offload, 2):
+        assert result["registered"]
+        assert result["steps_seen"] == (0, 1)
+
+
 def test_export_sync_and_collect():
     for result in spawn(_export, 2):
         assert result["initial_equal"], "export before training differs from the unsharded model"
@@ -199,7 +231,7 @@ def test_export_sync_and_collect():
 
 
 # ----------------------------------------------------------------- shutdown guard
-from graph_fsdp.capture.shutdown import RunnerLifecycle  # noqa: E402
+from graph_fsdp.capture.teardown import RunnerLifecycle  # noqa: E402
 
 
 class _Probe(RunnerLifecycle):

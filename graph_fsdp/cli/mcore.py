@@ -1,0 +1,513 @@
+"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
+
+    graph-fsdp train --model mcore-gpt --transformer-impl transformer_engine --bf16 \\
+        --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
+        --cuda-graph-impl te --cuda-graph-scope attn mlp
+    graph-fsdp train --model mcore-moe --num-experts 4 --moe-router-topk 2 \\
+        --moe-shared-expert-intermediate-size 512 --transformer-impl transformer_engine --bf16 \\
+        --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
+        --cuda-graph-impl te --cuda-graph-scope attn moe_router
+
+The flags are the shared ones (Megatron spellings) plus the Megatron-Bridge settings that
+:func:`graph_fsdp.integrations.bridge_config.validate_fsdp_config` checks. Every check runs
+before a process starts; megatron-core is imported only by the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import sys
+from dataclasses import replace
+from statistics import median
+
+from graph_fsdp.api import BufferPolicy
+from graph_fsdp.bench.megatron import (
+    MCORE_ROWS,
+    MCoreBenchJob,
+    bench_worker,
+    markdown,
+    plan_rows,
+    write_report,
+)
+from graph_fsdp.bench.provenance import code_version
+from graph_fsdp.bench.report import gpu_tag
+from graph_fsdp.bench.runner import DEFAULT_ROWS
+from graph_fsdp.capture.scopes import GraphConfigError, check_static_buffers
+from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.cli.options import (
+    allocator_of,
+    check_clip_grad,
+    check_graph_environment,
+    check_positive,
+    grad_accumulation,
+    scope_sets_from,
+)
+from graph_fsdp.cli.train_options import (
+    check_data_path,
+    checkpoint_plan,
+    graphs_label,
+    input_lines,
+    verification_lines,
+    verify_option,
+    write_checkpoint_meta,
+)
+from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
+from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS, MCoreGPTConfig, check_mcore_scopes
+from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
+from graph_fsdp.launch import launch
+
+MODELS = ("gpt", "mcore-gpt", "mcore-moe")
+"""--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""
+
+
+def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model and the Megatron-Core model flags (train and bench)."""
+    g = parser.add_argument_group("Megatron-Core models")
+    g.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt",
+        help="gpt: graph_fsdp's reference model; mcore-gpt: a Megatron-Core GPTModel "
+        "(--num-experts makes it MoE); mcore-moe: the MoE GPTModel (default 4 experts). "
+        'Megatron-Core models need pip install -e ".[megatron]".',
+    )
+    g.add_argument(
+        "--moe-shared-expert-intermediate-size",
+        type=int,
+        default=None,
+        help="Megatron-Core MoE: inner size of the shared expert (unset: none).",
+    )
+    g.add_argument(
+        "--use-megatron-schedule",
+        action="store_true",
+        help="Megatron-Core models: run each step through get_forward_backward_func().",
+    )
+    g.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="Megatron-Core models: TransformerConfig.attention_backend. auto lets "
+        "TransformerEngine choose per call - under its CUDA graph capture it may choose another "
+        "backend than in eager steps (cuDNN <= 9.15.0, --seq-length not a multiple of 128); "
+        "flash, fused or unfused pin one; local needs --transformer-impl local.",
+    )
+
+
+def reject_mcore_only_flags(args: argparse.Namespace) -> None:
+    """--model gpt (graph_fsdp's reference model): the Megatron-Core model flags are refused."""
+    given = [
+        flag
+        for flag, value in (
+            ("--use-megatron-schedule", args.use_megatron_schedule),
+            ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size),
+            ("--attention-backend", args.attention_backend != "auto"),
+        )
+        if value
+    ]
+    if given:
+        raise CLIError(
+            f"{', '.join(given)}: Megatron-Core model flags, but --model is gpt (graph_fsdp's "
+            "reference model); add --model mcore-gpt|mcore-moe or drop them"
+        )
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> None:
+    """``train``: the model flags plus Megatron-Bridge's FSDP settings and optimizer offload."""
+    add_megatron_model_args(parser)
+    g = parser.add_argument_group("Megatron-Bridge settings")
+    g.add_argument(
+        "--ckpt-format",
+        default="fsdp_dtensor",
+        help="Checkpoint format (Megatron-Bridge's name); graph_fsdp writes DCP: fsdp_dtensor.",
+    )
+    g.add_argument(
+        "--optimizer-cpu-offload",
+        action="store_true",
+        help="Keep the AdamW state of --optimizer-offload-fraction of the local shards in "
+        "pinned CPU memory and step it there (graph_fsdp.optim_offload.CPUOffloadOptimizer; "
+        "needs no --recompute-activations).",
+    )
+    g.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=1.0,
+        help="Share of the local shards (by elements) --optimizer-cpu-offload puts on the CPU.",
+    )
+
+
+def validate_bridge_flags(args: argparse.Namespace) -> None:
+    """Megatron-Bridge's FSDP rules (integrations/bridge_config.py) that flags reach, for
+    every --model: the checkpoint format of --save/--load; then the optimizer offload."""
+    try:
+        validate_fsdp_config(
+            use_graph_fsdp=True, ckpt_format=args.ckpt_format, save=args.save, load=args.load
+        )
+    except FSDPConfigError as err:
+        raise CLIError(str(err)) from err
+    validate_optimizer_offload(args)
+
+
+def validate_optimizer_offload(args: argparse.Namespace) -> None:
+    """--optimizer-cpu-offload / --optimizer-offload-fraction (Megatron-LM's spellings)."""
+    fraction = args.optimizer_offload_fraction
+    if not 0.0 < fraction <= 1.0:
+        raise CLIError(
+            f"--optimizer-offload-fraction {fraction} must be in (0, 1]: the share of the "
+            "optimizer state on the CPU (drop --optimizer-cpu-offload for none)"
+        )
+    if fraction != 1.0 and not args.optimizer_cpu_offload:
+        raise CLIError(
+            f"--optimizer-offload-fraction {fraction} is given without --optimizer-cpu-offload; "
+            "add --optimizer-cpu-offload"
+        )
+    if args.optimizer_cpu_offload and args.recompute_activations:
+        # graph_fsdp.optim_offload.check_offload_config's rule, said with the flags.
+        raise CLIError(
+            "--optimizer-cpu-offload is supported with activation recompute off: drop "
+            "--recompute-activations or --optimizer-cpu-offload"
+        )
+
+
+def mcore_config(args: argparse.Namespace):
+    """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure)."""
+    experts = args.num_experts
+    if args.model == "mcore-moe" and experts is None:
+        experts = 4
+    if args.model == "mcore-gpt" and args.moe_shared_expert_intermediate_size and not experts:
+        raise CLIError(
+            "--moe-shared-expert-intermediate-size needs an MoE model: add --num-experts N or "
+            "use --model mcore-moe"
+        )
+    if args.moe_layer_freq != 1:
+        raise CLIError(
+            f"--moe-layer-freq {args.moe_layer_freq}: Megatron-Core models here make every layer "
+            "MoE (--moe-layer-freq 1)"
+        )
+    try:
+        return MCoreGPTConfig(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            ffn_hidden_size=args.ffn_hidden_size,
+            seq_length=args.seq_length,
+            vocab_size=args.vocab_size,
+            num_experts=experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            transformer_impl=args.transformer_impl,
+            bf16=args.bf16,
+            seed=args.seed,
+            attention_backend=args.attention_backend,
+        )
+    except ValueError as err:
+        raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
+
+
+def check_graph_set(
+    args: argparse.Namespace, model, impl: str, scopes: list[str], *, flag: str, steps: int
+) -> None:
+    """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
+    steps to capture, and what full_iteration excludes."""
+    if impl == "none":
+        return
+    try:
+        check_mcore_scopes(model, scopes)
+        check_static_buffers(
+            BufferPolicy(
+                allocator=allocator_of(args),
+                persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+            ),
+            scopes,
+            flag=flag,
+        )
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
+    if steps <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
+        )
+    if "full_iteration" in scopes and allocator_of(args) == "dynamic":
+        raise CLIError(
+            f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
+            "addresses: add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
+        )
+    if args.use_megatron_schedule and "full_iteration" in scopes:
+        raise CLIError(
+            f"--use-megatron-schedule with {flag} full_iteration: the full-iteration "
+            "graph replaces the forward/backward schedule; drop one of them"
+        )
+
+
+def reject_unwired_flags(args: argparse.Namespace) -> None:
+    """Shared flags that Megatron-Core models do not honour: refused, never ignored."""
+    if args.recompute_activations:
+        raise CLIError("--recompute-activations is not wired for Megatron-Core models; drop it")
+    if args.num_distributed_optimizer_instances != 1:
+        raise CLIError(
+            f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances}: "
+            "HSDP is not wired for Megatron-Core models (their expert groups are 1-D); drop it"
+        )
+    if getattr(args, "cuda_graph_verify", None) and args.use_megatron_schedule:
+        raise CLIError(
+            "--cuda-graph-verify checks a step that graph_fsdp's loop runs (the graphed run "
+            "against an eager run of it); Megatron's schedule runs its own: drop "
+            "--use-megatron-schedule or --cuda-graph-verify"
+        )
+    if args.ddp_reduce_scatter_with_fp32_accumulation:
+        raise CLIError(
+            "--ddp-reduce-scatter-with-fp32-accumulation is not wired for Megatron-Core models "
+            "(gradients are reduced in fp32); drop it"
+        )
+    if args.grad_comm_dtype != "fp32":
+        raise CLIError(
+            f"--grad-comm-dtype {args.grad_comm_dtype} is not wired for Megatron-Core models "
+            "(gradients are reduced in fp32); drop it"
+        )
+    if getattr(args, "cuda_graph_scope_modules", None):
+        raise CLIError(
+            "--cuda-graph-scope-modules: Megatron-Core models use graph_fsdp's Megatron-Core "
+            "scope presets (attn=self_attention, moe_router=mlp.router, ...); drop it"
+        )
+
+
+def base_train_config(args: argparse.Namespace, model, plan, **fields):
+    """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
+    check_clip_grad(args)
+
+    base = dict(
+        model=model,
+        strategy=args.data_parallel_sharding_strategy,
+        micro_batch_size=args.micro_batch_size,
+        grad_accum=grad_accumulation(args, plan.world_size),
+        steps=args.train_iters,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        allocator=allocator_of(args),
+        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
+        eval_interval=args.eval_interval,
+        use_megatron_schedule=args.use_megatron_schedule,
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=list(args.cuda_graph_scope or []),
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        deterministic=args.deterministic,
+    )
+    return MCoreTrainConfig(**{**base, **fields})
+
+
+def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) -> None:
+    """Environment checks last (CUDA, TransformerEngine, megatron-core importable)."""
+    if plan.device != "cuda" and (
+        model.transformer_impl == "transformer_engine" or model.num_experts
+    ):
+        raise CLIError(
+            f"--model {args.model} with --transformer-impl {model.transformer_impl}"
+            f"{' and MoE (alltoall dispatcher)' if model.num_experts else ''} needs CUDA, but "
+            f"this run is on {plan.device}; Megatron-Core's layers allocate on the GPU"
+        )
+    check_graph_environment(impl, plan)
+    if importlib.util.find_spec("megatron") is None:
+        raise CLIError(f'--model {args.model} needs megatron-core: pip install -e ".[megatron]"')
+
+
+def train_main(args: argparse.Namespace) -> int:
+    """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
+    validate_bridge_flags(args)
+    plan = resolve_plan(args.device, args.nproc)
+    model = mcore_config(args)
+    impl = args.cuda_graph_impl
+    scopes = list(args.cuda_graph_scope or [])
+    if args.cuda_graph_scope is not None and impl == "none":
+        raise CLIError(
+            "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
+            "(or torch), or drop --cuda-graph-scope"
+        )
+    check_graph_set(args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters)
+    reject_unwired_flags(args)
+    verify = verify_option(args)
+    grad_accum = grad_accumulation(args, plan.world_size)
+    # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
+    start, save_at, save_iteration = checkpoint_plan(args)
+    data_path = None
+    if args.data_path:
+        data_path = check_data_path(
+            args,
+            seq_length=model.seq_length,
+            vocab_size=model.vocab_size,
+            world_size=plan.world_size,
+            grad_accum=grad_accum,
+            start=start,
+            steps=args.train_iters - start,
+        )
+    check_mcore_environment(args, model, impl, plan)
+    cfg = base_train_config(
+        args,
+        model,
+        plan,
+        steps=args.train_iters - start,
+        start_step=start,
+        save_path=os.path.abspath(args.save) if args.save else None,
+        save_at=save_at,
+        load_path=os.path.abspath(args.load) if args.load else None,
+        data_path=data_path,
+        optimizer_offload_fraction=(
+            args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
+        ),
+        cuda_graph_verify=verify,
+    )
+    if args.log_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
+        open(args.log_json, "w").close()  # overwritten, like the reference model's log
+        cfg = replace(cfg, log_path=os.path.abspath(args.log_json))
+    out = launch(plan, _worker, cfg, args.model, save_iteration)
+    if out is not None:
+        print(_summary(args, cfg, plan, out, save_iteration))
+    return 0
+
+
+def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
+    peak = out.get("peak_memory_bytes")
+    lines = [
+        f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
+        f"{cfg.strategy}, {graphs_label(cfg)}",
+        f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
+        f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
+        *input_lines(cfg),
+        *verification_lines(out),
+    ]
+    if cfg.load_path:
+        lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
+    if cfg.save_path:
+        lines.append(f"  checkpoint: {args.save} (iteration {save_iteration})")
+    return "\n".join(lines)
+
+
+def _worker(rank: int, world_size: int, cfg, model: str, save_iteration: int | None) -> dict | None:
+    result = run(rank, world_size, cfg)
+    if rank != 0:
+        return None
+    if cfg.save_path and save_iteration is not None:
+        write_checkpoint_meta(cfg.save_path, save_iteration, model)
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# graph-fsdp bench --model mcore-*
+# --------------------------------------------------------------------------------------------
+
+
+def _bench_impls(args: argparse.Namespace) -> list[str]:
+    """The graph backends of the graphed rows (--graph-impls, else --cuda-graph-impl)."""
+    if args.graph_impls and args.cuda_graph_impl not in ("none", args.graph_impls[0]):
+        raise CLIError(
+            f"--cuda-graph-impl {args.cuda_graph_impl} and --graph-impls "
+            f"{' '.join(args.graph_impls)} disagree: give one of them"
+        )
+    return list(dict.fromkeys(args.graph_impls or [args.cuda_graph_impl]))
+
+
+def _bench_rows(args: argparse.Namespace) -> list[str]:
+    if list(args.rows) == list(DEFAULT_ROWS):  # not given: every row this model has
+        return list(MCORE_ROWS)
+    other = [r for r in args.rows if r not in MCORE_ROWS]
+    if other:
+        raise CLIError(
+            f"--rows {' '.join(other)}: not available for --model {args.model} (they run "
+            f"graph_fsdp's own GPT); choose from {', '.join(MCORE_ROWS)}"
+        )
+    return list(args.rows)
+
+
+def build_bench_job(args: argparse.Namespace):
+    """``bench``: validate the flags; the job, the launch plan and the report's setup line."""
+    check_positive(args, "train_iters", "micro_batch_size")
+    if args.warmup_iters < 0:
+        raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
+    plan = resolve_plan(args.device, args.nproc)
+    model = mcore_config(args)
+    reject_unwired_flags(args)
+    scope_sets, flag = scope_sets_from(args)
+    impls, rows = _bench_impls(args), _bench_rows(args)
+    graphed = "graph_fsdp_graphed" in rows and any(i != "none" for i in impls)
+    if scope_sets and not graphed:
+        raise CLIError(
+            f"{flag} is given but no graphed row runs: add --graph-impls te (or torch), or drop it"
+        )
+    steps = args.warmup_iters + args.train_iters
+    for impl in impls if graphed else []:
+        for scopes in scope_sets or [[]]:
+            row_impl = "torch" if "full_iteration" in scopes else impl
+            check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
+    if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
+        raise CLIError(
+            f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
+            f"{args.cuda_graph_warmup_steps}, so that the capture step is not timed"
+        )
+    for impl in impls if graphed and plan.device == "cuda" else ["none"]:
+        check_mcore_environment(args, model, impl, plan)
+    base = base_train_config(
+        args,
+        model,
+        plan,
+        steps=steps,
+        eval_interval=0,
+        fused_optimizer=args.fused_adamw,
+        cuda_graph_impl="none",
+        cuda_graph_scope=[],
+    )
+    job = MCoreBenchJob(
+        base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
+    )
+    moe = (
+        f"{model.num_experts} experts top-{model.moe_router_topk}"
+        + (
+            f", shared expert {model.moe_shared_expert_intermediate_size}"
+            if model.moe_shared_expert_intermediate_size
+            else ""
+        )
+        if model.num_experts
+        else "dense"
+    )
+    setup = (
+        f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
+        f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
+        f"{model.seq_length}, vocab {model.vocab_size}, {moe}. Per GPU: micro batch "
+        f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
+        f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
+        f"allocator {base.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
+        f"{'; ' if base.use_megatron_schedule else ''}"
+        f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "
+        f"{args.warmup_iters} warmup + {args.train_iters} timed steps per row, seed {model.seed}."
+    )
+    return job, plan, setup
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    """``graph-fsdp bench`` for ``--model mcore-*``: validation, launch, report."""
+    job, plan, setup = build_bench_job(args)
+    out = launch(plan, bench_worker, job)
+    if out is None:
+        return 0
+    now = datetime.datetime.now()
+    report = {
+        **out,
+        "model": args.model,
+        "created": now.isoformat(timespec="seconds"),
+        "setup": setup,
+        "argv": getattr(args, "argv", None),
+        "code": code_version(),
+    }
+    tag = "cpu" if plan.device == "cpu" else gpu_tag(out["device_name"])
+    output_dir = args.output_dir or os.path.join(
+        "bench", "results", f"{now:%Y-%m-%d_%H%M%S}_{tag}_{args.model}"
+    )
+    paths = write_report(report, output_dir)
+    print(markdown(report))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 1 if any(r["status"] == "failed" for r in out["rows"]) else 0
