@@ -12,9 +12,11 @@ the mask (``_ignore_causal_mask_sdpa``). The captured step then materialises a 4
 runs another attention kernel than eager: other numbers, and slower. For a model call given
 neither ``attention_mask`` nor ``position_ids`` the eager answers do not depend on data, so
 during that call :func:`eager_mask_decisions` gives masking_utils the eager answers:
-``is_tracing()`` evaluated as if no stream were capturing (the mask code then reads nothing
-from the device: there is no padding mask) and ``find_packed_sequence_indices`` returning None
-(position ids from ``arange`` are never packed). A call that passes either keeps transformers'
+``is_tracing()`` without a tensor evaluated as if no stream were capturing (what it guards
+then reads nothing from the device: there is no padding mask) and
+``find_packed_sequence_indices`` returning None (position ids from ``arange`` are never
+packed). ``is_tracing(tensor)`` keeps the capture's answer: a mask the model builds itself
+(OPT's 2-D mask of ones) would be read on the host next, which a capture cannot do. A call that passes either keeps transformers'
 behaviour (padding or packed positions are data the graph must read at replay; the
 verification step reports a difference, if any). Host-side only: nothing of it enters the
 graph. Works with transformers 5.17 through 5.23 (both names exist there); without them, or
@@ -81,11 +83,13 @@ class _EagerDecisions:
     def _swap(self) -> None:
         is_tracing = self.mu.is_tracing
 
-        def eager_is_tracing(*args, **kwargs):
+        def eager_is_tracing(tensor=None):
+            if tensor is not None:  # a mask's values would be read next: capture's answer
+                return is_tracing(tensor)
             saved = torch.cuda.is_current_stream_capturing
             torch.cuda.is_current_stream_capturing = _not_capturing
             try:
-                return is_tracing(*args, **kwargs)
+                return is_tracing(tensor)
             finally:
                 torch.cuda.is_current_stream_capturing = saved
 
