@@ -9,6 +9,8 @@ layer can withhold them and route the handler to the backward keys (hooks/module
 from __future__ import annotations
 
 import enum
+import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -68,18 +70,40 @@ class RootContext:
     """State kinds moved off the device by graph_fsdp.lifecycle (forward is refused)."""
 
 
+# [Note: autograd holds FSDP states weakly]
+# The backward handlers FSDP puts into a forward's autograd graph (``_PostBackward``'s ctx, the
+# pre-backward tensor hook) reach their ``FSDPState`` through a weak reference. A graph node is
+# a C++ object: what it holds is invisible to Python's garbage collector. A module that keeps
+# a tensor of its last forward - Megatron-Core's token dispatchers keep the routing
+# probabilities (``MoEAlltoAllTokenDispatcher.probs``, ``MoEAllGatherTokenDispatcher.
+# local_probs``) - keeps that graph alive, and with strong references the cycle model ->
+# tensor -> graph node -> state -> model could never be collected: a dropped model (and its
+# main weights and gradients) stayed on the device for the rest of the process. A state that
+# is gone has nothing left to gather or reduce, so its handlers do nothing.
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs whose backward runs after the unit's backward."""
 
     @staticmethod
-    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
-        ctx.state = state
+    def forward(ctx, state_ref: weakref.ref, *inputs: torch.Tensor):
+        ctx.state_ref = state_ref  # [Note: autograd holds FSDP states weakly]
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state.post_backward()
+        state = ctx.state_ref()
+        if state is not None:
+            state.post_backward()
         return (None, *grads)
+
+
+def _pre_backward_grad_hook(state_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """The tensor hook ``_hook_outputs`` registers ([Note: autograd holds FSDP states
+    weakly])."""
+    state = state_ref()
+    if state is not None:
+        state.pre_backward()
 
 
 class FSDPState:
@@ -115,6 +139,8 @@ class FSDPState:
         handlers in the replay]): the registration hooks stand aside, and eager calls of the
         module register the handlers through :meth:`forward_with_backward_handlers`."""
         self._handles: list = []
+        self._ref = weakref.ref(self)
+        self._pre_backward_grad_hook = functools.partial(_pre_backward_grad_hook, self._ref)
 
     # ------------------------------------------------------------------ registration
     def register_hooks(self) -> None:
@@ -186,7 +212,7 @@ class FSDPState:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        outs = _PostBackward.apply(self._ref, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return (tuple(flat), {}) if spec is None else tree_unflatten(flat, spec)
@@ -204,9 +230,6 @@ class FSDPState:
         for t in flat:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._pre_backward_grad_hook)
-
-    def _pre_backward_grad_hook(self, grad: torch.Tensor) -> None:
-        self.pre_backward()
 
     def forward_with_backward_handlers(self, forward, args: tuple, kwargs: dict):
         """``forward(*args, **kwargs)`` with the backward handlers the registration hooks would
