@@ -552,8 +552,8 @@ def _timing(res: dict, skip: int = 3) -> dict:
         "median_step_ms": round(median(res["times"][skip:]) * 1e3, 3),
         "peak_allocated_gib": round(res["peak_memory_bytes"] / 2**30, 4),
         "peak_reserved_gib": round(res["peak_memory_reserved_bytes"] / 2**30, 4),
-        # Allocated when the run started: what earlier runs of this process left (0 unless
-        # something of theirs leaked into this run's peak).
+        # Allocated when the run started: what earlier runs of this process left (libraries'
+        # workspaces, MiB; GiB would mean an earlier run's model leaked into this peak).
         "start_allocated_gib": round(res.get("start_memory_bytes", 0) / 2**30, 4),
     }
 
