@@ -93,6 +93,9 @@ def initialize(expert_model_parallel_size: int | None) -> None:
             "init_parallel_state needs torch.distributed: call dist.init_process_group first"
         )
     world = dist.get_world_size()
+    ep = expert_model_parallel_size
+    if ep is not None:
+        check_expert_parallel_size(ep, world)
     if ps.model_parallel_is_initialized():
         sizes = {
             "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
@@ -105,24 +108,20 @@ def initialize(expert_model_parallel_size: int | None) -> None:
                 "needs tensor and pipeline parallel size 1 (data and expert parallelism only)"
             )
         current = ps.get_expert_model_parallel_world_size()
-        if expert_model_parallel_size is None or expert_model_parallel_size == current:
+        if ep is None or ep == current:
             return
-        check_expert_parallel_size(expert_model_parallel_size, world)
         if not _OWNED_STATE or _OWNED_STATE[0] is not ps.get_expert_model_parallel_group():
             raise ValueError(
                 f"Megatron's parallel_state was initialised elsewhere with "
-                f"expert_model_parallel_size={current}, not {expert_model_parallel_size}: call "
+                f"expert_model_parallel_size={current}, not {ep}: call "
                 "megatron.core.parallel_state.destroy_model_parallel() first, or use "
                 f"expert_model_parallel_size={current}"
             )
         ps.destroy_model_parallel()
-    ep = check_expert_parallel_size(
-        1 if expert_model_parallel_size is None else expert_model_parallel_size, world
-    )
     ps.initialize_model_parallel(
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=1 if ep is None else ep,
     )
     _OWNED_STATE[:] = [ps.get_expert_model_parallel_group()]
 
