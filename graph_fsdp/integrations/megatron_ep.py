@@ -289,7 +289,10 @@ class GlobalExpertInit:
         inits = {"linear_fc1": config.init_method, "linear_fc2": config.output_layer_init_method}
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for local, fc, weight in expert_weights(experts):
-                torch.manual_seed(expert_seed(self.seed, layer, first + local, fc))
+                # The CPU generator only (torch.manual_seed would reseed CUDA's as well).
+                torch.random.default_generator.manual_seed(
+                    expert_seed(self.seed, layer, first + local, fc)
+                )
                 master = torch.empty(weight.shape, dtype=torch.float32)
                 inits[fc](master)
                 weight.copy_(master)
