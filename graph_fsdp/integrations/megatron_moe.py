@@ -263,7 +263,13 @@ class GroupedMMExperts(MegatronModule):
     offsets of ``tokens_per_expert`` from device memory: no host sync when the counts are a
     device tensor (:class:`DeviceCountDispatcher`'s); a host tensor from Megatron's own
     dispatchers is copied to the device first.
+
+    Parameters stack the local experts along dimension 0 (``linear_fc1.weight[e]`` is expert
+    e's matrix): :data:`~graph_fsdp.integrations.megatron_ep.STACKED_EXPERTS_ATTR` says so to
+    graph_fsdp's expert groups and checkpoints.
     """
+
+    graph_fsdp_stacked_experts = True
 
     def __init__(
         self,
@@ -286,7 +292,11 @@ class GroupedMMExperts(MegatronModule):
         self.gated = config.gated_linear_unit
         self._init_weights()
         for param in self.parameters():
-            param.allreduce = False  # Megatron's marker of expert-parallel parameters
+            # Megatron's marker of expert-*parallel* parameters (allreduce=False) is set only
+            # when EP > 1; these experts run at EP = 1, where they reduce over the
+            # data-parallel group like every other parameter (shard_gpt(expert_groups=True)
+            # gives them their own groups, over the same ranks).
+            param.allreduce = True
 
     def _init_weights(self) -> None:
         """Each expert's matrix from an fp32 master, as Megatron initialises linear layers:
@@ -371,15 +381,15 @@ class GroupedMMMoELayer(MoELayer):
         )
 
 
-def _moe_submodules(mlp) -> tuple[MoESubmodules, dict]:
+def _moe_submodules(mlp) -> tuple[type, MoESubmodules, dict]:
     if isinstance(mlp, functools.partial) and _is_moe_class(mlp.func):
         kwargs = dict(mlp.keywords)
-        return kwargs.pop("submodules"), kwargs
+        return mlp.func, kwargs.pop("submodules"), kwargs
     if isinstance(mlp, ModuleSpec) and _is_moe_class(mlp.module):
-        return mlp.submodules, dict(mlp.params)
+        return mlp.module, mlp.submodules, dict(mlp.params)
     raise ValueError(
-        f"grouped_mm_moe_spec: the layer spec's mlp is {mlp!r}, not Megatron-Core's MoELayer; "
-        "build the spec with num_experts=N (e.g. get_gpt_layer_local_spec(num_experts=8))"
+        f"the layer spec's mlp is {mlp!r}, not Megatron-Core's MoELayer; build the spec with "
+        "num_experts=N (e.g. get_gpt_layer_local_spec(num_experts=8))"
     )
 
 
@@ -387,20 +397,30 @@ def _is_moe_class(obj) -> bool:
     return isinstance(obj, type) and issubclass(obj, MoELayer)
 
 
-def _with_grouped_mm_moe(layer_spec: ModuleSpec) -> ModuleSpec:
-    submodules, kwargs = _moe_submodules(layer_spec.submodules.mlp)
-    mlp = functools.partial(
-        GroupedMMMoELayer,
-        submodules=MoESubmodules(
-            experts=GroupedMMExperts,
-            shared_experts=submodules.shared_experts,
-            router=submodules.router,
-        ),
-        **kwargs,
-    )
+def _map_moe_layer_spec(layer_spec: ModuleSpec, edit, layer_class) -> ModuleSpec:
+    cls, submodules, kwargs = _moe_submodules(layer_spec.submodules.mlp)
+    mlp = functools.partial(layer_class or cls, submodules=edit(submodules), **kwargs)
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp)
     )
+
+
+def map_moe_layer_specs(spec, edit, layer_class: type | None = None):
+    """A copy of a GPT layer spec (``get_gpt_layer_with_transformer_engine_spec`` /
+    ``get_gpt_layer_local_spec`` with ``num_experts``) whose MoE block is built from
+    ``edit(its MoESubmodules)`` (and as ``layer_class`` when given). A block spec
+    (``TransformerBlockSubmodules``) gets every MoE layer spec in its ``layer_specs`` mapped,
+    dense ones kept. The input spec is left as it was."""
+    layer_specs = getattr(spec, "layer_specs", None)
+    if layer_specs is not None:
+        return dataclasses.replace(
+            spec,
+            layer_specs=[
+                _map_moe_layer_spec(s, edit, layer_class) if _is_moe_layer_spec(s) else s
+                for s in layer_specs
+            ],
+        )
+    return _map_moe_layer_spec(spec, edit, layer_class)
 
 
 def grouped_mm_moe_spec(spec):
@@ -409,15 +429,18 @@ def grouped_mm_moe_spec(spec):
     :class:`GroupedMMMoELayer` with :class:`GroupedMMExperts`; the router and the shared
     expert stay the spec's. A block spec (``TransformerBlockSubmodules``) gets every MoE layer
     spec in its ``layer_specs`` replaced, dense ones kept."""
-    layer_specs = getattr(spec, "layer_specs", None)
-    if layer_specs is not None:
-        return dataclasses.replace(
+    try:
+        return map_moe_layer_specs(
             spec,
-            layer_specs=[
-                _with_grouped_mm_moe(s) if _is_moe_layer_spec(s) else s for s in layer_specs
-            ],
+            lambda sub: MoESubmodules(
+                experts=GroupedMMExperts,
+                shared_experts=sub.shared_experts,
+                router=sub.router,
+            ),
+            layer_class=GroupedMMMoELayer,
         )
-    return _with_grouped_mm_moe(spec)
+    except ValueError as err:
+        raise ValueError(f"grouped_mm_moe_spec: {err}") from None
 
 
 def _is_moe_layer_spec(spec) -> bool:

@@ -123,6 +123,7 @@ def _layer_facts(rank: int, world: int) -> dict:
     return {
         "params": {n: tuple(p.shape) for n, p in ours.named_parameters()},
         "expert_allreduce": [p.allreduce for p in ours.experts.parameters()],
+        "stacked": ours.experts.graph_fsdp_stacked_experts,
         "dispatcher": type(ours.token_dispatcher).__name__,
         "shared": type(ours.shared_experts).__name__,
     }
@@ -134,7 +135,9 @@ def test_layer_parameters_and_parts() -> None:
     assert facts["params"]["experts.linear_fc2.weight"] == (E, H, FFN)
     assert facts["params"]["router.weight"] == (E, H)
     assert "shared_experts.linear_fc1.weight" in facts["params"]
-    assert facts["expert_allreduce"] == [False, False]
+    # Megatron marks expert parameters allreduce=False only when EP > 1; these run at EP = 1.
+    assert facts["expert_allreduce"] == [True, True]
+    assert facts["stacked"] is True
     assert facts["dispatcher"] == "DeviceCountDispatcher"
     assert facts["shared"] == "SharedExpertMLP"
 
