@@ -288,7 +288,8 @@ def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
     ends the ranks at once; the half-written checkpoint directory is refused by nothing later
     (a new --save of the same path works)."""
     log, ck, marker = tmp_path / "steps.jsonl", tmp_path / "ck", tmp_path / "paused"
-    env = {checkpoint.PAUSE_ENV: f"write:{marker}"}
+    # A grace the first signal alone would wait out for a minute: the second one must end it.
+    env = {checkpoint.PAUSE_ENV: f"write:{marker}", "GRAPH_FSDP_STOP_GRACE_S": "60"}
     proc = _start(
         "train", *TINY, "--train-iters", "100000", "--log-json", str(log), "--save", str(ck),
         "--exit-signal-handler", env=env,
@@ -300,7 +301,7 @@ def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
     os.kill(proc.pid, signal.SIGTERM)
     seconds, _, err = _finish(proc)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert seconds < 4, f"{seconds:.1f} s after the second signal"
+    assert seconds < 15, f"{seconds:.1f} s after the second signal"
     assert "Traceback" not in err, err
     assert not ck.exists() and (ck.parent / "ck.tmp").exists()
     checkpoint.check_save_target(str(ck), require_meta=True)  # ck.tmp is ours: accepted
