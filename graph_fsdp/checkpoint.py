@@ -26,9 +26,12 @@ layout's chunks of this rank's piece.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -229,18 +232,41 @@ def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None
     return sd
 
 
-def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    meta: dict | None = None,
+) -> None:
     """Write a sharded DCP checkpoint of the model's main weights (and optimizer state).
 
-    Atomic for readers: the checkpoint is written to ``<path>.tmp`` and renamed to ``path``
-    once every rank finished, so a failed save leaves the previous checkpoint at ``path``
-    untouched (the ranks must share the file system, as DCP requires).
+    ``meta`` (JSON-serialisable, e.g. the iteration) is written into the checkpoint as
+    :data:`META_FILE`, which also marks the directory as one graph_fsdp wrote.
+
+    [Note: atomic checkpoint replacement] The checkpoint is written to ``<path>.tmp``; once
+    every rank finished, the previous checkpoint is moved to ``<path>.old``, ``<path>.tmp``
+    becomes ``path`` and ``<path>.old`` is deleted. A kill at any moment leaves a loadable
+    checkpoint: before the swap ``path`` is untouched; between the two renames the previous
+    checkpoint is ``<path>.old``, which :func:`load` reads and :func:`recover_interrupted_save`
+    (called by the next save and by the CLI) puts back. ``path``, ``<path>.tmp`` and
+    ``<path>.old`` must be absent, empty or checkpoint directories: anything else is refused
+    (:func:`check_save_target`), never deleted. The ranks must share the file system, as DCP
+    requires.
     """
     sd = sharded_state_dict(model, optimizer)
     tmp, old = f"{path}.tmp", f"{path}.old"
     rank0 = dist.get_rank() == 0
-    if rank0 and os.path.exists(tmp):
-        shutil.rmtree(tmp)  # left by an interrupted save
+    check_save_target(path)  # every rank alike (shared file system), before anything moves
+    dist.barrier()
+    if rank0:
+        recover_interrupted_save(path)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by an interrupted save
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(meta or {}, f)
+        _pause_for_test("write")
     dist.barrier()
     try:
         dcp.save(sd, checkpoint_id=tmp, planner=_SavePlanner())
@@ -248,15 +274,107 @@ def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = "the previous checkpoint there is untouched" if os.path.exists(path) else ""
-        raise CheckpointError(f"saving checkpoint {path!r} failed; {kept}: {exc}") from exc
+        raise CheckpointError(
+            f"saving checkpoint {path!r} failed; {kept}: {_root_cause(exc)}"
+        ) from exc
     dist.barrier()
     if rank0:
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)  # the previous checkpoint stays whole until tmp is in place
+            _pause_for_test("swap")
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
+
+
+META_FILE = "graph_fsdp_cli.json"
+"""Written into every checkpoint by :func:`save`: the ``meta`` it was given (the CLI's
+iteration and ``--model``); its presence marks a directory as a graph_fsdp checkpoint."""
+
+_CHECKPOINT_FILE = re.compile(r"(__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?)")
+"""Names of the files DCP's FileSystemWriter writes into a checkpoint directory."""
+
+PAUSE_ENV = "GRAPH_FSDP_TEST_PAUSE_SAVE"
+"""Test-only hook: ``<point>:<marker file>`` makes rank 0 of :func:`save` write its process
+id into the marker file and sleep at ``point`` - ``write`` (the new checkpoint's directory
+exists, no data in it yet) or ``swap`` (the previous checkpoint was moved to ``<path>.old``,
+the new one is not in place yet) - so that a test can kill a rank there. Never set it
+outside tests."""
+
+
+def _pause_for_test(point: str) -> None:
+    want, _, marker = os.environ.get(PAUSE_ENV, "").partition(":")
+    if want != point:
+        return
+    with open(marker + ".part", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(marker + ".part", marker)
+    time.sleep(3600)  # until the test kills this process
+
+
+def is_checkpoint_dir(path: str, *, require_meta: bool = False) -> bool:
+    """``path`` is a directory holding only checkpoint files (DCP's and :data:`META_FILE`;
+    empty counts); ``require_meta``: and :data:`META_FILE` is one of them (graph_fsdp wrote
+    it), unless the directory is empty."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    if require_meta and names and META_FILE not in names:
+        return False
+    return all(n == META_FILE or _CHECKPOINT_FILE.fullmatch(n) for n in names)
+
+
+def check_save_target(path: str, *, require_meta: bool = False) -> None:
+    """Refuse to save at ``path`` when the save would replace or delete something that is not a
+    checkpoint: ``path``, ``<path>.tmp`` and ``<path>.old`` must each be absent, an empty
+    directory or a checkpoint directory (:func:`is_checkpoint_dir`; ``require_meta`` applies to
+    ``path``: the other two are this module's own by their names)."""
+    for target in (path, f"{path}.tmp", f"{path}.old"):
+        strict = require_meta and target == path
+        if not os.path.lexists(target) or is_checkpoint_dir(target, require_meta=strict):
+            continue
+        if not os.path.isdir(target) or os.path.islink(target):
+            what = "is a file, not a checkpoint directory"
+        else:
+            names = sorted(os.listdir(target))
+            shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+            what = f"holds files that are not a graph_fsdp checkpoint's ({shown})"
+        role = "" if target == path else f" (a save of {path!r} replaces it)"
+        raise CheckpointError(
+            f"{target!r} {what}{role}: a checkpoint save never deletes or replaces other files; "
+            "save to a new or empty directory, or to a checkpoint directory graph_fsdp wrote"
+        )
+
+
+def recover_interrupted_save(path: str) -> bool:
+    """Put the previous checkpoint back at ``path`` when a save was killed between its two
+    renames ([Note: atomic checkpoint replacement]): ``path`` absent and ``<path>.old`` a
+    complete checkpoint. Returns whether it did."""
+    old = f"{path}.old"
+    if os.path.lexists(path) or not os.path.isfile(os.path.join(old, ".metadata")):
+        return False
+    try:
+        os.replace(old, path)
+    except FileNotFoundError:  # another process (a rank under torchrun) restored it first
+        pass
+    return True
+
+
+def _root_cause(exc: BaseException) -> str:
+    """``[rank R: ]Type: first line`` of the error a DCP failure started from (the lowest
+    failing rank's, followed through ``raise ... from`` to the first exception)."""
+    prefix = ""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        rank = min(failures)
+        prefix, exc = f"rank {rank}: ", failures[rank][0]
+    seen = set()
+    while (exc.__cause__ or exc.__context__) is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    lines = str(exc).strip().splitlines()
+    return f"{prefix}{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 class CheckpointError(ValueError):
@@ -279,15 +397,35 @@ def _read_metadata(path: str):
         ) from exc
 
 
-def validate_checkpoint(path: str, ents: list[Entry], metadata) -> None:
+class _Shape:
+    """The fields of an :class:`Entry` that :func:`validate_checkpoint` reads, for a parameter
+    of a model that is not built (a launch-time check)."""
+
+    def __init__(self, key: str, shape) -> None:
+        self.key, self.keys, self.shape = key, (key,), torch.Size(shape)
+        self.numel = self.shape.numel()
+
+    accepts = Entry.accepts
+
+
+def check_checkpoint(path: str, shapes: dict[str, torch.Size] | None = None) -> None:
+    """:func:`validate_checkpoint` without a model or a process group (e.g. before a launch):
+    metadata readable, files whole and, with ``shapes`` (global parameter name -> shape), the
+    same parameters and sizes."""
+    ents = None if shapes is None else [_Shape(k, s) for k, s in shapes.items()]
+    validate_checkpoint(path, ents, _read_metadata(path))
+
+
+def validate_checkpoint(path: str, ents: list[Entry] | None, metadata) -> None:
     """Refuse a checkpoint of another model shape, or one whose files are truncated, naming
-    the parameter and the file, before anything is loaded. Names and sizes are global ones
-    (all experts), so every rank of the model reads the same verdict."""
+    the parameter and the file, before anything is loaded (``ents`` None: the files only).
+    Names and sizes are global ones (all experts), so every rank of the model reads the same
+    verdict."""
     meta = metadata.state_dict_metadata
-    wanted = {f"model.{key}": e for e in ents for key in e.keys}
+    wanted = {f"model.{key}": e for e in ents or [] for key in e.keys}
     missing = sorted({k[len("model.") :] for k in wanted if k not in meta})
     extra = [k[len("model.") :] for k in meta if k.startswith("model.") and k not in wanted]
-    if missing or extra:
+    if ents is not None and (missing or extra):
         raise CheckpointError(
             f"checkpoint {path!r} is from another model: parameters missing from it "
             f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, parameters only in it "
@@ -326,6 +464,8 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     optimizer was constructed with; set them after loading to change them.
     """
     ents = entries(model)
+    if not os.path.lexists(path) and os.path.isfile(os.path.join(f"{path}.old", ".metadata")):
+        path = f"{path}.old"  # a save was killed mid-swap: [Note: atomic checkpoint replacement]
     metadata = _read_metadata(path)
     validate_checkpoint(path, ents, metadata)
     meta = metadata.state_dict_metadata
@@ -365,7 +505,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(
             f"loading checkpoint {path!r} failed; the model and optimizer are unchanged: "
-            f"{type(exc).__name__}: {exc}"
+            f"{_root_cause(exc)}"
         ) from exc
     with torch.no_grad():
         for ref, buf in staged:

@@ -30,6 +30,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graph_fsdp.distributed import init_distributed
+from graph_fsdp.interrupt import (
+    install_stop_handlers,
+    request_stop,
+    stop_requested,
+    stop_signal,
+)
+from graph_fsdp.supervision import Interrupted, WorkerIO, supervise
 
 
 def preload_te() -> None:
@@ -211,10 +218,6 @@ def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple
     return outcome
 
 
-class RankFailure(RuntimeError):
-    """A spawned rank raised; the message carries the first failing rank's traceback."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
     """Resolved device, backend and world size of a command (no GPU work done yet)."""
@@ -237,11 +240,24 @@ class LaunchPlan:
         return f"{self.world_size} x {self.device} ({self.backend}, {how})"
 
 
-def _rank_entry(rank: int, world_size: int, device: str, fn: Callable, *args: object) -> object:
+def _rank_entry(
+    rank: int, world_size: int, device: str, io: WorkerIO, fn: Callable, *args: object
+) -> object:
+    install_stop_handlers()  # interrupt.py; until now SIGINT is ignored (supervision.py)
+    early = io.signal_before_start()
+    if early is not None:
+        request_stop(early)
+    io.redirect(rank)  # supervision.py [Note: quiet ranks]
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Local gloo ranks share the machine's cores; oversubscription makes steps erratic.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    result = fn(rank, world_size, *args)
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException as err:
+        io.record_failure(rank, err)
+        raise
+    if rank == 0 and stop_requested():  # the launcher need not wait for the teardown
+        io.keep_stopped_result(result, stop_signal())
     _finish_together(world_size)
     return result
 
@@ -267,15 +283,19 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
 
     Returns None in the processes of other ranks under a launcher (they report nothing).
     ``fn`` must be a module-level function (it is pickled by reference when spawning).
+    Raises :class:`RankFailure` (one line; the tracebacks in a log it names) when a spawned
+    rank failed, :class:`Interrupted` when SIGINT/SIGTERM stopped the run (supervision.py).
     """
     if not plan.under_launcher:
-        try:
-            results = spawn(
-                _rank_entry, plan.world_size, plan.device, fn, *args, backend=plan.backend
+
+        def run(io: WorkerIO) -> list:
+            return spawn(
+                _rank_entry, plan.world_size, plan.device, io, fn, *args, backend=plan.backend
             )
-        except RuntimeError as err:
-            raise RankFailure(str(err)) from None
-        return results[0]
+
+        name = getattr(fn, "__name__", "").removesuffix("_worker").strip("_") or "run"
+        return supervise(plan.world_size, name, run)
+    install_stop_handlers()  # this process is one rank: interrupt.py
     initialised_here = not dist.is_initialized()
     if initialised_here:
         if plan.device == "cuda":
@@ -289,4 +309,6 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
         if initialised_here and dist.is_initialized():
             dist.destroy_process_group()
             gc.collect()  # see [Note: gloo teardown]
+    if stop_requested():
+        raise Interrupted(stop_signal(), result if plan.rank == 0 else None)
     return result if plan.rank == 0 else None

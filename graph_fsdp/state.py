@@ -9,6 +9,7 @@ layer can withhold them and route the handler to the backward keys (hooks/module
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,18 +104,40 @@ class GraphRunner(Protocol):
         """Free the graphs and their pool now; capture again at the next step."""
 
 
+# [Note: autograd holds FSDP states weakly]
+# The backward handlers FSDP puts into a forward's autograd graph (``_PostBackward``'s ctx, the
+# pre-backward tensor hook) reach their ``FSDPState`` through a weak reference. A graph node is
+# a C++ object: what it holds is invisible to Python's garbage collector. A module that keeps
+# a tensor of its last forward - Megatron-Core's token dispatchers keep the routing
+# probabilities (``MoEAlltoAllTokenDispatcher.probs``, ``MoEAllGatherTokenDispatcher.
+# local_probs``) - keeps that graph alive, and with strong references the cycle model ->
+# tensor -> graph node -> state -> model could never be collected: a dropped model (and its
+# main weights and gradients) stayed on the device for the rest of the process. A state that
+# is gone has nothing left to gather or reduce, so its handlers do nothing.
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs whose backward runs after the unit's backward."""
 
     @staticmethod
-    def forward(ctx, state: FSDPState, *inputs: torch.Tensor):
-        ctx.state = state
+    def forward(ctx, state_ref: weakref.ref, *inputs: torch.Tensor):
+        ctx.state_ref = state_ref  # [Note: autograd holds FSDP states weakly]
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.state.post_backward()
+        state = ctx.state_ref()
+        if state is not None:
+            state.post_backward()
         return (None, *grads)
+
+
+def _pre_backward_grad_hook(state_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """The tensor hook ``_hook_outputs`` registers ([Note: autograd holds FSDP states
+    weakly])."""
+    state = state_ref()
+    if state is not None:
+        state.pre_backward()
 
 
 class FSDPState:
@@ -156,6 +179,8 @@ class FSDPState:
         """The graph runners capturing this unit (they register themselves): offload
         suspends them before it moves the buffers their graphs address (offload.py [Note:
         CUDA graphs across offload])."""
+        self._ref = weakref.ref(self)
+        self._pre_backward_grad_hook = functools.partial(_pre_backward_grad_hook, self._ref)
 
     # ------------------------------------------------------------------ registration
     def add_grad_sync_hook(self, hook: Callable[[], None]) -> None:
@@ -237,7 +262,7 @@ class FSDPState:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return None
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        outs = _PostBackward.apply(self._ref, *[flat[i] for i in idx])
         for i, t in zip(idx, outs):
             flat[i] = t
         return (tuple(flat), {}) if spec is None else tree_unflatten(flat, spec)
@@ -255,9 +280,6 @@ class FSDPState:
         for t in flat:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._pre_backward_grad_hook)
-
-    def _pre_backward_grad_hook(self, grad: torch.Tensor) -> None:
-        self.pre_backward()
 
     def forward_with_backward_handlers(self, forward, args: tuple, kwargs: dict):
         """``forward(*args, **kwargs)`` with the backward handlers the registration hooks would

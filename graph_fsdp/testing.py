@@ -7,6 +7,7 @@ Processes are started by :func:`graph_fsdp.launch.spawn`; HuggingFace decoders a
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -42,3 +43,21 @@ def cli_error(capsys, *argv: str) -> str:
     err = capsys.readouterr().err
     assert "error:" in err, err
     return err.split("error:", 1)[1].replace("\n", " ")
+
+
+def saved_tensor_bytes(fn: Callable[[], object], exclude=()) -> tuple[object, int]:
+    """``(fn(), bytes)``: the bytes of the tensors autograd keeps for backward while ``fn``
+    runs (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once (views and
+    chunks of one tensor share it) and the storages of ``exclude`` (parameters) left out."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kept[storage.data_ptr()] = storage.nbytes()  # alive until backward: no reuse
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(kept.values())

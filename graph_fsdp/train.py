@@ -32,6 +32,7 @@ from graph_fsdp.data import batch_for
 from graph_fsdp.experts import init_expert_mesh
 from graph_fsdp.fully_shard import fully_shard
 from graph_fsdp.grad_norm import clip_grad_norm_
+from graph_fsdp.interrupt import mean_loss_and_stop
 from graph_fsdp.models import (
     GPTConfig,
     build_model,
@@ -92,6 +93,9 @@ class TrainConfig:
     """DCP checkpoint directory written after ``save_at`` steps."""
     save_at: int = 0
     """Step after which to save."""
+    save_on_interrupt: bool = False
+    """Save to ``save_path`` when a stop request (SIGINT/SIGTERM, interrupt.py) ends the run
+    early, at the step boundary where it stops."""
     load_path: str | None = None
     """DCP checkpoint to resume from before training (steps continue at ``start_step``)."""
     start_step: int = 0
@@ -340,6 +344,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
     losses, times, eval_losses = [], [], []
     host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
+    saved_at = stopped_at = None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None:
             graphs.before_step()  # capture (after the warmup steps) is not timed
@@ -371,9 +376,9 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 clip_grad_norm_(model.parameters(), cfg.clip_grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if not reference and world_size > 1:
-            dist.all_reduce(step_loss)
-            step_loss /= world_size
+        # The mean loss over the ranks and their stop requests: interrupt.py [Note: stopping at
+        # a step boundary].
+        step_loss, stop_votes = mean_loss_and_stop(step_loss, 1 if reference else world_size)
         host["step"].append(time.perf_counter() - t0)  # all of the step issued
         host["forward"].append(clock.forward)
         host["backward"].append(clock.backward)
@@ -381,6 +386,7 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(step_loss.item())
+        stopping = stop_votes.item() > 0
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
                 xe, ye = batch_for(cfg, step, rank, device, eval=True, world_size=world_size)
@@ -390,14 +396,21 @@ def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
                 json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n"
             )
             log.flush()
-        if cfg.save_path and step + 1 == cfg.start_step + cfg.save_at and not reference:
-            ckpt.save(cfg.save_path, model, optimizer)
+        scheduled = step + 1 == cfg.start_step + cfg.save_at
+        if cfg.save_path and not reference and (scheduled or stopping and cfg.save_on_interrupt):
+            ckpt.save(cfg.save_path, model, optimizer, meta={"iteration": step + 1, "model": "gpt"})
+            saved_at = step + 1
+        if stopping:
+            stopped_at = step + 1
+            break
     result = {
         "losses": losses,
         "times": times,
         "host_times": host,
         "eval_losses": eval_losses,
         "config": asdict(cfg),
+        "saved_at": saved_at,
+        "stopped_at": stopped_at,
     }
     if cfg.return_params:
         if reference:

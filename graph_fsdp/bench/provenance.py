@@ -4,13 +4,14 @@
 write, and every GPU log header of ``tools/gpu_tests.sh`` and ``tools/gpu_perf_run.sh``,
 carries :func:`code_version`:
 
-- ``commit`` and ``dirty`` from git when the package sits in a git checkout (``dirty``: a
-  tracked file differs from the commit, or an untracked one sits among the code - results
-  written under ``bench/`` do not count);
-- else from ``$GRAPH_FSDP_COMMIT``, for a copy of the tree without ``.git`` (a GPU host that
-  receives the working tree only): set it where git is, e.g.
+- ``commit`` and ``dirty`` from ``$GRAPH_FSDP_COMMIT`` when it is set: the caller names the
+  commit of a copied tree (a GPU host receives the working tree, and a ``.git`` that came
+  with it may describe an older commit than the files): set it where git is, e.g.
   ``GRAPH_FSDP_COMMIT=$(git describe --always --dirty --abbrev=40)`` (a ``-dirty`` suffix
   marks a dirty tree);
+- else from git when the package sits in a git checkout (``dirty``: a tracked file differs
+  from the commit, or an untracked one sits among the code - results written under
+  ``bench/`` do not count);
 - else ``"unknown"``.
 
 ``source_sha256`` is a digest of every ``.py`` file of the ``graph_fsdp`` package (paths and
@@ -100,11 +101,11 @@ def from_env(value: str | None) -> dict | None:
 
 def describe_code(package_dir: Path, env_value: str | None) -> dict:
     """``{"commit", "dirty", "commit_source", "source_sha256"}`` of the package in
-    ``package_dir`` (git of its parent directory, else ``env_value``, else unknown; ``dirty``
-    is None where the commit is unknown)."""
-    found, where = from_git(package_dir.parent), "git"
+    ``package_dir`` (``env_value`` when set, else git of its parent directory, else unknown;
+    ``dirty`` is None where the commit is unknown)."""
+    found, where = from_env(env_value), f"${COMMIT_ENV}"
     if found is None:
-        found, where = from_env(env_value), f"${COMMIT_ENV}"
+        found, where = from_git(package_dir.parent), "git"
     if found is None:
         found, where = {"commit": "unknown", "dirty": None}, "unknown"
     return {**found, "commit_source": where, "source_sha256": source_digest(package_dir)}

@@ -260,6 +260,58 @@ _CAUSES = (
 )
 
 
+_MEGATRON_RNG = os.path.join("megatron", "core", "tensor_parallel", "random.py")
+"""Megatron-Core's CUDA RNG tracker (``get_cuda_rng_tracker().fork()``)."""
+
+MEGATRON_RNG_FIX = (
+    "Megatron-Core's default CUDA RNG tracker, whose fork() reads and sets the CUDA "
+    "generator's state (torch.cuda.get_rng_state / set_rng_state), which torch refuses during "
+    "graph capture - use its graph-safe tracker: call "
+    "megatron.core.tensor_parallel.model_parallel_cuda_manual_seed(seed, "
+    "use_cudagraphable_rng=True, force_reset_rng=True) after building the model and before "
+    "the first step (graph_fsdp.integrations.megatron.build_gpt does)"
+)
+"""[Note: Megatron's RNG tracker under capture] Megatron-Core's layers fork its CUDA RNG tracker
+in forward (e.g. around attention dropout, even with dropout 0). The default tracker swaps
+generator states through get/set_rng_state, host reads of the generator that torch forbids
+inside a capture; the graph-safe one (``use_cudagraphable_rng=True``) swaps registered
+generator states, which graphs record. A capture that fails inside the tracker's code is
+reported with this fix rather than the generic host-synchronization cause."""
+
+
+def _rng_cause(chain: list[BaseException], low: str) -> str | None:
+    """The fix for a capture that failed on a random-number generator's state: Megatron's
+    default RNG tracker (a frame of its code in a traceback), or any code reading or
+    setting a CUDA generator's state (torch's message)."""
+    for e in chain:
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith(_MEGATRON_RNG):
+                return MEGATRON_RNG_FIX
+            tb = tb.tb_next
+    if "cudageneratorimpl" in low:
+        if _megatron_default_tracker_in_use():
+            return MEGATRON_RNG_FIX
+        return (
+            "reading or setting a CUDA generator's state (torch.cuda.get_rng_state / "
+            "set_rng_state / manual_seed, or an RNG tracker that uses them) - seed outside "
+            "the captured step, or switch states with the graph-safe "
+            "Generator.graphsafe_get_state / graphsafe_set_state"
+        )
+    return None
+
+
+def _megatron_default_tracker_in_use() -> bool:
+    """Megatron-Core's RNG tracker holds states and is not the graph-safe one (read without
+    creating a tracker; False where megatron-core is not loaded)."""
+    random = sys.modules.get("megatron.core.tensor_parallel.random")
+    tracker = getattr(random, "_CUDA_RNG_STATE_TRACKER", None)
+    try:
+        return bool(tracker.is_initialized()) and not random.is_graph_safe_cuda_rng_tracker(tracker)
+    except Exception:  # noqa: BLE001 - another megatron-core version: no guess
+        return False
+
+
 def _chain(err: BaseException) -> list[BaseException]:
     """``err`` and the exceptions it was raised from or during (torch's graph context can
     replace the original error with a capture-end error)."""
@@ -320,7 +372,7 @@ def explain_capture_failure(
         )
     chain = _chain(err)
     low = "\n".join(str(e) for e in chain).lower()
-    cause = next(
+    cause = _rng_cause(chain, low) or next(
         (hint for keys, hint in _CAUSES if any(k in low for k in keys)),
         "an operation CUDA graphs cannot record",
     )

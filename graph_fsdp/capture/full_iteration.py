@@ -45,6 +45,8 @@ works; it is ``forward_backward(step_fn, x, y, denom=denom)`` with a built-in st
   pulls the default stream into the capture;
 - Python-side effects of the step are redone after every replay: the sharded ``.grad``
   views the optimizer reads (``zero_grad(set_to_none=True)`` removes them).
+- the same attention as eager for HuggingFace models: transformers would build another mask
+  because a capture is running ([Note: transformers masks under capture]).
 Each microbatch position (the n-th call after ``before_step()``) has its own graph (the
 no_sync accumulation and the final reduction differ), captured in order on first use and
 sharing one memory pool. A capture that fails is re-raised as ``CaptureFailedError`` naming
@@ -84,6 +86,7 @@ from graph_fsdp.capture.step import (
 from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
 from graph_fsdp.capture.torch_backend import CallSignature
+from graph_fsdp.capture.transformers_masks import eager_mask_decisions
 from graph_fsdp.capture.verify import (
     ChecksumRecorder,
     GradState,
@@ -402,7 +405,12 @@ class FullIterationGraphs(RunnerLifecycle):
             # The slots come from the graph's pool: allocator.py [Note: slots in a capture's
             # pool].
             with self._tracker.active(), self._checksums(), self._allocator.owning_capture():
-                with nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"), no_collection():
+                # transformers' mask decisions as in eager: transformers_masks.py
+                with (
+                    nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"),
+                    no_collection(),
+                    eager_mask_decisions(self.model),
+                ):
                     with torch.cuda.graph(
                         graph,
                         pool=self._pool,

@@ -42,6 +42,7 @@ from graph_fsdp.cli.options import (
     resolve,
     scope_sets_from,
 )
+from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.launch import launch
 from graph_fsdp.train import placement_label
 
@@ -179,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
     if res.plan.device == "cuda":
         for impl in impls[1:]:
             check_graph_environment(impl, res.plan)
+    check_output_dir("--output-dir", args.output_dir or os.path.join("bench", "results", "x"))
     cfg = dataclasses.replace(res.cfg, fused_optimizer=res.cfg.fused_optimizer or args.fused_adamw)
     job = BenchJob(
         spec=BenchSpec(cfg=cfg, warmup=args.warmup_iters, steps=args.train_iters),

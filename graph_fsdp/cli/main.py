@@ -8,17 +8,22 @@
     graph-fsdp profile --train-iters 3
 
 Without a launcher every command spawns its local ranks (all GPUs, or ``--nproc`` gloo
-processes on CPU); under ``torchrun`` each process runs its own rank.
+processes on CPU); under ``torchrun`` each process runs its own rank. Ctrl-C (SIGINT) or
+SIGTERM stops the ranks at the next step boundary (a second one: at once); the command then
+exits with 130 (143 for SIGTERM). A failing rank is reported in one line that names the log
+holding every rank's traceback (--verbose: the tracebacks on screen).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.launch import RankFailure
+from graph_fsdp.supervision import VERBOSE_ENV, Interrupted, RankFailure
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -35,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="graph-fsdp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--version", action="version", version=f"graph-fsdp {graph_fsdp.__version__}"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train_cmd, compare_cmd, bench_cmd, profile_cmd):
         module.add_parser(sub, _Formatter)
@@ -44,20 +52,32 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit code.
 
-    A rejected flag combination exits with status 2 and ``graph-fsdp <command>: error: ...``.
+    A rejected flag combination exits with status 2 and one line, ``graph-fsdp <command>:
+    error: ...`` (argparse's own syntax errors add the usage). A failed rank: status 1 and one
+    line; a stop signal: 128 + its number.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # read by the launcher (graph_fsdp/supervision.py)
     try:
         return args.handler(args)
     except CLIError as err:
-        args.subparser.error(str(err))  # exits with status 2
+        print(f"graph-fsdp {args.command}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     except RankFailure as err:
-        print(f"graph-fsdp {args.command}: failed\n{err}", file=sys.stderr)
+        # On a line of its own: a killed rank 0 leaves its progress bar unfinished.
+        print(f"\ngraph-fsdp {args.command}: {err}", file=sys.stderr)
         return 1
-    return 1  # not reached: parser.error exits
+    except Interrupted as stop:
+        lead = "\n" if stop.forced else ""
+        print(f"{lead}graph-fsdp {args.command}: {stop.describe()}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:  # before or after the ranks ran (e.g. while checking flags)
+        print(f"graph-fsdp {args.command}: interrupted by SIGINT", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Every check here runs before a process group or a CUDA context exists and raises
 :class:`CLIError` with a message that names the flag to change. Configuration mistakes are
 reported before environment ones (no CUDA, missing TransformerEngine), so a CPU-only CI can
-exercise every rule.
+exercise the rules through the CLI - except the static-buffer flags that graphs need: a
+machine that cannot run graphs is told so before it is asked for buffer flags (CPU tests call
+:func:`check_graph_buffers` directly).
 """
 
 from __future__ import annotations
@@ -284,6 +286,12 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         help="Local ranks to spawn when not under torchrun (default: every GPU, or "
         "2 gloo processes on CPU). Ignored under torchrun.",
     )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show the spawned ranks' output and tracebacks on screen (default: a failing "
+        "rank is reported in one line naming the log file that holds them).",
+    )
 
 
 def add_common_args(
@@ -547,6 +555,16 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
             raise CLIError(f"{_flag(name)} {value} must be >= 1")
 
 
+def check_optimizer_args(args: argparse.Namespace) -> None:
+    """AdamW's hyper-parameters (and --clip-grad): refused here, not by every rank's optimizer
+    after the ranks started."""
+    for name, example in (("lr", "1e-3"), ("weight_decay", "0.01")):
+        value = getattr(args, name)
+        if not (value >= 0 and value != float("inf")):  # NaN fails both
+            raise CLIError(f"{_flag(name)} {value} must be a finite number >= 0 (e.g. {example})")
+    check_clip_grad(args)
+
+
 def check_clip_grad(args: argparse.Namespace) -> None:
     value = args.clip_grad
     if not (value >= 0 and value != float("inf")):  # NaN fails both
@@ -622,7 +640,7 @@ def resolve(
     """
     plan = resolve_plan(args.device, args.nproc)
     check_positive(args, "train_iters", "micro_batch_size")
-    check_clip_grad(args)
+    check_optimizer_args(args)
     if args.eval_interval < 0:
         raise CLIError(f"--eval-interval {args.eval_interval} must be >= 0 (0: never)")
     if args.cuda_graph_warmup_steps < 0:
@@ -649,8 +667,6 @@ def resolve(
         )
     for scopes in graph_scope_sets:
         check_scopes(scopes, model, flag=scope_flag, scope_modules=scope_modules)
-        if impl != "none":
-            check_graph_buffers(args, scopes, flag=scope_flag)
         if impl != "none" and args.recompute_activations and "full_iteration" not in scopes:
             raise CLIError(
                 f"--recompute-activations re-runs layer forwards inside backward, which layerwise "
@@ -663,7 +679,10 @@ def resolve(
             f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
         )
     if not (graphs_optional and plan.device != "cuda"):
+        # A machine that cannot run graphs at all is said before advice on buffer flags.
         check_graph_environment(impl, plan, cpu_hint)
+    for scopes in graph_scope_sets if impl != "none" else []:
+        check_graph_buffers(args, scopes, flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
     cfg = TrainConfig(

@@ -44,6 +44,7 @@ from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.cuda_streams import NVTX_ENV
 from graph_fsdp.launch import LaunchPlan, launch
 
@@ -63,9 +64,10 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
     g.add_argument(
         "--warmup-iters",
         type=int,
-        default=1,
+        default=None,
         help="Unprofiled steps first (graphed runs: include capture, so must exceed "
-        "--cuda-graph-warmup-steps).",
+        "--cuda-graph-warmup-steps). Default: 1, or --cuda-graph-warmup-steps + 1 with graphs "
+        "(the capture step is then the last unprofiled one).",
     )
     g.add_argument(
         "--profiler",
@@ -175,6 +177,9 @@ def _reexec_under_nsys(args: argparse.Namespace, plan: LaunchPlan, output_dir: s
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.warmup_iters is None:
+        graphed = args.cuda_graph_impl != "none"
+        args.warmup_iters = args.cuda_graph_warmup_steps + 1 if graphed else 1
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     if args.cuda_graph_impl != "none" and args.warmup_iters <= args.cuda_graph_warmup_steps:
@@ -186,6 +191,7 @@ def main(args: argparse.Namespace) -> int:
     output_dir = args.output_dir or os.path.join(
         "bench", "profiles", f"{datetime.datetime.now():%Y-%m-%d_%H%M%S}_{res.plan.device}"
     )
+    check_output_dir("--output-dir", output_dir)
     if args.memory is not None:
         return _memory(args, res, output_dir)
     profiler = _choose_profiler(args, res.plan)

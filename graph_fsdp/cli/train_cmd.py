@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 from dataclasses import dataclass, replace
@@ -26,15 +25,17 @@ from graph_fsdp.cli import mcore
 from graph_fsdp.cli.options import add_common_args, resolve
 from graph_fsdp.cli.train_options import (
     check_data_path,
+    check_train_only_flags,
     checkpoint_plan,
     graphs_label,
     input_lines,
+    model_shapes,
     verification_lines,
     verify_option,
-    write_checkpoint_meta,
 )
 from graph_fsdp.launch import launch
 from graph_fsdp.models import model_flops_per_token
+from graph_fsdp.supervision import Interrupted, console
 from graph_fsdp.train import TrainConfig, placement_label, run
 
 
@@ -74,6 +75,15 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         default=None,
         help="Checkpoint at the last multiple of this interval <= --train-iters "
         "(the engine saves once per run). Default: at the end.",
+    )
+    g.add_argument(
+        "--save-on-interrupt",
+        "--exit-signal-handler",
+        dest="save_on_interrupt",
+        action="store_true",
+        help="When SIGINT/SIGTERM stops the run (at the next step boundary), save to --save "
+        "first (Megatron's --exit-signal-handler spelling works too). Without it a stopped run "
+        "keeps the last scheduled checkpoint.",
     )
     g.add_argument(
         "--load",
@@ -129,9 +139,12 @@ class StepLogFollower:
     """
 
     def __init__(self, raw_path: str, out_path: str | None, total: int, stats: StepStats) -> None:
+        # A thread lock, not tqdm's default multiprocessing one: a rank the launcher kills
+        # after a stop signal must not leave a semaphore for the resource tracker to report.
+        tqdm.set_lock(threading.RLock())
         self.raw_path, self.stats = raw_path, stats
         self.out = open(out_path, "w") if out_path else None  # closed in stop()
-        self.bar = tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(total=total, desc="train", unit="step", file=console(), dynamic_ncols=True)
         self.records: list[dict] = []
         self._pending = ""
         self._offset = 0
@@ -183,7 +196,6 @@ class TrainJob:
     cfg: TrainConfig
     stats: StepStats
     log_json: str | None
-    save_iteration: int | None
 
 
 def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
@@ -203,8 +215,6 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
             os.unlink(raw)
     if rank != 0:
         return None
-    if cfg.save_path and job.save_iteration is not None:
-        write_checkpoint_meta(cfg.save_path, job.save_iteration, "gpt")
     return {
         "losses": result["losses"],
         "times": result["times"],
@@ -212,6 +222,8 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "peak_memory_bytes": result.get("peak_memory_bytes"),
         "records": follower.records if follower else [],
         "cuda_graphs": result.get("cuda_graphs"),
+        "saved_at": result.get("saved_at"),
+        "stopped_at": result.get("stopped_at"),
     }
 
 
@@ -221,18 +233,21 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_train_only_flags(args)
     if args.model != "gpt":
         return mcore.train_main(args)
     mcore.reject_mcore_only_flags(args)
     mcore.validate_bridge_flags(args)
     res = resolve(args)
-    start, save_at, save_iteration = checkpoint_plan(args)
+    shapes = model_shapes(res.cfg.model) if args.load else None
+    start, save_at, _ = checkpoint_plan(args, shapes)
     cfg = replace(
         res.cfg,
         steps=args.train_iters - start,
         start_step=start,
         save_path=args.save,
         save_at=save_at,
+        save_on_interrupt=args.save_on_interrupt,
         load_path=args.load,
         cuda_graph_verify=verify_option(args),
     )
@@ -256,8 +271,13 @@ def main(args: argparse.Namespace) -> int:
         flops_per_token=model_flops_per_token(cfg.model),
         world_size=res.plan.world_size,
     )
-    job = TrainJob(cfg=cfg, stats=stats, log_json=args.log_json, save_iteration=save_iteration)
-    out = launch(res.plan, train_worker, job)
+    job = TrainJob(cfg=cfg, stats=stats, log_json=args.log_json)
+    try:
+        out = launch(res.plan, train_worker, job)
+    except Interrupted as stop:  # main() prints how it ended and exits 128 + signal
+        if stop.result is not None and stop.result["losses"]:
+            print(format_summary(cfg, res.plan.describe(), stats, stop.result, args))
+        raise
     if out is None:
         return 0
     print(format_summary(cfg, res.plan.describe(), stats, out, args))
@@ -289,6 +309,16 @@ def format_summary(
         lines.append("  eval losses: " + ", ".join(f"{v:.6f}" for v in out["eval_losses"]))
     if args.log_json:
         lines.append(f"  step log: {args.log_json} ({len(out['records'])} records)")
-    if args.save:
-        lines.append(f"  checkpoint: {args.save} (iteration {cfg.start_step + cfg.save_at})")
+    if out.get("stopped_at") is not None:
+        lines.append(
+            f"  stopped after iteration {out['stopped_at']} of {cfg.start_step + cfg.steps} "
+            "(a stop signal)"
+        )
+    if out.get("saved_at") is not None:
+        lines.append(f"  checkpoint: {args.save} (iteration {out['saved_at']})")
+    elif args.save:
+        lines.append(
+            f"  checkpoint: none written by this run (stopped before iteration "
+            f"{cfg.start_step + cfg.save_at}; --save-on-interrupt saves when stopped)"
+        )
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The ``train`` flags every ``--model`` shares, and the summary lines they add.
 
-``--save``/``--load``/``--save-interval`` (:func:`checkpoint_plan`, with the iteration a
-checkpoint holds written beside it), ``--data-path`` (:func:`check_data_path`: the file's
+``--save``/``--load``/``--save-interval`` (:func:`checkpoint_plan`: where --save may write,
+what --load holds, checked before any rank starts; the iteration a checkpoint holds is
+written into it), ``--data-path`` (:func:`check_data_path`: the file's
 shape and every token id the run will read), ``--cuda-graph-verify`` (:func:`verify_option`).
 ``graph-fsdp train`` uses them for graph_fsdp's GPT (train_cmd.py) and for Megatron-Core
 models (mcore.py) alike.
@@ -14,12 +15,15 @@ import json
 import os
 import sys
 
+from graph_fsdp import checkpoint
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import check_positive
+from graph_fsdp.cli.options import check_optimizer_args, check_positive
+from graph_fsdp.cli.paths import check_output_file, check_save_dir
 from graph_fsdp.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.models import build_model
 
-CHECKPOINT_META = "graph_fsdp_cli.json"
-"""Written next to a --save checkpoint: the iteration it holds, so --load resumes there."""
+CHECKPOINT_META = checkpoint.META_FILE
+"""In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
 
 
 def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
@@ -29,33 +33,92 @@ def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
         json.dump({"iteration": iteration, "model": model}, f)
 
 
-def _load_start(args: argparse.Namespace) -> int:
-    """The iteration a --load checkpoint holds; clear errors for a directory that is not one
-    of ours or was written for another --model."""
-    if not os.path.isdir(args.load):
+def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
+    """The iteration a --load checkpoint holds. Refused with the fix, before any rank starts:
+    a directory that is not one of ours, one written for another --model, metadata that is
+    missing or corrupt, truncated files and (``shapes``: parameter name -> shape of this run's
+    model) another model shape. Strategy and world size need no check: the format loads onto
+    any (checkpoint.py)."""
+    path = args.load
+    if checkpoint.recover_interrupted_save(path):
+        print(
+            f"note: --load {path}: a save was killed while replacing it; the previous "
+            f"checkpoint was put back from {path}.old",
+            file=sys.stderr,
+        )
+    if not os.path.isdir(path):
         raise CLIError(
-            f"--load {args.load}: no such checkpoint directory; pass the DIR a run with "
+            f"--load {path}: no such checkpoint directory; pass the DIR a run with "
             "--save DIR wrote, or drop --load to start from scratch"
         )
-    if not os.path.isfile(os.path.join(args.load, ".metadata")):
+    if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CLIError(
-            f"--load {args.load}: not a DCP checkpoint ({os.path.join(args.load, '.metadata')} "
+            f"--load {path}: not a DCP checkpoint ({os.path.join(path, '.metadata')} "
             "is missing; an interrupted save leaves only DIR.tmp); pass the DIR a completed "
             "--save run wrote"
         )
-    meta_path = os.path.join(args.load, CHECKPOINT_META)
-    if not os.path.isfile(meta_path):
-        return 0
-    with open(meta_path) as f:
-        meta = json.load(f)
-    saved_model = meta.get("model")
     model = getattr(args, "model", "gpt")
+    meta_path = os.path.join(path, CHECKPOINT_META)
+    meta = _read_meta(meta_path) if os.path.isfile(meta_path) else {}
+    iteration = meta.get("iteration")
+    if not isinstance(iteration, int) or iteration < 0:
+        why = "has no iteration" if os.path.isfile(meta_path) else "is missing"
+        raise CLIError(
+            f"--load {path}: {meta_path} {why}, so the iteration to resume at is unknown "
+            "(graph-fsdp train --save writes it; graph_fsdp.checkpoint.save only with meta=). "
+            f'If this is a checkpoint of this model, write {{"iteration": N, "model": '
+            f'"{model}"}} there; else pass a DIR a graph-fsdp train --save run wrote'
+        )
+    saved_model = meta.get("model")
     if saved_model is not None and saved_model != model:
         raise CLIError(
-            f"--load {args.load} holds a --model {saved_model} checkpoint, but this run trains "
+            f"--load {path} holds a --model {saved_model} checkpoint, but this run trains "
             f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
         )
-    return int(meta.get("iteration", 0))
+    try:
+        checkpoint.check_checkpoint(path, shapes)
+    except checkpoint.CheckpointError as err:
+        raise CLIError(f"--load: {err}") from None
+    return iteration
+
+
+def _read_meta(meta_path: str) -> dict:
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"--load: {meta_path} is unreadable ({err}); restore it") from None
+    return meta if isinstance(meta, dict) else {}
+
+
+def model_shapes(model_cfg) -> dict | None:
+    """Parameter name -> shape of the model ``model_cfg`` builds (on the meta device: no
+    memory, no weights); None where it cannot be built there (TransformerEngine layers)."""
+    if getattr(model_cfg, "transformer_impl", "local") != "local":
+        return None
+    try:
+        model = build_model(model_cfg, device="meta")
+    except Exception:  # noqa: BLE001 - no shape check then; the ranks' load still checks
+        return None
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def check_train_only_flags(args: argparse.Namespace) -> None:
+    """Flags of ``train`` itself, for every --model: optimizer, --save-on-interrupt,
+    --log-json (checked before any rank starts)."""
+    check_optimizer_args(args)
+    if args.save_on_interrupt and not args.save:
+        raise CLIError(
+            "--save-on-interrupt (--exit-signal-handler) saves to --save DIR when a signal "
+            "stops the run: add --save DIR"
+        )
+    if args.save_on_interrupt and args.model != "gpt":
+        raise CLIError(
+            f"--save-on-interrupt (--exit-signal-handler) is not wired for --model {args.model} "
+            "(its ranks stop when signalled, without saving): drop it"
+        )
+    if args.log_json:
+        check_output_file("--log-json", args.log_json)
 
 
 def check_data_path(
@@ -94,14 +157,19 @@ def check_data_path(
     return os.path.abspath(path)
 
 
-def checkpoint_plan(args: argparse.Namespace) -> tuple[int, int, int | None]:
-    """(start_step, save_at relative to start, absolute save iteration or None)."""
+def checkpoint_plan(
+    args: argparse.Namespace, shapes: dict | None = None
+) -> tuple[int, int, int | None]:
+    """(start_step, save_at relative to start, absolute save iteration or None); --save and
+    --load checked (``shapes``: see :func:`_load_start`)."""
     check_positive(args, "save_interval")
     if args.save_interval is not None and not args.save:
         raise CLIError("--save-interval is given without --save; add --save DIR")
+    if args.save:
+        check_save_dir("--save", args.save)
     start = 0
     if args.load:
-        start = _load_start(args)
+        start = _load_start(args, shapes)
         if start >= args.train_iters:
             raise CLIError(
                 f"--load {args.load} holds iteration {start}, which already reaches --train-iters "

@@ -239,6 +239,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     Rows after ``offsets[-1]`` are not computed (left as allocated): pass offsets whose last
     entry is ``rows`` - :func:`sort_by_expert` does.
     """
+    _check_grouped_linear(x, weight, offsets)
+    return _GroupedLinear.apply(x.contiguous(), weight, offsets)
+
+
+def _check_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(
             f"grouped_linear: x [rows, in] and weight [experts, out, in] do not fit: "
@@ -263,7 +268,60 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
                 f"{x.dtype}; pick hidden and expert FFN sizes that are multiples of {align}"
             )
     _check_capturable(x)
-    return _GroupedLinear.apply(x.contiguous(), weight, offsets)
+
+
+def weighted_activation(
+    h: torch.Tensor,
+    probs: torch.Tensor,
+    *,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    gated: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``act(h) * prob`` (``act(a) * b`` over the halves of ``h`` when ``gated``), cast to
+    ``dtype``: what the experts feed fc2, TEGroupedMLP's ``activation_func_with_probs``."""
+    if gated:
+        gate, linear = torch.chunk(h, 2, dim=-1)
+        a = activation(gate) * linear
+    else:
+        a = activation(h)
+    return (a * probs.unsqueeze(-1)).to(dtype)
+
+
+class _WeightedActivationLinear(torch.autograd.Function):
+    """``grouped_linear(weighted_activation(h, probs), weight, offsets)``, saving ``h`` and
+    ``probs`` only (see [Note: the experts recompute their activation])."""
+
+    @staticmethod
+    def forward(ctx, h, probs, weight, offsets, activation, gated, dtype):
+        a = weighted_activation(h, probs, activation=activation, gated=gated, dtype=dtype)
+        ctx.save_for_backward(h, probs, weight, offsets)
+        ctx.activation, ctx.gated, ctx.dtype = activation, gated, dtype
+        return torch._grouped_mm(a, weight.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, probs, weight, offsets = ctx.saved_tensors
+        need_h, need_p, need_w = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            h_in = h.detach().requires_grad_(need_h)
+            p_in = probs.detach().requires_grad_(need_p)
+            a = weighted_activation(
+                h_in, p_in, activation=ctx.activation, gated=ctx.gated, dtype=ctx.dtype
+            )
+        grad = grad.contiguous()
+        grad_h = grad_p = grad_w = None
+        if need_w:  # _GroupedLinear's wgrad, on the recomputed input
+            grad_w = torch._grouped_mm(grad.transpose(-2, -1), a.detach(), offs=offsets)
+            if grad_w.is_cuda and torch.cuda.get_device_capability(grad_w.device)[0] >= 10:
+                grad_w = _zero_empty_groups(grad_w, offsets)
+        if need_h or need_p:  # _GroupedLinear's dgrad, then autograd through the activation
+            grad_a = torch._grouped_mm(grad, weight, offs=offsets)
+            inputs = [t for t, need in ((h_in, need_h), (p_in, need_p)) if need]
+            grads = iter(torch.autograd.grad(a, inputs, grad_a))
+            grad_h = next(grads) if need_h else None
+            grad_p = next(grads) if need_p else None
+        return grad_h, grad_p, grad_w, None, None, None, None
 
 
 def grouped_mlp(
@@ -280,17 +338,30 @@ def grouped_mlp(
     ``fc2(act(fc1(x)) * prob)``, with ``act(a) * b`` over the two halves of fc1's output when
     ``gated`` (a gated linear unit), the routing weight applied before fc2 and the product cast
     back to ``x``'s dtype. ``fc1_weight`` ``[experts, ffn (x2 gated), hidden]``, ``fc2_weight``
-    ``[experts, hidden, ffn]``, ``probs`` ``[rows]``."""
+    ``[experts, hidden, ffn]``, ``probs`` ``[rows]``.
+
+    [Note: the experts recompute their activation]
+    For backward autograd keeps ``x`` and fc1's output ``h`` (and the routing weights) - not
+    ``act(h)``, the gated product or fc2's input, each as large as ``h`` (or half of it,
+    gated): backward computes ``weighted_activation`` again from ``h`` and differentiates
+    through it with autograd (what Megatron-Core's ``moe_act`` recompute does for
+    TEGroupedMLP). The recomputation runs the same kernels on the same inputs, so forward
+    values and every gradient are bit-identical to keeping the intermediates; the cost is
+    the activation's elementwise kernels run once more, in backward.
+    """
     if probs.shape != (x.shape[0],):
         raise ValueError(f"probs must be [rows={x.shape[0]}], got {tuple(probs.shape)}")
     h = grouped_linear(x, fc1_weight, offsets)
-    if gated:
-        gate, linear = torch.chunk(h, 2, dim=-1)
-        h = activation(gate) * linear
-    else:
-        h = activation(h)
-    h = (h * probs.unsqueeze(-1)).to(x.dtype)
-    return grouped_linear(h, fc2_weight, offsets)
+    ffn = h.shape[1] // 2 if gated else h.shape[1]
+    if fc2_weight.dim() != 3 or fc2_weight.shape[2] != ffn:
+        raise ValueError(
+            f"grouped_mlp: fc2_weight must be [experts, hidden, ffn={ffn}] (fc1 gives "
+            f"{h.shape[1]} features{', gated' if gated else ''}), got {tuple(fc2_weight.shape)}"
+        )
+    _check_grouped_linear(h[:, :ffn], fc2_weight, offsets)  # fc2's input: h's rows and dtype
+    return _WeightedActivationLinear.apply(
+        h, probs, fc2_weight, offsets, activation, gated, x.dtype
+    )
 
 
 def dropless_moe(

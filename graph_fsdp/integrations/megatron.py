@@ -5,6 +5,9 @@
     gm.init_parallel_state()                          # TP = PP = EP = 1 on the default group
     lm = gm.build_gpt(gm.MCoreGPTConfig(num_experts=4, moe_shared_expert_intermediate_size=512))
     gm.shard_gpt(lm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+    # expert parallelism: init_parallel_state(expert_model_parallel_size=2) and
+    # MCoreGPTConfig(..., expert_model_parallel_size=2) (megatron_ep.py)
     loss = lm(tokens, labels)                         # mean per-token loss (fp32 scalar)
 
 Needs megatron-core (``pip install -e ".[megatron]"``); importing this module without it
@@ -14,12 +17,12 @@ What the integration maps (facts from megatron-core 0.19's source):
 
 - Parallel state: Megatron's ``parallel_state`` is initialised with tensor and pipeline
   parallel size 1 on the existing process group, so graph_fsdp's data-parallel group is the
-  whole world. Expert parameters are sharded over the expert-data-parallel group, which with
-  expert-model-parallel size 1 *is* the data-parallel group (checked at ``shard_gpt``);
-  EP > 1 is rejected (graph_fsdp shards a unit over one group). Tensor parallelism
-  (``init_parallel_state(tensor_model_parallel_size=N)``, dense GPTs, optionally
-  ``sequence_parallel``): each TP rank's pieces are sharded over Megatron's data-parallel
-  group (megatron_tp.py [Note: Megatron-Core tensor parallelism]).
+  whole world. With expert-model-parallel size N > 1 each rank holds num_experts / N experts;
+  their parameters are sharded over Megatron's expert-data-parallel group (world / N ranks),
+  the dense ones over the world (megatron_ep.py [Note: Megatron-Core expert parallelism]).
+  Tensor parallelism (``init_parallel_state(tensor_model_parallel_size=N)``, dense GPTs,
+  optionally ``sequence_parallel``): each TP rank's pieces are sharded over Megatron's
+  data-parallel group (megatron_tp.py [Note: Megatron-Core tensor parallelism]).
 - Units: ``fully_shard`` per ``TransformerLayer`` (``gpt.decoder.layers``), then the root
   (:class:`MCoreLM`, which owns the embedding, final norm and output layer).
 - Gradients: autograd's ``.grad`` of each unsharded parameter - in eager steps collected
@@ -52,10 +55,21 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
-from graph_fsdp.cuda_streams import stream_capturing
+from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
-from graph_fsdp.integrations import megatron_tp
+from graph_fsdp.integrations import megatron_ep, megatron_tp
+from graph_fsdp.integrations.megatron_scopes import MCORE_SCOPE_MODULES as MCORE_SCOPE_MODULES
+from graph_fsdp.integrations.megatron_scopes import PREPROCESS_CONSTS as PREPROCESS_CONSTS
+from graph_fsdp.integrations.megatron_scopes import PREPROCESS_TENSORS as PREPROCESS_TENSORS
+from graph_fsdp.integrations.megatron_scopes import MoEPreprocess as MoEPreprocess
+from graph_fsdp.integrations.megatron_scopes import (
+    check_mcore_attention_capture,
+    check_mcore_scopes,
+    install_moe_preprocess,
+)
+from graph_fsdp.integrations.megatron_scopes import (
+    moe_expert_capture_refusal as moe_expert_capture_refusal,
+)
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -66,16 +80,6 @@ MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 MOE_EXPERTS_IMPLS = ("megatron", "grouped_mm")
 """megatron: the layer spec's experts and dispatcher; grouped_mm: graph_fsdp's dropless experts
 with device token counts (megatron_moe.GroupedMMMoELayer)."""
-
-MCORE_SCOPE_MODULES: dict[str, str] = {
-    scope: next(p.path for p in paths if "Megatron-Core" in p.family)
-    for scope, paths in SCOPE_PRESETS.items()
-}
-"""Scope -> submodule of a Megatron-Core ``TransformerLayer``: the Megatron-Core entries of
-graph_fsdp's generic :data:`~graph_fsdp.capture.scopes.SCOPE_PRESETS` (``attn`` = the
-attention block ``SelfAttention``; ``mlp`` = a dense ``MLP``; ``moe`` = the ``MoELayer``;
-``moe_router`` = its ``TopKRouter``; ``moe_preprocess`` = ``MoELayer.preprocess``, a method,
-made a module by :class:`MoEPreprocess` - :func:`install_moe_preprocess`)."""
 
 
 def require_megatron():
@@ -142,7 +146,11 @@ class MCoreGPTConfig:
     gradient_accumulation_fusion: bool = False
     """Must stay False under graph_fsdp (see the module docstring)."""
     expert_model_parallel_size: int = 1
-    """Only 1: experts are sharded over the data-parallel group."""
+    """Megatron's EP size N: each rank holds num_experts / N experts and the token dispatcher
+    exchanges tokens over the EP group (N consecutive ranks); expert parameters are sharded
+    over the expert-data-parallel group (world / N ranks), dense ones over every rank. Must
+    divide num_experts and the world size; init_parallel_state(expert_model_parallel_size=N)
+    sets up Megatron's groups (megatron_ep.py)."""
     tensor_model_parallel_size: int = 1
     """Megatron's TP size N (dense GPTs): each rank holds its TP piece of the parallel linears,
     embedding and output layer; graph_fsdp shards those local pieces over the data-parallel
@@ -201,16 +209,16 @@ class MCoreGPTConfig:
                 "reduce-scattered after backward): set gradient_accumulation_fusion=False "
                 "(Megatron's default; --no-gradient-accumulation-fusion)"
             )
-        if self.expert_model_parallel_size != 1:
-            raise ValueError(
-                f"MCoreGPTConfig.expert_model_parallel_size={self.expert_model_parallel_size}: "
-                "graph_fsdp shards expert parameters over the expert-data-parallel group, which "
-                "must be the data-parallel group (EP = 1); set expert_model_parallel_size=1"
-            )
 
     def _check_moe(self) -> None:
         """The MoE fields (Megatron's rules, plus what graph_fsdp's grouped_mm experts need)."""
         name = "MCoreGPTConfig"
+        ep = self.expert_model_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(
+                f"{name}.expert_model_parallel_size={ep!r} must be a positive integer (1: no "
+                "expert parallelism)"
+            )
         if not self.is_moe:
             set_ = [f for f, default in _MOE_ONLY_DEFAULTS.items() if getattr(self, f) != default]
             if set_:
@@ -231,6 +239,12 @@ class MCoreGPTConfig:
             )
         if self.moe_aux_loss_coeff < 0:
             raise ValueError(f"{name}.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        if self.num_experts % ep:
+            raise ValueError(
+                f"{name}.expert_model_parallel_size={ep} does not divide num_experts="
+                f"{self.num_experts}: each EP rank holds num_experts / EP experts; use an EP "
+                f"that divides {self.num_experts}"
+            )
         _check_capacity(self)
         if self.moe_experts_impl == "grouped_mm":
             _check_grouped_mm(self)
@@ -241,6 +255,7 @@ class MCoreGPTConfig:
 
 
 _MOE_ONLY_DEFAULTS = {
+    "expert_model_parallel_size": 1,
     "moe_expert_capacity_factor": None,
     "moe_pad_expert_input_to_capacity": False,
     "moe_experts_impl": "megatron",
@@ -289,10 +304,13 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
         )
     if cfg.expert_model_parallel_size != 1:
         raise ValueError(
-            f"{name} runs at expert_model_parallel_size=1: a dropless all-to-all over EP > 1 needs "
-            "its split sizes on the host (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize);"
-            " for EP > 1 use drop-padding (moe_experts_impl='megatron' with "
-            "moe_expert_capacity_factor and moe_pad_expert_input_to_capacity)"
+            f"{name} runs at expert_model_parallel_size=1, not "
+            f"{cfg.expert_model_parallel_size}: its dispatcher sorts tokens on the device with no "
+            "communication, and a dropless all-to-all over EP > 1 needs its split sizes on the "
+            "host (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize). For EP > 1 use "
+            "Megatron's experts (moe_experts_impl='megatron'): drop-padding "
+            "(moe_expert_capacity_factor=1.0 and moe_pad_expert_input_to_capacity=True) captures "
+            "whole; dropless captures attn moe_router"
         )
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     for field, size in (("hidden_size", cfg.hidden_size), ("ffn_hidden_size", ffn)):
@@ -309,19 +327,18 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
 
 
 def init_parallel_state(
-    *, expert_model_parallel_size: int = 1, tensor_model_parallel_size: int = 1
+    *, expert_model_parallel_size: int | None = None, tensor_model_parallel_size: int = 1
 ) -> None:
-    """Megatron's parallel_state over the default process group: PP = EP = 1, TP =
-    ``tensor_model_parallel_size`` (megatron_tp.py [Note: Megatron-Core tensor parallelism])."""
+    """Megatron's parallel_state over the default process group: pipeline parallel size 1,
+    expert-model-parallel size ``expert_model_parallel_size`` (a divisor of the world size;
+    None keeps an initialised state's, else 1), tensor parallel size
+    ``tensor_model_parallel_size`` (dense GPTs, EP = 1). A state these functions created with
+    other sizes is re-created (build models after the call); one initialised elsewhere with
+    other sizes is refused. [Note: Megatron-Core expert parallelism] (megatron_ep.py),
+    [Note: Megatron-Core tensor parallelism] (megatron_tp.py)"""
     require_megatron()
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "init_parallel_state needs torch.distributed: call dist.init_process_group first"
-        )
     if tensor_model_parallel_size != 1:
-        if expert_model_parallel_size != 1:
+        if expert_model_parallel_size not in (None, 1):
             raise ValueError(
                 f"tensor_model_parallel_size={tensor_model_parallel_size} with "
                 f"expert_model_parallel_size={expert_model_parallel_size}: graph_fsdp runs "
@@ -329,29 +346,8 @@ def init_parallel_state(
             )
         megatron_tp.initialize(tensor_model_parallel_size)
         return
-    if expert_model_parallel_size != 1:
-        raise ValueError(
-            f"expert_model_parallel_size={expert_model_parallel_size}: graph_fsdp supports "
-            "EP = 1 only (experts sharded over the data-parallel group)"
-        )
-    if ps.model_parallel_is_initialized():
-        sizes = {
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
-        }
-        wrong = {k: v for k, v in sizes.items() if v != 1}
-        if wrong:
-            raise ValueError(
-                f"Megatron's parallel_state is already initialised with {wrong}; graph_fsdp "
-                "needs every one of them to be 1 (data parallelism only)"
-            )
-    else:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1,
-            expert_model_parallel_size=1,
-        )
+    megatron_tp.release()  # a TP state megatron_tp created
+    megatron_ep.initialize(expert_model_parallel_size)
 
 
 def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
@@ -456,10 +452,17 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
             "transformer_impl='local' on CPU"
         )
     if cfg.is_moe and cfg.moe_token_dispatcher_type == "alltoall" and device.type != "cuda":
-        raise ValueError(
-            "moe_token_dispatcher_type='alltoall' creates CUDA streams: use a CUDA device, or "
-            "moe_token_dispatcher_type='allgather' on CPU"
+        from megatron.core.transformer.moe.token_dispatcher import (  # noqa: PLC0415
+            MoEAlltoAllTokenDispatcher,
         )
+
+        # Its first construction creates the (class-wide) stream of its dropless host copies.
+        if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+            raise ValueError(
+                "moe_token_dispatcher_type='alltoall' creates a CUDA stream: use a CUDA device, "
+                "or moe_token_dispatcher_type='allgather' on CPU"
+            )
+    megatron_ep.check_model_ep(cfg, "build_gpt")
     torch.manual_seed(cfg.seed)
     # Built before Megatron's CUDA RNG tracker exists, so TransformerEngine's attention gets
     # no tracker to fork in every forward: the default tracker's fork sets the CUDA
@@ -469,9 +472,12 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
 
     # no states yet; graph-safe on CUDA (a CPU build of torch lacks the graph-safe API)
     initialize_rng_tracker(use_cudagraphable_rng=device.type == "cuda", force_reset=True)
+    spec = layer_spec(cfg)
+    if cfg.is_moe:  # the same global experts at every EP size (megatron_ep.GlobalExpertInit)
+        spec = megatron_ep.with_global_expert_init(spec, cfg.seed)
     gpt = GPTModel(
         config=transformer_config(cfg, device),
-        transformer_layer_spec=layer_spec(cfg),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         position_embedding_type=cfg.position_embedding_type,
@@ -490,43 +496,43 @@ def transformer_layers(lm: MCoreLM) -> list[nn.Module]:
     return list(lm.module.decoder.layers)
 
 
-def _check_expert_group() -> None:
-    """Expert parameters are sharded over the expert-data-parallel group: it must be the
-    data-parallel group graph_fsdp shards over (true when EP = 1)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("call init_parallel_state() before shard_gpt()")
-    dp = dist.get_process_group_ranks(ps.get_data_parallel_group())
-    edp = dist.get_process_group_ranks(ps.get_expert_data_parallel_group())
-    world = list(range(dist.get_world_size()))
-    if sorted(dp) != world or sorted(edp) != world:
-        raise ValueError(
-            f"graph_fsdp shards every parameter over the default group (ranks {world}), but "
-            f"Megatron's data-parallel group is {dp} and its expert-data-parallel group is "
-            f"{edp}: use tensor, pipeline and expert model parallel size 1"
-        )
-
-
 def shard_gpt(
     lm: MCoreLM,
     *,
     strategy: str = "optim_grads_params",
     mp_policy: MixedPrecisionPolicy | None = None,
     buffer_policy: BufferPolicy | None = None,
+    expert_groups: bool | None = None,
 ) -> MCoreLM:
     """``fully_shard`` every TransformerLayer, then the root; install Megatron's schedule
-    hooks (``config.no_sync_func`` / ``config.finalize_model_grads_func``)."""
+    hooks (``config.no_sync_func`` / ``config.finalize_model_grads_func``).
+
+    ``expert_groups``: the routed experts' parameters in their own groups, sharded and reduced
+    over Megatron's expert-data-parallel group (the ``(edp, ep)`` mesh of its groups goes to
+    every layer's ``fully_shard``). None (default): when expert_model_parallel_size > 1 (where
+    it is required); at EP = 1 they stay in the layers' dense groups (the same ranks, one
+    collective fewer). True at EP = 1 runs the EP path over one EP rank. [Note: Megatron-Core
+    expert parallelism] (megatron_ep.py)
+    """
     require_megatron()
     config = lm.module.config
-    # TP > 1: over Megatron's data-parallel group (megatron_tp.py)
+    # TP > 1: over Megatron's data-parallel group (megatron_tp.py); dense GPTs only
     tp = megatron_tp.prepare(lm, config, next(lm.parameters()).device.type)
-    if tp is None:
-        _check_expert_group()
+    ep = 1 if tp is not None else megatron_ep.check_model_ep(config, "shard_gpt")
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError(
             "TransformerConfig.gradient_accumulation_fusion=True: TE would accumulate wgrads "
             "into param.main_grad, which graph_fsdp does not provide; set it to False"
+        )
+    layers = transformer_layers(lm)
+    device = next(lm.parameters()).device
+    mesh = None
+    if tp is None:
+        mesh = megatron_ep.expert_mesh_for(layers, ep, expert_groups, device.type)
+    elif megatron_ep.moe_layers(layers):
+        raise ValueError(
+            f"shard_gpt: tensor_model_parallel_size={config.tensor_model_parallel_size} with "
+            "MoE layers: graph_fsdp runs Megatron's TP for dense GPTs; use TP = 1 for MoE models"
         )
     placement = dict(
         mesh=None if tp is None else tp.mesh,
@@ -534,11 +540,11 @@ def shard_gpt(
         mp_policy=mp_policy,
         buffer_policy=buffer_policy,
     )
-    for layer in transformer_layers(lm):
-        fully_shard(layer, **placement)
+    for layer in layers:
+        fully_shard(layer, expert_mesh=mesh, **placement)
     fully_shard(lm, **placement)
     if tp is not None:
-        tp.install([*transformer_layers(lm), lm])
+        tp.install([*layers, lm])
     config.no_sync_func = lm.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return lm
@@ -595,201 +601,6 @@ def forward_step(data_iterator, model: nn.Module):
         return output, {"lm loss": output.detach().clone()}  # the schedule divides output in place
 
     return loss, loss_func
-
-
-# --------------------------------------------------------------------------------------------
-# --cuda-graph-scope
-# --------------------------------------------------------------------------------------------
-
-
-def _is_moe_layer(layer: nn.Module) -> bool:
-    return hasattr(getattr(layer, "mlp", None), "router")
-
-
-def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...]) -> list[str]:
-    """Megatron's scopes this model can capture; clear errors for the others.
-
-    The expert part of an MoE layer (captured by the whole layer, ``moe`` and
-    ``full_iteration``) needs no host sync with drop-padding through the alltoall dispatcher
-    (static expert shapes) or with graph_fsdp's ``grouped_mm`` experts (device token counts);
-    Megatron's dropless experts copy their token counts to the host, so there
-    :func:`moe_expert_capture_refusal` refuses, and ``attn`` / ``moe_router`` are the
-    capturable parts, as in Megatron.
-    """
-    scopes = list(scopes)
-    check_scopes(scopes)
-    if not cfg.is_moe:
-        moe = [s for s in scopes if s in ("moe", "moe_router", "moe_preprocess")]
-        if moe:
-            raise GraphConfigError(
-                f"--cuda-graph-scope {' '.join(moe)} needs an MoE model (--num-experts N), but "
-                "this GPT is dense; use attn, mlp, the whole layer or full_iteration"
-            )
-        return scopes
-    if not scopes or "moe" in scopes or "full_iteration" in scopes:
-        refusal = moe_expert_capture_refusal(cfg)
-        if refusal:
-            what = (
-                "the whole layer" if not scopes else "moe" if "moe" in scopes else "full_iteration"
-            )
-            raise GraphConfigError(f"--cuda-graph-scope {what}: {refusal}")
-    if "mlp" in scopes:
-        raise GraphConfigError(
-            "--cuda-graph-scope mlp: every layer of this Megatron-Core MoE GPT is an MoELayer, "
-            "so there is no dense MLP to capture; use moe_router"
-        )
-    if "moe_preprocess" in scopes and (
-        cfg.moe_experts_impl == "grouped_mm" or cfg.moe_expert_capacity_factor is not None
-    ):
-        why = (
-            "the grouped_mm experts' dispatch has no host sync to split off: capture moe or the "
-            "whole layer instead"
-            if cfg.moe_experts_impl == "grouped_mm"
-            else "with a capacity factor, capture moe or the whole layer with drop-padding "
-            "(moe_pad_expert_input_to_capacity=True) instead"
-        )
-        raise GraphConfigError(
-            "--cuda-graph-scope moe_preprocess graphs the preprocess of Megatron's dropless "
-            f"alltoall dispatcher apart from its host-syncing dispatch; {why}"
-        )
-    return scopes
-
-
-_DROPLESS_SYNC = {
-    "alltoall": "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize, token_dispatcher.py",
-    "allgather": "MoEAllGatherTokenDispatcher.dispatch_postprocess: tokens_per_expert.cpu()",
-    "flex": "MoEFlexTokenDispatcher and its DeepEP / HybridEP buffers",
-}
-
-
-def moe_expert_capture_refusal(cfg: MCoreGPTConfig) -> str | None:
-    """Why a CUDA graph cannot hold the expert part of ``cfg``'s MoE layers (None: it can),
-    naming the Megatron module that syncs and the settings that avoid it."""
-    if cfg.moe_experts_impl == "grouped_mm":
-        return None  # device token counts: megatron_moe.GroupedMMMoELayer (EP = 1)
-    factor, dispatcher = cfg.moe_expert_capacity_factor, cfg.moe_token_dispatcher_type
-    if factor is None:
-        return (
-            f"MoE layers with Megatron's dropless {dispatcher} dispatcher copy tokens_per_expert "
-            f"to the host for the experts' split sizes ({_DROPLESS_SYNC[dispatcher]}): a host "
-            "sync with data-dependent shapes, which a CUDA graph cannot hold. Capture the experts "
-            "with graph_fsdp's dropless experts (moe_experts_impl='grouped_mm': device token "
-            "counts, torch._grouped_mm) or with drop-padding (moe_expert_capacity_factor=1.0 and "
-            "moe_pad_expert_input_to_capacity=True; drops the tokens over capacity), or capture "
-            "the parts before the dispatch instead: --cuda-graph-scope attn moe_router"
-        )
-    if not cfg.moe_pad_expert_input_to_capacity:
-        return (
-            f"moe_expert_capacity_factor={factor} without moe_pad_expert_input_to_capacity drops "
-            "tokens to a data-dependent count, which MoEAlltoAllTokenDispatcher.preprocess sums "
-            "on the device and the permutation waits for on the host (_maybe_dtoh_and_synchronize,"
-            " a host sync): set moe_pad_expert_input_to_capacity=True (static expert inputs)"
-        )
-    if dispatcher != "alltoall":
-        return (
-            f"the {dispatcher} token dispatcher syncs with the host even with drop-padding "
-            f"({_DROPLESS_SYNC[dispatcher]}, .item()): use moe_token_dispatcher_type='alltoall'"
-        )
-    return None
-
-
-class MoEPreprocess(nn.Module):
-    """``MoELayer.preprocess`` as a module: the ``moe_preprocess`` scope's graph target.
-
-    The alltoall dispatcher's preprocess (token counts, the permutation map, the permuted
-    tokens and probs) keeps its results as Python attributes of the dispatcher, read later
-    by the eager dispatch/combine - a replayed graph would leave them stale. As Megatron does
-    for its own moe_preprocess graphs, the tensors among them are graph *outputs*
-    (:data:`PREPROCESS_TENSORS`) put back on the dispatcher after every call, and the
-    non-tensor ones (shapes, the dropless output size) are restored from the capture (a
-    replay only runs for calls with the captured shapes). The host copy of the token counts
-    moves from the preprocess to the (eager) dispatch: ``cuda_dtoh_point =
-    "before_ep_alltoall"``, Megatron's setting when moe_preprocess is graphed.
-    """
-
-    def __init__(self, moe: nn.Module) -> None:
-        super().__init__()
-        self._moe = [moe]  # a list: not a submodule (no second path to its parameters)
-        self._ran = False
-        self._capture_consts: dict | None = None
-
-    def forward(self, hidden_states, probs, routing_map):
-        moe = self._moe[0]
-        self._ran = True
-        hidden_states, probs = type(moe).preprocess(moe, hidden_states, probs, routing_map)
-        disp = moe.token_dispatcher
-        if stream_capturing():
-            self._capture_consts = {a: getattr(disp, a) for a in PREPROCESS_CONSTS}
-        return hidden_states, probs, tuple(getattr(disp, a) for a in PREPROCESS_TENSORS)
-
-    def __call__(self, hidden_states, probs, routing_map):
-        self._ran = False
-        out, out_probs, tensors = super().__call__(hidden_states, probs, routing_map)
-        disp = self._moe[0].token_dispatcher
-        for name, t in zip(PREPROCESS_TENSORS, tensors):
-            setattr(disp, name, t)
-        if not self._ran:  # replayed: the Python side of the preprocess did not run
-            if self._capture_consts is None:
-                raise RuntimeError("MoEPreprocess replayed before it was captured")
-            for name, value in self._capture_consts.items():
-                setattr(disp, name, value)
-            disp.probs, disp.routing_map = probs, routing_map
-        return out, out_probs
-
-
-PREPROCESS_TENSORS = (
-    "tokens_per_expert",
-    "num_global_tokens_per_local_expert",
-    "reversed_local_input_permutation_mapping",
-)
-"""Tensor attributes the alltoall dispatcher's preprocess sets and dispatch/combine read."""
-PREPROCESS_CONSTS = ("hidden_shape", "hidden_shape_before_permute", "num_out_tokens")
-"""Non-tensor attributes it sets (fixed for the captured shapes)."""
-
-
-def install_moe_preprocess(lm: MCoreLM) -> int:
-    """Put a :class:`MoEPreprocess` in place of every MoELayer's ``preprocess`` method, so that
-    the ``moe_preprocess`` scope's preset (``mlp.preprocess``) finds a module to capture, and
-    make the alltoall dispatcher copy its token counts to the host at the (eager) dispatch
-    (``cuda_dtoh_point = "before_ep_alltoall"``). Returns the number of layers changed.
-
-    An instance attribute (``object.__setattr__``), not a registered submodule: MoELayer's
-    forward calls ``self.preprocess(...)``, which now reaches the module, while parameter names,
-    state dicts and checkpoints keep Megatron's (``decoder.layers.N.mlp.*``). Idempotent.
-    """
-    changed = 0
-    for layer in transformer_layers(lm):
-        if not _is_moe_layer(layer):
-            continue
-        moe = layer.mlp
-        if isinstance(moe.__dict__.get("preprocess"), MoEPreprocess):
-            continue
-        disp = moe.token_dispatcher
-        if not hasattr(disp, "cuda_dtoh_point"):
-            raise GraphConfigError(
-                f"--cuda-graph-scope moe_preprocess supports the alltoall token dispatcher, "
-                f"not {type(disp).__name__}; use moe_token_dispatcher_type='alltoall'"
-            )
-        disp.cuda_dtoh_point = "before_ep_alltoall"
-        object.__setattr__(moe, "preprocess", MoEPreprocess(moe))
-        changed += 1
-    return changed
-
-
-def check_mcore_attention_capture(cfg: MCoreGPTConfig, impl: str, scopes: list[str]) -> None:
-    """TE attention in the captured scopes at a sequence length TE's cuDNN attention cannot
-    be captured at (te_backend.py [Note: TE attention under capture])."""
-    from graph_fsdp.capture.te_backend import check_attention_capture  # noqa: PLC0415
-
-    if cfg.transformer_impl == "transformer_engine":
-        check_attention_capture(
-            seq_length=cfg.seq_length,
-            impl=impl,
-            scopes=scopes,
-            backend=cfg.attention_backend,
-            fix="--attention-backend unfused (attention_backend='unfused'; or flash, with "
-            "flash-attn installed)",
-        )
 
 
 def make_graphs(

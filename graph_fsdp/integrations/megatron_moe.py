@@ -24,7 +24,12 @@ router, aux losses, shared expert and forward are unchanged) with two parts swap
   expert, the per-expert counts kept on the device, and the combine as the adjoint gather
   (grouped_moe.py [Note: static-size dropless routing]). No communication: EP = TP = 1.
 - :class:`GroupedMMExperts`: the experts' FFN as two ``torch._grouped_mm`` calls that read
-  int32 cumulative offsets from device memory (bf16 on sm90 / sm100 GPUs).
+  int32 cumulative offsets from device memory (bf16 on sm90 / sm100 GPUs). For backward it
+  keeps its input rows and fc1's output only, and recomputes the activation (what Megatron's
+  ``moe_act`` recompute does; bit-identical to keeping it): per routed row
+  ``2 x (hidden + ffn)`` bytes in bf16 (``2 x (hidden + 2 ffn)`` gated), less than half of what
+  TEGroupedMLP with the unfused activation keeps (grouped_moe.py [Note: the experts recompute
+  their activation]).
 
 Parameters: router and shared expert keep Megatron's modules and names. The routed experts
 hold ``experts.linear_fc1.weight`` ``[experts, ffn (x2 with a GLU), hidden]`` and
@@ -146,11 +151,8 @@ def grouped_mm_moe_problems(config) -> list[str]:
         "use_te_activation_func=True is not supported: the experts apply "
         "config.activation_func; set it False",
     )
-    recompute = get("recompute_modules", None) or []
-    need(
-        not (get("recompute_granularity", None) == "selective" and "moe_act" in recompute),
-        "recompute_modules 'moe_act' is not implemented by GroupedMMExperts: drop it",
-    )
+    # recompute_modules 'moe_act' is what GroupedMMExperts always does (grouped_moe.py
+    # [Note: the experts recompute their activation]): accepted, nothing to switch on.
     offload = set(get("offload_modules", None) or [])
     need(
         not (
@@ -261,7 +263,13 @@ class GroupedMMExperts(MegatronModule):
     offsets of ``tokens_per_expert`` from device memory: no host sync when the counts are a
     device tensor (:class:`DeviceCountDispatcher`'s); a host tensor from Megatron's own
     dispatchers is copied to the device first.
+
+    Parameters stack the local experts along dimension 0 (``linear_fc1.weight[e]`` is expert
+    e's matrix): :data:`~graph_fsdp.integrations.megatron_ep.STACKED_EXPERTS_ATTR` says so to
+    graph_fsdp's expert groups and checkpoints.
     """
+
+    graph_fsdp_stacked_experts = True
 
     def __init__(
         self,
@@ -284,7 +292,11 @@ class GroupedMMExperts(MegatronModule):
         self.gated = config.gated_linear_unit
         self._init_weights()
         for param in self.parameters():
-            param.allreduce = False  # Megatron's marker of expert-parallel parameters
+            # Megatron's marker of expert-*parallel* parameters (allreduce=False) is set only
+            # when EP > 1; these experts run at EP = 1, where they reduce over the
+            # data-parallel group like every other parameter (shard_gpt(expert_groups=True)
+            # gives them their own groups, over the same ranks).
+            param.allreduce = True
 
     def _init_weights(self) -> None:
         """Each expert's matrix from an fp32 master, as Megatron initialises linear layers:
@@ -369,15 +381,15 @@ class GroupedMMMoELayer(MoELayer):
         )
 
 
-def _moe_submodules(mlp) -> tuple[MoESubmodules, dict]:
+def _moe_submodules(mlp) -> tuple[type, MoESubmodules, dict]:
     if isinstance(mlp, functools.partial) and _is_moe_class(mlp.func):
         kwargs = dict(mlp.keywords)
-        return kwargs.pop("submodules"), kwargs
+        return mlp.func, kwargs.pop("submodules"), kwargs
     if isinstance(mlp, ModuleSpec) and _is_moe_class(mlp.module):
-        return mlp.submodules, dict(mlp.params)
+        return mlp.module, mlp.submodules, dict(mlp.params)
     raise ValueError(
-        f"grouped_mm_moe_spec: the layer spec's mlp is {mlp!r}, not Megatron-Core's MoELayer; "
-        "build the spec with num_experts=N (e.g. get_gpt_layer_local_spec(num_experts=8))"
+        f"the layer spec's mlp is {mlp!r}, not Megatron-Core's MoELayer; build the spec with "
+        "num_experts=N (e.g. get_gpt_layer_local_spec(num_experts=8))"
     )
 
 
@@ -385,20 +397,30 @@ def _is_moe_class(obj) -> bool:
     return isinstance(obj, type) and issubclass(obj, MoELayer)
 
 
-def _with_grouped_mm_moe(layer_spec: ModuleSpec) -> ModuleSpec:
-    submodules, kwargs = _moe_submodules(layer_spec.submodules.mlp)
-    mlp = functools.partial(
-        GroupedMMMoELayer,
-        submodules=MoESubmodules(
-            experts=GroupedMMExperts,
-            shared_experts=submodules.shared_experts,
-            router=submodules.router,
-        ),
-        **kwargs,
-    )
+def _map_moe_layer_spec(layer_spec: ModuleSpec, edit, layer_class) -> ModuleSpec:
+    cls, submodules, kwargs = _moe_submodules(layer_spec.submodules.mlp)
+    mlp = functools.partial(layer_class or cls, submodules=edit(submodules), **kwargs)
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp)
     )
+
+
+def map_moe_layer_specs(spec, edit, layer_class: type | None = None):
+    """A copy of a GPT layer spec (``get_gpt_layer_with_transformer_engine_spec`` /
+    ``get_gpt_layer_local_spec`` with ``num_experts``) whose MoE block is built from
+    ``edit(its MoESubmodules)`` (and as ``layer_class`` when given). A block spec
+    (``TransformerBlockSubmodules``) gets every MoE layer spec in its ``layer_specs`` mapped,
+    dense ones kept. The input spec is left as it was."""
+    layer_specs = getattr(spec, "layer_specs", None)
+    if layer_specs is not None:
+        return dataclasses.replace(
+            spec,
+            layer_specs=[
+                _map_moe_layer_spec(s, edit, layer_class) if _is_moe_layer_spec(s) else s
+                for s in layer_specs
+            ],
+        )
+    return _map_moe_layer_spec(spec, edit, layer_class)
 
 
 def grouped_mm_moe_spec(spec):
@@ -407,15 +429,18 @@ def grouped_mm_moe_spec(spec):
     :class:`GroupedMMMoELayer` with :class:`GroupedMMExperts`; the router and the shared
     expert stay the spec's. A block spec (``TransformerBlockSubmodules``) gets every MoE layer
     spec in its ``layer_specs`` replaced, dense ones kept."""
-    layer_specs = getattr(spec, "layer_specs", None)
-    if layer_specs is not None:
-        return dataclasses.replace(
+    try:
+        return map_moe_layer_specs(
             spec,
-            layer_specs=[
-                _with_grouped_mm_moe(s) if _is_moe_layer_spec(s) else s for s in layer_specs
-            ],
+            lambda sub: MoESubmodules(
+                experts=GroupedMMExperts,
+                shared_experts=sub.shared_experts,
+                router=sub.router,
+            ),
+            layer_class=GroupedMMMoELayer,
         )
-    return _with_grouped_mm_moe(spec)
+    except ValueError as err:
+        raise ValueError(f"grouped_mm_moe_spec: {err}") from None
 
 
 def _is_moe_layer_spec(spec) -> bool:

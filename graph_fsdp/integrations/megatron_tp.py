@@ -49,12 +49,20 @@ from torch import nn
 from graph_fsdp.state import FSDPState, state_of
 from graph_fsdp.tensor_parallel import mark_tensor_parallel
 
+_OWNED_STATE: list = []
+"""The TP group of the parallel state :func:`initialize` created (re-created only then)."""
+
 
 def initialize(tensor_model_parallel_size: int) -> None:
-    """Megatron's parallel state with TP = ``tensor_model_parallel_size`` (PP = EP = 1), or a
-    clear error when it was initialised with other sizes."""
+    """Megatron's parallel state with TP = ``tensor_model_parallel_size`` (PP = EP = 1). A
+    state this function created with another TP size is re-created (build models after the
+    call); one initialised elsewhere with other sizes is refused."""
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "init_parallel_state needs torch.distributed: call dist.init_process_group first"
+        )
     world = dist.get_world_size()
     tp = tensor_model_parallel_size
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world % tp:
@@ -74,14 +82,32 @@ def initialize(tensor_model_parallel_size: int) -> None:
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
         }
-        if have != wanted:
+        if have == wanted:
+            return
+        if not _owned(ps):
             raise ValueError(
-                f"Megatron's parallel_state is already initialised with {have}, but {wanted} "
-                "was asked for: call megatron.core.parallel_state.destroy_model_parallel() "
-                "first, or ask for the sizes it has"
+                f"Megatron's parallel_state was initialised elsewhere with {have}, but "
+                f"{wanted} was asked for: call megatron.core.parallel_state."
+                "destroy_model_parallel() first, or ask for the sizes it has"
             )
-        return
+        ps.destroy_model_parallel()
     ps.initialize_model_parallel(**wanted)
+    _OWNED_STATE[:] = [ps.get_tensor_model_parallel_group()]
+
+
+def _owned(ps) -> bool:
+    return bool(_OWNED_STATE) and _OWNED_STATE[0] is ps.get_tensor_model_parallel_group()
+
+
+def release() -> None:
+    """Destroy a parallel state :func:`initialize` created with TP > 1 (before another one is
+    initialised with TP = 1); anything else is left alone."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    if ps.model_parallel_is_initialized() and _owned(ps):
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            ps.destroy_model_parallel()
+        _OWNED_STATE.clear()
 
 
 def tensor_parallel_size() -> int:

@@ -7,7 +7,9 @@ own microbatch loop (which drives layerwise / full-iteration graphs) or with Meg
 ``get_forward_backward_func()`` schedule (``use_megatron_schedule``; eager or layerwise
 graphs, which replay inside the model's forward). ``engine="megatron_fsdp"`` trains the same
 model with megatron_fsdp instead (the comparison the GPU tests make). Returns per-step
-losses, eval losses, step times and peak memory.
+losses, eval losses, step times and peak memory (with what was allocated when the run
+started: tests and benchmarks run several models in one process, and a model a run leaves
+behind would count in every later run's peak).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.step import eager_forward_backward
@@ -198,6 +201,36 @@ def _set_moe_aux_loss_scale(cfg: MCoreTrainConfig, device: torch.device) -> None
         current.fill_(scale)
 
 
+def release_moe_dispatch_state(model: nn.Module) -> int:
+    """Drop the tensors with an autograd graph that Megatron-Core's MoE token dispatchers keep
+    from the last forward (``MoEAlltoAllTokenDispatcher.probs``,
+    ``MoEAllGatherTokenDispatcher.local_probs``); returns how many were dropped. A dispatcher
+    sets them again in its next forward, so this is safe between steps.
+
+    [Note: MoE dispatchers keep the last routing] Those tensors keep the last forward's
+    autograd graph alive. Its nodes are C++ objects, invisible to Python's garbage collector,
+    and they reach the model: graph_fsdp's replay nodes hold their captured callable (which
+    holds the module), TransformerEngine's graphed callables hold the parameters. So a model
+    dropped after training was never collected - the cycle model -> dispatcher -> tensor ->
+    graph node -> model runs through C++ - and its main weights and gradients stayed on the
+    device: each later run in the process counted them in its peak memory (graph_fsdp's own
+    backward handlers hold their state weakly for the same reason, state.py [Note: autograd
+    holds FSDP states weakly]). graph_fsdp.integrations.megatron_moe's dispatcher keeps
+    nothing past its combine.
+    """
+    dropped = 0
+    for module in model.modules():
+        disp = getattr(module, "token_dispatcher", None)
+        if disp is None:
+            continue
+        for holder in (disp, getattr(disp, "_comm_manager", None)):
+            for name, value in list(vars(holder).items()) if holder is not None else ():
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(holder, name, None)
+                    dropped += 1
+    return dropped
+
+
 def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
     # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that cannot go.
     schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
@@ -218,6 +251,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
     lm, opt = build_sharded(cfg, device)
     if cfg.model.is_moe and not cfg.use_megatron_schedule:  # the schedule sets it per microbatch
         _set_moe_aux_loss_scale(cfg, device)
@@ -289,6 +323,13 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         # Allocated misses what graph replays use in their pools; reserved holds the pools.
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        result["start_memory_bytes"] = start_bytes
+    # Nothing of this run may outlive it: the graphs and their memory pool go now, and the
+    # dispatchers' last routing with its autograd graph ([Note: MoE dispatchers keep the last
+    # routing]), so the model is freed on return.
+    if graphs is not None:
+        graphs.close()
+    release_moe_dispatch_state(lm)
     # parallel_state stays initialised: the next run in this process reuses its groups
     # (re-creating them would build new NCCL communicators every run).
     return result

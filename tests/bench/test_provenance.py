@@ -40,7 +40,7 @@ def checkout(tmp_path: Path) -> Path:
 
 def test_git_commit_and_dirty_state(checkout: Path) -> None:
     pkg = checkout / "graph_fsdp"
-    v = pv.describe_code(pkg, "ignored-when-git-answers")
+    v = pv.describe_code(pkg, None)
     head = subprocess.run(
         ["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -53,6 +53,14 @@ def test_git_commit_and_dirty_state(checkout: Path) -> None:
     assert (
         pv.stamp_line(v)
         == f"commit {head} (clean; from git), graph_fsdp source sha256 " + (v["source_sha256"])
+    )
+    # A commit the caller names wins over the checkout's: a copied tree may carry a .git of
+    # an older commit than its files.
+    named = pv.describe_code(pkg, "f00d")
+    assert (named["commit"], named["dirty"], named["commit_source"]) == (
+        "f00d",
+        False,
+        f"${pv.COMMIT_ENV}",
     )
     # Results written beside the code do not make the tree dirty ...
     (checkout / "bench" / "results").mkdir(parents=True)

@@ -83,27 +83,10 @@ FP32_ACCUM = "--ddp-reduce-scatter-with-fp32-accumulation"
             ["--cuda-graph-impl", "te", "--cuda-graph-scope", "mlp", *MOE, *STATIC],
             ["every layer is MoE", "--moe-layer-freq"],
         ),
-        # layerwise graphs need static FSDP buffers
+        # on a machine without CUDA that is said first, not the buffer flags graphs need
         (
             ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn"],
-            # the engine's check_static_buffers message: BufferPolicy fields and their flags
-            [
-                "unsharded buffers must be static",
-                "(--fsdp-double-buffer) or",
-                "(--fsdp-buffer trace_pool) and",
-                "(--fsdp-db-use-persist-buf-on-alloc-fail)",
-            ],
-        ),
-        (
-            ["--cuda-graph-impl", "torch"],  # no scope: the whole layer, also layerwise
-            ["layerwise CUDA graphs", "--fsdp-double-buffer"],
-        ),
-        (
-            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"],
-            [
-                "must be static: set BufferPolicy(persist_on_alloc_fail=True) "
-                "(--fsdp-db-use-persist-buf-on-alloc-fail)"
-            ],
+            ["--cuda-graph-impl te needs a CUDA device", "--cuda-graph-impl none"],
         ),
         (
             ["--cuda-graph-impl", "torch", *STATIC, "--recompute-activations"],
@@ -181,6 +164,46 @@ def test_train_rejects(capsys: pytest.CaptureFixture, argv: list[str], expected:
     err = error_of(capsys, "train", *TINY, *argv)
     for text in expected:
         assert text in err, f"{text!r} not in {err!r}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn"],
+            # the engine's check_static_buffers message: BufferPolicy fields and their flags
+            [
+                "unsharded buffers must be static",
+                "(--fsdp-double-buffer) or",
+                "(--fsdp-buffer trace_pool) and",
+                "(--fsdp-db-use-persist-buf-on-alloc-fail)",
+            ],
+        ),
+        (
+            ["--cuda-graph-impl", "torch"],  # no scope: the whole layer, also layerwise
+            ["layerwise CUDA graphs", "--fsdp-double-buffer"],
+        ),
+        (
+            ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"],
+            [
+                "must be static: set BufferPolicy(persist_on_alloc_fail=True) "
+                "(--fsdp-db-use-persist-buf-on-alloc-fail)"
+            ],
+        ),
+    ],
+)
+def test_layerwise_graphs_need_static_buffers(argv: list[str], expected: list[str]) -> None:
+    """The buffer-flag rule itself (on a CUDA machine the CLI applies it after the device
+    check; a CPU-only machine is told first that graphs need a GPU, above)."""
+    from graph_fsdp.cli.errors import CLIError
+    from graph_fsdp.cli.options import check_graph_buffers
+
+    args = _args("train", *argv)
+    scopes = args.cuda_graph_scope or []
+    with pytest.raises(CLIError) as err:
+        check_graph_buffers(args, scopes, flag="--cuda-graph-scope")
+    for text in expected:
+        assert text in str(err.value), str(err.value)
 
 
 def test_data_path_must_hold_uint16_tokens(capsys: pytest.CaptureFixture, tmp_path) -> None:

@@ -3,6 +3,10 @@ main gradients released between steps (and kept while the optimizer can still re
 
 from __future__ import annotations
 
+import gc
+import types
+import weakref
+
 import torch
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
@@ -216,3 +220,48 @@ def test_collected_gradients_zero_what_autograd_did_not_cover():
             got = torch.cat(pieces)
             assert torch.isfinite(got).all(), (step, i)
             torch.testing.assert_close(got, want.flatten(), rtol=1e-6, atol=1e-6)
+
+
+class _KeepsLastRouting(torch.nn.Module):
+    """Keeps a tensor of its last forward, autograd graph and all, in a plain attribute holder:
+    what Megatron-Core's MoE token dispatchers do with the routing probabilities."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.dispatcher = types.SimpleNamespace(probs=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        self.dispatcher.probs = y.softmax(-1)
+        return y
+
+
+def _dropped_model_is_collected(rank: int, world: int) -> dict:
+    # [Note: autograd holds FSDP states weakly]: the kept tensor's graph holds FSDP's backward
+    # handlers; with strong references the model stayed alive (a cycle through C++ autograd
+    # nodes, which the garbage collector cannot see) after the training loop dropped it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_KeepsLastRouting(), _KeepsLastRouting(), torch.nn.Linear(16, 4))
+    fully_shard(model[0])
+    fully_shard(model[1])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    kept = model[1].dispatcher.probs
+    graph_kept = kept.grad_fn is not None
+    del kept
+    refs = [weakref.ref(model), *(weakref.ref(p) for p in model.parameters())]
+    del model, opt
+    gc.collect()
+    return {"graph_kept": graph_kept, "alive": sum(r() is not None for r in refs)}
+
+
+def test_dropped_model_is_collected_while_a_module_kept_a_forward_tensor():
+    for res in spawn(_dropped_model_is_collected, 2):
+        assert res["graph_kept"]
+        assert res["alive"] == 0, res

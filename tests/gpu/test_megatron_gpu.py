@@ -559,6 +559,9 @@ def _timing(res: dict, skip: int = 3) -> dict:
         "median_step_ms": round(median(res["times"][skip:]) * 1e3, 3),
         "peak_allocated_gib": round(res["peak_memory_bytes"] / 2**30, 4),
         "peak_reserved_gib": round(res["peak_reserved_bytes"] / 2**30, 4),
+        # Allocated when the run started: what earlier runs of this process left (libraries'
+        # workspaces, MiB; GiB would mean an earlier run's model leaked into this peak).
+        "start_allocated_gib": round(res.get("start_memory_bytes", 0) / 2**30, 4),
     }
 
 
@@ -719,18 +722,43 @@ def _big_rows(rank: int, world: int) -> dict:
                 "replays": report["replays"] if report else None,
                 "eager_fallbacks": report["eager_fallbacks"] if report else None,
             }
-    return out
+    saved: dict = {}
+    for family, model in models.items():
+        try:  # isolated: a failure here must not hide the timings above
+            saved[family] = _saved_per_moe_layer(model)
+        except Exception:  # noqa: BLE001 - printed with the results
+            saved[family] = {"error": traceback.format_exc()[-800:]}
+    return {"rows": out, "saved": saved}
+
+
+def _saved_per_moe_layer(model) -> dict:
+    """What autograd keeps for backward in one MoE layer's forward at the model's shapes (2
+    sequences, bf16, router included, parameters aside): MiB and bytes per routed row."""
+    from graph_fsdp.integrations import megatron as gm
+    from graph_fsdp.testing import saved_tensor_bytes
+
+    lm = gm.build_gpt(dataclasses.replace(model, num_layers=1, bf16=True))
+    moe = gm.transformer_layers(lm)[0].mlp.to(torch.bfloat16)
+    x = torch.randn(model.seq_length, 2, model.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_()
+    (y, _), kept = saved_tensor_bytes(lambda: moe(x), exclude=tuple(moe.parameters()))
+    y.float().sum().backward()
+    rows = model.seq_length * 2 * model.moe_router_topk
+    return {"saved_mib": round(kept / 2**20, 2), "saved_bytes_per_routed_row": kept // rows}
 
 
 def test_mcore_moe_bigger_model_timing() -> None:
     """8 layers, hidden 1024, 8 experts top-2 + a shared expert, seq 2048, 2 sequences a step:
-    one JSON line per row (median step over steps 3..7, peak allocated and reserved memory),
-    then the ratios the issue sets targets for. Checks only that the graphs replayed."""
-    rows = spawn(_big_rows, WORLD, backend="nccl")[0]
+    one JSON line per row (median step over steps 3..7, peak allocated and reserved memory,
+    memory allocated at the run's start), then the ratios the issue sets targets for, then
+    what one MoE layer keeps for backward per family. Checks only that the graphs replayed."""
+    res = spawn(_big_rows, WORLD, backend="nccl")[0]
+    rows = res["rows"]
     for family, fam in rows.items():
         for label, row in fam.items():
             print("MCORE_MOE_BIG " + json.dumps({"family": family, "row": label, **row}))
     print("MCORE_MOE_BIG_TARGETS " + json.dumps(_targets(rows)))
+    print("MCORE_MOE_BIG_SAVED_PER_LAYER " + json.dumps(res["saved"]))
     for family, fam in rows.items():
         for label, row in fam.items():
             if label != "eager":

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from graph_fsdp.integrations import grouped_moe as gmoe
+from graph_fsdp.testing import saved_tensor_bytes
 
 H, FFN, E = 16, 32, 4
 
@@ -116,6 +117,110 @@ def test_dropless_moe_in_bf16_is_the_loop_within_bf16_rounding() -> None:
     assert y.dtype == torch.bfloat16
     ref = loop_reference(x.float(), probs.float(), top, fc1.float(), fc2.float(), False)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def kept_intermediates_mlp(x, probs, fc1, fc2, offsets, activation, gated):
+    """grouped_mlp with every intermediate kept by autograd: fc1, the activation, the routing
+    weight and fc2 as separate autograd ops (the layer before it recomputed the activation)."""
+    h = gmoe.grouped_linear(x, fc1, offsets)
+    if gated:
+        gate, linear = torch.chunk(h, 2, dim=-1)
+        h = activation(gate) * linear
+    else:
+        h = activation(h)
+    h = (h * probs.unsqueeze(-1)).to(x.dtype)
+    return gmoe.grouped_linear(h, fc2, offsets)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+@pytest.mark.parametrize(
+    "dtype, probs_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16,) * 2],
+    ids=["fp32", "bf16 fp32-probs", "bf16"],
+)
+def test_recomputed_activation_is_bit_identical_to_kept_intermediates(
+    gated: bool, dtype: torch.dtype, probs_dtype: torch.dtype
+) -> None:
+    """[Note: the experts recompute their activation]: output and every gradient equal (not
+    close) to the autograd graph that keeps the intermediates, in fp32 and bf16 (Megatron's
+    router gives fp32 or bf16 probabilities), an expert without tokens included."""
+    tokens, topk = 40, 2
+    top = routing("expert 1 gets nothing", tokens, topk)
+    sort = gmoe.sort_by_expert(top, E)
+    g = torch.Generator().manual_seed(7)
+    x0 = torch.randn(tokens * topk, H, generator=g).to(dtype)
+    p0 = (torch.rand(tokens * topk, generator=g) + 0.1).to(probs_dtype)
+    grad = torch.randn(tokens * topk, H, generator=g).to(dtype)
+    act = F.silu if gated else F.gelu
+    results = []
+    for fn in (gmoe.grouped_mlp, kept_intermediates_mlp):
+        x, p, fc1, fc2 = leaves(x0, p0, *weights(gated, dtype))
+        if fn is gmoe.grouped_mlp:
+            y = fn(x, p, fc1, fc2, sort.offsets, activation=act, gated=gated)
+        else:
+            y = fn(x, p, fc1, fc2, sort.offsets, act, gated)
+        y.backward(grad)
+        results.append((y, x.grad, p.grad, fc1.grad, fc2.grad))
+    for name, got, ref in zip(("y", "x", "probs", "fc1", "fc2"), *results):
+        assert got.dtype == ref.dtype and torch.equal(got, ref), name
+    assert not results[0][3][1].any() and not results[0][4][1].any()  # expert 1's wgrad
+
+
+def megatron_saved_bytes_per_row(hidden: int, ffn: int, gated: bool, elem: int) -> int:
+    """What Megatron-Core's dropless path keeps for backward per routed row, read from its code
+    (0.19; alltoall dispatcher at EP = 1, TEGroupedMLP, activation unfused - the default
+    ``bias_activation_fusion=False`` - fp32 routing weights): the permutation's int64 index,
+    fc1's input, fc1's output (kept by the activation), the activation's output (kept by the
+    routing-weight product; gated: ``act(gate)`` kept by the gated product too), the
+    routing weight, fc2's input."""
+    act_outputs = 2 if gated else 1
+    fc1_out = (2 if gated else 1) * ffn
+    return 8 + elem * (hidden + fc1_out + act_outputs * ffn + ffn) + 4
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_saved_bytes_per_routed_row(gated: bool) -> None:
+    """Per routed row the layer keeps its input row and fc1's output row (plus three int64
+    indices, a routing weight and the per-expert offsets): nothing else of hidden or FFN size.
+    A regression that keeps an activation output, an fp32 copy or an index expanded to
+    [rows, hidden] adds >= 16 bytes a row and fails here."""
+    tokens, topk, hidden, ffn, experts = 64, 2, 64, 128, 4
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    top = torch.randn(tokens, experts, generator=g).topk(topk, dim=1).indices
+    probs = torch.zeros(tokens, experts).scatter(1, top, 0.5).to(bf16).requires_grad_()
+    x = torch.randn(tokens, hidden, generator=g).to(bf16).requires_grad_()
+    fc1 = torch.randn(experts, ffn * (2 if gated else 1), hidden, generator=g).to(bf16)
+    fc2 = torch.randn(experts, hidden, ffn, generator=g).to(bf16)
+    fc1.requires_grad_()
+    fc2.requires_grad_()
+    act = F.silu if gated else F.gelu
+    rows = tokens * topk
+    y, kept = saved_tensor_bytes(
+        lambda: gmoe.dropless_moe(x, probs, top, fc1, fc2, activation=act, gated=gated),
+        exclude=(fc1, fc2),
+    )
+    y.sum().backward()  # what was kept is enough for backward
+    essential = 2 * (hidden + fc1.shape[1]) * rows  # x's rows and fc1's output, bf16
+    small = (3 * 8 + 2) * rows + 4 * experts  # inverse, token, flat index; weight; offsets
+    assert essential <= kept <= essential + small, (kept, essential, small)
+    megatron = megatron_saved_bytes_per_row(hidden, ffn, gated, elem=2) * rows
+    assert kept < megatron - 2 * ffn * rows, (kept, megatron)  # at least a [rows, ffn] less
+    # The same layer keeping its intermediates keeps what Megatron's path keeps, give or take
+    # the indices (the bound above is derived, not measured against this).
+    _, kept_all = saved_tensor_bytes(
+        lambda: kept_intermediates_mlp(
+            gmoe.dispatch(x, sort := gmoe.sort_by_expert(top, experts)),
+            gmoe.expert_probs(probs, sort),
+            fc1,
+            fc2,
+            sort.offsets,
+            act,
+            gated,
+        ),
+        exclude=(fc1, fc2),
+    )
+    assert abs(kept_all - megatron) <= 32 * rows, (kept_all, megatron)
 
 
 def test_sort_by_expert_orders_copies_by_expert_then_token() -> None:

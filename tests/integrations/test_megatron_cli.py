@@ -27,10 +27,13 @@ error_of = cli_error
 
 
 def dcp_dir(tmp_path, meta: dict | None = None):
-    """A directory that looks like a completed --save (DCP .metadata, our meta file)."""
+    """A completed DCP checkpoint directory (one tensor, written without a process group;
+    the CLI reads its metadata before any rank starts) with our meta file."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     d = tmp_path / "ckpt"
-    d.mkdir()
-    (d / ".metadata").write_bytes(b"x")
+    dcp.save({"model.w": torch.zeros(4)}, checkpoint_id=str(d), no_dist=True)
     if meta is not None:
         (d / "graph_fsdp_cli.json").write_text(json.dumps(meta))
     return d

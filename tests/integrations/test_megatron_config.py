@@ -108,7 +108,17 @@ def test_full_iteration_needs_no_layerwise_buffer_flags() -> None:
     ("kwargs", "expected"),
     [
         ({"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion=False"),
-        ({"expert_model_parallel_size": 2}, "expert_model_parallel_size=1"),
+        ({"expert_model_parallel_size": 2}, "expert_model_parallel_size=2 needs an MoE model"),
+        ({"num_experts": 4, "expert_model_parallel_size": 0}, "must be a positive integer"),
+        ({"num_experts": 4, "expert_model_parallel_size": True}, "must be a positive integer"),
+        (
+            {"num_experts": 6, "expert_model_parallel_size": 4},
+            "expert_model_parallel_size=4 does not divide num_experts=6",
+        ),
+        (
+            {"num_experts": 4, "moe_experts_impl": "grouped_mm", "expert_model_parallel_size": 2},
+            "runs at expert_model_parallel_size=1, not 2",
+        ),
         ({"num_attention_heads": 3}, "does not divide"),
         ({"num_experts": 1}, "num_experts=1 must be >= 2"),
         ({"num_experts": 4, "moe_router_topk": 5}, "moe_router_topk=5"),

@@ -123,6 +123,7 @@ def _layer_facts(rank: int, world: int) -> dict:
     return {
         "params": {n: tuple(p.shape) for n, p in ours.named_parameters()},
         "expert_allreduce": [p.allreduce for p in ours.experts.parameters()],
+        "stacked": ours.experts.graph_fsdp_stacked_experts,
         "dispatcher": type(ours.token_dispatcher).__name__,
         "shared": type(ours.shared_experts).__name__,
     }
@@ -134,7 +135,9 @@ def test_layer_parameters_and_parts() -> None:
     assert facts["params"]["experts.linear_fc2.weight"] == (E, H, FFN)
     assert facts["params"]["router.weight"] == (E, H)
     assert "shared_experts.linear_fc1.weight" in facts["params"]
-    assert facts["expert_allreduce"] == [False, False]
+    # Megatron marks expert parameters allreduce=False only when EP > 1; these run at EP = 1.
+    assert facts["expert_allreduce"] == [True, True]
+    assert facts["stacked"] is True
     assert facts["dispatcher"] == "DeviceCountDispatcher"
     assert facts["shared"] == "SharedExpertMLP"
 
@@ -194,6 +197,58 @@ def test_settings_the_layer_refuses(kwargs: dict, expected: str) -> None:
 def test_the_default_config_has_no_problem() -> None:
     assert mm.grouped_mm_moe_problems(config()) == []
     assert mm.grouped_mm_moe_problems(config(gated_linear_unit=True, moe_aux_loss_coeff=1e-2)) == []
+    # moe_act recompute is what the experts always do: accepted.
+    act = config(
+        recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=True
+    )
+    assert mm.grouped_mm_moe_problems(act) == []
+
+
+def _saved_and_kept(rank: int, world: int, gated: bool) -> dict:
+    """Per layer: what autograd keeps for backward (parameters aside), and which dispatcher
+    tensors with an autograd graph outlive the forward and backward."""
+    from graph_fsdp.integrations.megatron_train import release_moe_dispatch_state
+    from graph_fsdp.testing import saved_tensor_bytes
+
+    cfg = config(gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu)
+    ref, ours = build_pair(cfg)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(32, 2, H, generator=g)
+    top = torch.randn(64, E, generator=g).topk(TOPK, dim=1).indices
+    routing_map = torch.zeros(64, E, dtype=torch.bool).scatter(1, top, True)
+    probs0 = torch.zeros(64, E).scatter(1, top, 0.5)
+    out = {}
+    for name, layer in (("megatron", ref), ("grouped_mm", ours)):
+        x, probs = x0.clone().requires_grad_(), probs0.clone().requires_grad_()
+        y, kept = saved_tensor_bytes(
+            lambda layer=layer, x=x, probs=probs: moe_without_router(layer, x, probs, routing_map),
+            exclude=tuple(layer.parameters()),
+        )
+        y.sum().backward()
+        disp = layer.token_dispatcher
+        graphs = sorted(k for k, v in vars(disp).items() if torch.is_tensor(v) and v.grad_fn)
+        out[name] = {"kept": kept, "graphs": graphs, "released": release_moe_dispatch_state(layer)}
+        out[name]["after"] = [k for k in graphs if getattr(disp, k) is not None]
+    return out
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_layer_keeps_less_for_backward_than_megatrons_and_nothing_after(gated: bool) -> None:
+    """The whole MoE layer (dispatch, experts, combine, shared expert) keeps less for backward
+    than Megatron's dropless layer (here SequentialMLP, fp32): the experts recompute their
+    activation (grouped_moe.py). Megatron's dispatcher keeps the routing weights with their
+    autograd graph after the step (megatron_train.py [Note: MoE dispatchers keep the last
+    routing]); release_moe_dispatch_state drops them, and graph_fsdp's keeps none."""
+    out = spawn(_saved_and_kept, 1, gated)[0]
+    rows, ffn1 = 64 * TOPK, FFN * (2 if gated else 1)
+    # Megatron keeps act(h) and fc2's input (gated: also the gated product) on top; graph_fsdp
+    # keeps two int64 indices a row more (at most 32 bytes a row of small tensors).
+    saved = (FFN * (2 if gated else 1) + FFN) * 4 * rows
+    assert out["grouped_mm"]["kept"] <= out["megatron"]["kept"] - saved + 32 * rows, out
+    assert out["grouped_mm"]["kept"] >= (H + ffn1) * 4 * rows  # the rows and fc1's output
+    assert out["megatron"]["graphs"] == ["local_probs"] and out["megatron"]["released"] == 1
+    assert out["megatron"]["after"] == []
+    assert out["grouped_mm"]["graphs"] == [] and out["grouped_mm"]["released"] == 0
 
 
 def test_mcore_gpt_config_reaches_megatron() -> None:

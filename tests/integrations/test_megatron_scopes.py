@@ -25,8 +25,9 @@ class AlltoAllDispatcher:
 
 
 class FakeMoELayer(nn.Module):
-    def __init__(self, dispatcher=None) -> None:
+    def __init__(self, dispatcher=None, ep: int = 1) -> None:
         super().__init__()
+        self.ep = ep
         self.router = nn.Linear(4, 2)
         self.experts = nn.Linear(4, 4)
         self.shared_experts = nn.Linear(4, 4)
@@ -40,6 +41,10 @@ class FakeMoELayer(nn.Module):
         d.tokens_per_expert = routing_map.sum(0)
         d.num_global_tokens_per_local_expert = routing_map.sum(0, keepdim=True)
         d.reversed_local_input_permutation_mapping = torch.arange(hidden_states.shape[0])
+        if self.ep > 1:  # the all-to-all's split sizes, as at expert_model_parallel_size > 1
+            d.input_splits = routing_map.sum(0).reshape(self.ep, -1).sum(1)
+            d.output_splits = d.input_splits.flip(0)
+            d.output_splits_tp = d.input_splits.sum(0, keepdim=True)
         return hidden_states * 2, probs * 3
 
     def forward(self, x):
@@ -61,11 +66,11 @@ class FakeMLP(nn.Module):
 class FakeLayer(nn.Module):
     """TransformerLayer's attribute names."""
 
-    def __init__(self, moe: bool, dispatcher=None) -> None:
+    def __init__(self, moe: bool, dispatcher=None, ep: int = 1) -> None:
         super().__init__()
         self.self_attention = nn.Linear(4, 4)
         self.pre_mlp_layernorm = nn.LayerNorm(4)
-        self.mlp = FakeMoELayer(dispatcher) if moe else FakeMLP()
+        self.mlp = FakeMoELayer(dispatcher, ep) if moe else FakeMLP()
 
     def forward(self, x):
         x = x + self.self_attention(x)
@@ -79,9 +84,9 @@ class Box(nn.Module):
             self.add_module(name, child)
 
 
-def fake_lm(moe: bool, n: int = 2, dispatcher=None) -> nn.Module:
+def fake_lm(moe: bool, n: int = 2, dispatcher=None, ep: int = 1) -> nn.Module:
     """MCoreLM's layout: ``lm.module.decoder.layers``."""
-    layers = nn.ModuleList(FakeLayer(moe, dispatcher) for _ in range(n))
+    layers = nn.ModuleList(FakeLayer(moe, dispatcher, ep) for _ in range(n))
     return Box(module=Box(decoder=Box(layers=layers)))
 
 
@@ -145,9 +150,10 @@ def test_moe_preprocess_needs_the_module_make_graphs_installs():
     assert disp.cuda_dtoh_point == "before_ep_alltoall"
 
 
-def test_moe_preprocess_module_computes_what_the_method_did():
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_preprocess_module_computes_what_the_method_did(ep: int):
     torch.manual_seed(0)
-    ref, lm = fake_lm(True, 1), fake_lm(True, 1)
+    ref, lm = fake_lm(True, 1, ep=ep), fake_lm(True, 1, ep=ep)
     lm.load_state_dict(ref.state_dict())
     gm.install_moe_preprocess(lm)
     x = torch.randn(6, 4)
@@ -155,8 +161,36 @@ def test_moe_preprocess_module_computes_what_the_method_did():
     assert torch.equal(layer(x), layer_ref(x))
     d, d_ref = layer.mlp.token_dispatcher, layer_ref.mlp.token_dispatcher
     for name in (*gm.PREPROCESS_TENSORS, *gm.PREPROCESS_CONSTS):
-        a, b = getattr(d, name), getattr(d_ref, name)
+        a, b = getattr(d, name, None), getattr(d_ref, name, None)
         assert torch.equal(a, b) if torch.is_tensor(a) else a == b, name
+    assert (getattr(d, "input_splits", None) is not None) == (ep > 1)
+
+
+def test_a_replay_puts_back_the_tensors_its_capture_returned():
+    """Our own bookkeeping, with the replay simulated: the Python preprocess does not run, the
+    graph's outputs come back, and the dispatcher gets them under the names (the EP split
+    sizes among them) and the constants recorded when it was captured."""
+    lm = fake_lm(True, 1, ep=2)
+    gm.install_moe_preprocess(lm)
+    moe = gm.transformer_layers(lm)[0].mlp
+    pre, disp = moe.preprocess, moe.token_dispatcher
+    x, probs = torch.randn(6, 4), torch.rand(6, 2)
+    routing_map = probs > 0.4
+    pre(x, probs, routing_map)  # eager: records the names it returned
+    assert pre._tensor_names == gm.PREPROCESS_TENSORS
+    pre._capture_consts = {a: getattr(disp, a) for a in gm.PREPROCESS_CONSTS}  # as a capture
+    outputs = tuple(torch.full((2,), float(i)) for i in range(len(gm.PREPROCESS_TENSORS)))
+    pre.forward = lambda *args: (x * 2, probs * 3, outputs)  # a replay: no Python preprocess
+    disp.input_splits = "host copy of the last step"  # what the eager dispatch left there
+    disp.hidden_shape = None
+    out, out_probs = pre(x, probs, routing_map)
+    assert torch.equal(out, x * 2) and torch.equal(out_probs, probs * 3)
+    for name, t in zip(gm.PREPROCESS_TENSORS, outputs):
+        assert getattr(disp, name) is t, name
+    assert disp.hidden_shape == x.shape and disp.routing_map is routing_map
+    pre.forward = lambda *args: (x, probs, outputs[:2])
+    with pytest.raises(RuntimeError, match="recorded at capture"):
+        pre(x, probs, routing_map)
 
 
 def test_dense_models_and_other_dispatchers():

@@ -369,4 +369,4 @@ def test_errors_name_the_fix(results):
             "init_parallel_state(tensor_model_parallel_size=2)" in errors["built at another TP"]
         ), errors
         assert "positive divisor of the world size 4" in errors["init 3"], errors
-        assert "already initialised" in errors["init 2"], errors
+        assert "initialised elsewhere" in errors["init 2"], errors
