@@ -9,16 +9,12 @@ The scopes resolve through graph_fsdp's generic presets
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
 from graph_fsdp.cuda_streams import stream_capturing
-
-if TYPE_CHECKING:
-    from graph_fsdp.integrations.megatron import MCoreGPTConfig, MCoreLM
+from graph_fsdp.integrations.megatron_config import MCoreGPTConfig
 
 MCORE_SCOPE_MODULES: dict[str, str] = {
     scope: next(p.path for p in paths if "Megatron-Core" in p.family)
@@ -209,7 +205,7 @@ PREPROCESS_CONSTS = ("hidden_shape", "hidden_shape_before_permute", "num_out_tok
 """Non-tensor attributes it sets (fixed for the captured shapes)."""
 
 
-def install_moe_preprocess(lm: MCoreLM) -> int:
+def install_moe_preprocess(lm: nn.Module) -> int:
     """Put a :class:`MoEPreprocess` in place of every MoELayer's ``preprocess`` method, so that
     the ``moe_preprocess`` scope's preset (``mlp.preprocess``) finds a module to capture, and
     make the alltoall dispatcher copy its token counts to the host at the (eager) dispatch

@@ -129,42 +129,6 @@ def data_parallel_rank(rank: int, world_size: int) -> tuple[int, int]:
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
-def check_config(cfg) -> None:
-    """An ``MCoreGPTConfig``'s TP / SP fields against its shape and the parallel state."""
-    tp, name = cfg.tensor_model_parallel_size, "MCoreGPTConfig"
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"{name}.tensor_model_parallel_size={tp!r} must be a positive integer")
-    if cfg.sequence_parallel and tp == 1:
-        raise ValueError(
-            f"{name}.sequence_parallel=True splits the sequence over the TP group, but "
-            "tensor_model_parallel_size=1: set tensor_model_parallel_size > 1 or "
-            "sequence_parallel=False"
-        )
-    if tp == 1:
-        return
-    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    sizes = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "ffn_hidden_size": ffn,
-        "vocab_size": cfg.vocab_size,
-    }
-    if cfg.sequence_parallel:
-        sizes["seq_length"] = cfg.seq_length
-    bad = {k: v for k, v in sizes.items() if v % tp}
-    if bad:
-        raise ValueError(
-            f"{name}.tensor_model_parallel_size={tp} must divide {bad}: each TP rank holds "
-            "whole heads, an equal share of the MLP and vocabulary (and of the sequence with "
-            "sequence_parallel); pick a TP size that divides them"
-        )
-    if cfg.num_experts is not None:
-        raise ValueError(
-            f"{name}: tensor_model_parallel_size={tp} with num_experts={cfg.num_experts}: "
-            "graph_fsdp runs Megatron's tensor parallelism for dense GPTs; use TP = 1 for MoE "
-            "models (expert parallelism: expert_model_parallel_size)"
-        )
-
-
 def check_model(config) -> int:
     """The TP size of a built model's ``TransformerConfig``, which must match the state."""
     tp = getattr(config, "tensor_model_parallel_size", 1)

@@ -1,0 +1,300 @@
+"""The shape of a Megatron-Core GPT (:class:`MCoreGPTConfig`) and its validation.
+
+Pure Python: importing this module (and building, validating a config) needs no
+megatron-core; :func:`require_megatron` says what to install where the model is built
+(graph_fsdp.integrations.megatron, which re-exports everything here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INSTALL_HINT = 'pip install -e ".[megatron]"'
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""Megatron's AttnBackend names (TransformerConfig.attention_backend)."""
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""Megatron's token dispatchers (TransformerConfig.moe_token_dispatcher_type)."""
+MOE_EXPERTS_IMPLS = ("megatron", "grouped_mm")
+"""megatron: the layer spec's experts and dispatcher; grouped_mm: graph_fsdp's dropless experts
+with device token counts (megatron_moe.GroupedMMMoELayer)."""
+
+
+def require_megatron():
+    """Import megatron.core, or raise an ImportError that says what to install."""
+    try:
+        import megatron.core  # noqa: PLC0415
+        from megatron.core import parallel_state  # noqa: F401, PLC0415
+    except ImportError as err:
+        raise ImportError(
+            f"graph_fsdp.integrations.megatron needs megatron-core >= 0.19, which does not "
+            f"import here ({type(err).__name__}: {err}); install it with {INSTALL_HINT} "
+            "(megatron-core 0.19 wheels need Python >= 3.12)"
+        ) from err
+    return megatron.core
+
+
+@dataclass(kw_only=True)
+class MCoreGPTConfig:
+    """Shape of a Megatron-Core GPT (field names are Megatron's ``TransformerConfig``'s)."""
+
+    num_layers: int = 4
+    """Transformer layers (``model.decoder.layers``)."""
+    hidden_size: int = 256
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    ffn_hidden_size: int | None = None
+    """MLP / expert inner size (None: 4 x hidden_size)."""
+    seq_length: int = 128
+    """Tokens per sequence (max_sequence_length)."""
+    vocab_size: int = 1024
+    """Vocabulary size."""
+    num_experts: int | None = None
+    """num_moe_experts: every layer is an MoELayer with this many experts; None = dense."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner size of the shared expert (None: no shared expert)."""
+    moe_grouped_gemm: bool = True
+    """Grouped GEMM experts (TEGroupedMLP with the TE spec)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """Megatron's token dispatcher (alltoall needs CUDA)."""
+    moe_expert_capacity_factor: float | None = None
+    """Token copies each expert takes: ceil(tokens x topk / experts x factor), the rest dropped;
+    None = dropless (Megatron's default)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (needs moe_expert_capacity_factor): drop-padding,
+    static expert shapes, so Megatron's own experts capture (whole layer, moe, full_iteration)."""
+    moe_experts_impl: str = "megatron"
+    """megatron: the layer spec's experts and token dispatcher (TEGroupedMLP / SequentialMLP;
+    dropless, they copy the token counts to the host). grouped_mm: graph_fsdp's dropless experts
+    with device token counts and torch._grouped_mm (megatron_moe.GroupedMMMoELayer; EP = 1,
+    bf16 on sm90 / sm100 under capture), captured whole."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of Megatron's load-balancing loss (moe_router_load_balancing_type aux_loss);
+    0 = off, Megatron's default."""
+    transformer_impl: str = "transformer_engine"
+    """transformer_engine: get_gpt_layer_with_transformer_engine_spec; local:
+    get_gpt_layer_local_spec (no TransformerEngine)."""
+    position_embedding_type: str = "rope"
+    """rope or learned_absolute."""
+    bf16: bool = False
+    """TransformerConfig.bf16 (the compute dtype comes from graph_fsdp's MixedPrecisionPolicy)."""
+    gradient_accumulation_fusion: bool = False
+    """Must stay False under graph_fsdp (see the module docstring)."""
+    expert_model_parallel_size: int = 1
+    """Megatron's EP size N: each rank holds num_experts / N experts and the token dispatcher
+    exchanges tokens over the EP group (N consecutive ranks); expert parameters are sharded
+    over the expert-data-parallel group (world / N ranks), dense ones over every rank. Must
+    divide num_experts and the world size; init_parallel_state(expert_model_parallel_size=N)
+    sets up Megatron's groups (megatron_ep.py)."""
+    tensor_model_parallel_size: int = 1
+    """Megatron's TP size N (dense GPTs): each rank holds its TP piece of the parallel linears,
+    embedding and output layer; graph_fsdp shards those local pieces over the data-parallel
+    group (world / N ranks). init_parallel_state(tensor_model_parallel_size=N) first
+    (megatron_tp.py [Note: Megatron-Core tensor parallelism])."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (TP > 1): activations between the TP blocks split over
+    the sequence; the norms' gradients are summed over TP after the data-parallel reduction."""
+    seed: int = 1234
+    """Seed of the weights (torch and Megatron's model-parallel RNG tracker)."""
+    attention_backend: str = "auto"
+    """TransformerConfig.attention_backend (Megatron's --attention-backend): auto lets TE pick
+    per call; flash, fused or unfused pin one for eager and graphed steps alike (see
+    te_backend.py [Note: TE attention under capture]); local needs transformer_impl local."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"MCoreGPTConfig: num_attention_heads={self.num_attention_heads} does not divide "
+                f"hidden_size={self.hidden_size}; pick a head count that divides it"
+            )
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(
+                f"MCoreGPTConfig.transformer_impl={self.transformer_impl!r}; choose one of "
+                f"{', '.join(TRANSFORMER_IMPLS)}"
+            )
+        if self.num_experts is not None:
+            if self.num_experts < 2:
+                raise ValueError(
+                    f"MCoreGPTConfig.num_experts={self.num_experts} must be >= 2 (or None for "
+                    "a dense model)"
+                )
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(
+                    f"MCoreGPTConfig.moe_router_topk={self.moe_router_topk} must be between 1 "
+                    f"and num_experts={self.num_experts}"
+                )
+        self._check_moe()
+        _check_tensor_parallel(self)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"MCoreGPTConfig.attention_backend={self.attention_backend!r}; choose one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"
+            )
+        if self.attention_backend == "local" and self.transformer_impl != "local":
+            raise ValueError(
+                "MCoreGPTConfig.attention_backend='local' is the local layer spec's attention "
+                "(transformer_impl='local'); TransformerEngine layers take auto, flash, fused "
+                "or unfused"
+            )
+        if self.gradient_accumulation_fusion:
+            raise ValueError(
+                "MCoreGPTConfig.gradient_accumulation_fusion=True makes TransformerEngine's wgrad "
+                "GEMM accumulate into an fp32 param.main_grad, but graph_fsdp gives each "
+                "unsharded parameter a .grad view of its flat gradient buffer (static address, "
+                "reduce-scattered after backward): set gradient_accumulation_fusion=False "
+                "(Megatron's default; --no-gradient-accumulation-fusion)"
+            )
+
+    def _check_moe(self) -> None:
+        """The MoE fields (Megatron's rules, plus what graph_fsdp's grouped_mm experts need)."""
+        name = "MCoreGPTConfig"
+        ep = self.expert_model_parallel_size
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(
+                f"{name}.expert_model_parallel_size={ep!r} must be a positive integer (1: no "
+                "expert parallelism)"
+            )
+        if not self.is_moe:
+            set_ = [f for f, default in _MOE_ONLY_DEFAULTS.items() if getattr(self, f) != default]
+            if set_:
+                raise ValueError(
+                    f"{name}.{set_[0]}={getattr(self, set_[0])!r} needs an MoE model: set "
+                    "num_experts (or leave it at its default)"
+                )
+            return
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise ValueError(
+                f"{name}.moe_token_dispatcher_type={self.moe_token_dispatcher_type!r}; choose one "
+                f"of {', '.join(MOE_DISPATCHERS)}"
+            )
+        if self.moe_experts_impl not in MOE_EXPERTS_IMPLS:
+            raise ValueError(
+                f"{name}.moe_experts_impl={self.moe_experts_impl!r}; choose one of "
+                f"{', '.join(MOE_EXPERTS_IMPLS)}"
+            )
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"{name}.moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0")
+        if self.num_experts % ep:
+            raise ValueError(
+                f"{name}.expert_model_parallel_size={ep} does not divide num_experts="
+                f"{self.num_experts}: each EP rank holds num_experts / EP experts; use an EP "
+                f"that divides {self.num_experts}"
+            )
+        _check_capacity(self)
+        if self.moe_experts_impl == "grouped_mm":
+            _check_grouped_mm(self)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+
+_MOE_ONLY_DEFAULTS = {
+    "expert_model_parallel_size": 1,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_experts_impl": "megatron",
+    "moe_aux_loss_coeff": 0.0,
+}
+
+
+def _check_capacity(cfg: MCoreGPTConfig) -> None:
+    """Megatron's drop / drop-padding settings, with the values its code can run."""
+    factor = cfg.moe_expert_capacity_factor
+    if factor is not None and not factor > 0:
+        raise ValueError(
+            f"MCoreGPTConfig.moe_expert_capacity_factor={factor} must be > 0 (None = dropless; "
+            "Megatron reads a negative factor as None: say None)"
+        )
+    if cfg.moe_pad_expert_input_to_capacity and factor is None:
+        raise ValueError(
+            "MCoreGPTConfig.moe_pad_expert_input_to_capacity=True pads each expert's input to its "
+            "capacity, which moe_expert_capacity_factor sets: give a factor (e.g. 1.0) or set "
+            "moe_pad_expert_input_to_capacity=False"
+        )
+    limit = cfg.num_experts / cfg.moe_router_topk
+    if cfg.moe_pad_expert_input_to_capacity and factor > limit:
+        raise ValueError(
+            f"MCoreGPTConfig.moe_expert_capacity_factor={factor} with "
+            f"moe_pad_expert_input_to_capacity: the capacity ceil(tokens x topk / experts x "
+            f"factor) would exceed the tokens, which Megatron's padded permutation "
+            f"(moe_utils.permute, drop_and_pad) cannot slice; use a factor <= num_experts / "
+            f"moe_router_topk = {limit:g} ({limit:g} already gives every expert every token)"
+        )
+
+
+def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
+    """What graph_fsdp's grouped_mm experts (megatron_moe.GroupedMMMoELayer) run."""
+    name = "MCoreGPTConfig.moe_experts_impl='grouped_mm'"
+    if cfg.moe_expert_capacity_factor is not None:
+        raise ValueError(
+            f"{name} is the dropless path, but moe_expert_capacity_factor="
+            f"{cfg.moe_expert_capacity_factor}: drop-padding captures with Megatron's own experts "
+            "(moe_experts_impl='megatron'); or set moe_expert_capacity_factor=None"
+        )
+    if cfg.moe_token_dispatcher_type == "flex":
+        raise ValueError(
+            f"{name} brings its own token dispatcher in place of alltoall / allgather; "
+            "moe_token_dispatcher_type='flex' (DeepEP / HybridEP) is not replaced: use alltoall"
+        )
+    if cfg.expert_model_parallel_size != 1:
+        raise ValueError(
+            f"{name} runs at expert_model_parallel_size=1, not "
+            f"{cfg.expert_model_parallel_size}: its dispatcher sorts tokens on the device with no "
+            "communication, and a dropless all-to-all over EP > 1 needs its split sizes on the "
+            "host (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize). For EP > 1 use "
+            "Megatron's experts (moe_experts_impl='megatron'): drop-padding "
+            "(moe_expert_capacity_factor=1.0 and moe_pad_expert_input_to_capacity=True) captures "
+            "whole; dropless captures attn moe_router"
+        )
+    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    for field, size in (("hidden_size", cfg.hidden_size), ("ffn_hidden_size", ffn)):
+        if size % 8:
+            raise ValueError(
+                f"{name}: {field}={size} is not a multiple of 8; torch._grouped_mm reads "
+                "16-byte aligned bf16 rows"
+            )
+
+
+def _check_tensor_parallel(cfg: MCoreGPTConfig) -> None:
+    """The TP / SP fields against the model's shape (megatron_tp.py)."""
+    tp, name = cfg.tensor_model_parallel_size, "MCoreGPTConfig"
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"{name}.tensor_model_parallel_size={tp!r} must be a positive integer")
+    if cfg.sequence_parallel and tp == 1:
+        raise ValueError(
+            f"{name}.sequence_parallel=True splits the sequence over the TP group, but "
+            "tensor_model_parallel_size=1: set tensor_model_parallel_size > 1 or "
+            "sequence_parallel=False"
+        )
+    if tp == 1:
+        return
+    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "ffn_hidden_size": ffn,
+        "vocab_size": cfg.vocab_size,
+    }
+    if cfg.sequence_parallel:
+        sizes["seq_length"] = cfg.seq_length
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"{name}.tensor_model_parallel_size={tp} must divide {bad}: each TP rank holds "
+            "whole heads, an equal share of the MLP and vocabulary (and of the sequence with "
+            "sequence_parallel); pick a TP size that divides them"
+        )
+    if cfg.num_experts is not None:
+        raise ValueError(
+            f"{name}: tensor_model_parallel_size={tp} with num_experts={cfg.num_experts}: "
+            "graph_fsdp runs Megatron's tensor parallelism for dense GPTs; use TP = 1 for MoE "
+            "models (expert parallelism: expert_model_parallel_size)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel state and model
+# --------------------------------------------------------------------------------------------
