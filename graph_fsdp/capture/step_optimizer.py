@@ -26,7 +26,9 @@ rank computes over all ranks' shards, so all ranks skip together.
 [Note: learning rate on the device] The runner keeps each parameter group's ``lr`` as a
 0-d float32 tensor on the parameters' device (what torch's fused kernels read: a tensor lr
 is read as float32), created once and kept in ``group["lr"]``. LR schedulers update it in
-place (``torch.optim.lr_scheduler`` fills tensor learning rates); a value the host assigns
+place (``torch.optim.lr_scheduler`` fills tensor learning rates; a float learning rate is
+kept as ``initial_lr``, where a scheduler created later starts from, as it would have, instead
+of a device tensor whose reads would sync the host); a value the host assigns
 (``group["lr"] = 0.1``, a checkpoint load) is copied into it before the next step. The
 graph reads it at every replay. Values equal a loop whose optimizer was given the same
 tensor learning rate; against a Python float lr, CUDA kernels can differ in the last bits
@@ -124,6 +126,10 @@ class DeviceLearningRates:
                 tensor = torch.empty((), dtype=torch.float32, device=device)
                 _set(tensor, lr)
                 group["lr"] = tensor
+                if not isinstance(lr, torch.Tensor):
+                    # A scheduler made later starts from this float, as it would have: one
+                    # made from a device tensor reads its values with .item() (host syncs).
+                    group.setdefault("initial_lr", lr)
             self.tensors.append(tensor)
 
     def sync(self) -> None:

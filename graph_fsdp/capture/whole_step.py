@@ -35,6 +35,15 @@ microbatches, their shapes and dtypes, the step function and the optimizer's set
 than the learning rate are fixed at capture (a change is a ``GraphConfigError`` naming it).
 Supported optimizers and the learning rate on the device: step_optimizer.py.
 
+[Note: weight refresh in the step graph] The optimizer updates the main weights inside the
+graph, so the graph must also contain the next step's main->compute copy: the capture starts
+with every group marked stale (``dirty``, as an optimizer step marks it eagerly), so the
+first gather of each group casts inside the graph and clears the mark, and later gathers of
+the same step (other microbatches; the backward of ZeRO-1/2, whose weights stay gathered)
+copy nothing, as in the eager step. (``FullIterationGraphs`` forces the copy at every gather,
+``force_refresh``: its optimizer runs between replays, outside its graphs.) A ZeRO-3 gather
+always casts its shard ([Note: copy-in all-gather]).
+
 [Note: main gradients in the step graph's pool] ``FullIterationGraphs`` pins the main
 gradients (its graphs write them, the eager optimizer reads them after the replay). Here
 their whole life - allocated at the step's first reduction, read by the optimizer, dropped
@@ -372,7 +381,7 @@ class WholeStepGraph(RunnerLifecycle):
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]
         graph = torch.cuda.CUDAGraph()
         for g in groups:
-            g.force_refresh = True  # the main->compute copy inside the graph
+            g.dirty = True  # [Note: weight refresh in the step graph]
         try:
             with self._tracker.active(), self._allocator.owning_capture():
                 with nvtx_range("graph_fsdp/capture/whole_step"), no_collection():
@@ -390,9 +399,6 @@ class WholeStepGraph(RunnerLifecycle):
             raise explain_capture_failure(
                 err, self._tracker, what=f"the whole step ({fn_name(rec.fn)})", layerwise=False
             ) from err
-        finally:
-            for g in groups:
-                g.force_refresh = False
         rec.static_outputs = [tree_flatten(out) for out in outputs]
         rec.static_summary, rec.has_loss = summary, has_loss
         rec.hyperparameters = hyperparameters(self.optimizer)

@@ -302,6 +302,8 @@ def test_learning_rate_lives_in_one_device_tensor():
     opt.param_groups[0]["lr"] = 0.25  # the host assigns a value: copied in before a step
     lrs.sync()
     assert opt.param_groups[0]["lr"] is first and float(first) == 0.25
+    later = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)  # made after: float bases
+    assert later.base_lrs == [1e-3, 5e-4] and opt.param_groups[0]["lr"] is first
     opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     with pytest.raises(GraphConfigError, match="after the last add_param_group"):
         lrs.sync()
