@@ -145,6 +145,8 @@ class _Recorded:
     static_summary: torch.Tensor | None = None
     has_loss: bool = False
     hyperparameters: list[dict] | None = None
+    optimizer_state: tuple | None = None
+    """``(optimizer.state, [(per-param state dict, key, tensor)])`` the graph addresses."""
 
 
 class WholeStep:
@@ -209,6 +211,8 @@ class WholeStepGraph(RunnerLifecycle):
         alloc = self._allocator
         if self.graph is not None and alloc.generation != self.captured_generation:
             self.drop()  # release() moved the buffers the graph addresses
+        if self.graph is not None and not _same_state(self.optimizer, rec.optimizer_state):
+            self.drop()  # [Note: optimizer state the graph addresses]
         self.learning_rates.sync()
         phase = self._phase()
         self.steps_seen += 1
@@ -237,6 +241,8 @@ class WholeStepGraph(RunnerLifecycle):
     def drop(self) -> None:
         """Forget the graph; the next graphed step captures again (the call stays recorded)."""
         rec = self._recorded
+        if rec is not None and rec.graph is not None:
+            torch.cuda.synchronize()  # no replay still runs when the graph is freed
         if rec is not None:
             rec.graph, rec.static_inputs, rec.static_outputs = None, [], []
             rec.static_summary = None
@@ -402,6 +408,7 @@ class WholeStepGraph(RunnerLifecycle):
         rec.static_outputs = [tree_flatten(out) for out in outputs]
         rec.static_summary, rec.has_loss = summary, has_loss
         rec.hyperparameters = hyperparameters(self.optimizer)
+        rec.optimizer_state = _state_tensors(self.optimizer)
         rec.graph = graph
         self._drop_slot_events()
         self.captured_generation = self._allocator.generation
@@ -440,6 +447,33 @@ class WholeStepGraph(RunnerLifecycle):
                 slot.pending = []
         for group in self._groups:
             group.ag_event = None
+
+
+# [Note: optimizer state the graph addresses] The captured optimizer step reads and writes
+# the state tensors (moments, step counts, momentum buffers) that existed at capture. Loading
+# a checkpoint into the optimizer (``load_state_dict`` makes new tensors) or moving its state
+# (``offload_optimizer``) replaces them: the old ones are freed, and a replay would write
+# memory that now belongs to something else. Before every replay the state is compared by
+# identity (a few microseconds for hundreds of tensors); if anything was replaced, the graph
+# is dropped and the step captures again - around the new tensors, or, for an offloaded
+# state, into the refusal of the optimizer's step.
+def _state_tensors(optimizer: torch.optim.Optimizer) -> tuple:
+    entries = [
+        (st, key, value)
+        for st in optimizer.state.values()
+        for key, value in st.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    return optimizer.state, entries
+
+
+def _same_state(optimizer: torch.optim.Optimizer, recorded: tuple | None) -> bool:
+    if recorded is None or optimizer.state is not recorded[0]:
+        return False
+    now = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return len(now) == len(recorded[1]) and all(
+        st.get(key) is value for st, key, value in recorded[1]
+    )
 
 
 def _calls(microbatches: Sequence, kwargs: dict) -> list[tuple[tuple, dict]]:

@@ -5,7 +5,8 @@ code without graphs) bit for bit - per-step loss, gradient norm and skip flag, a
 between replays, the final weights and the whole optimizer state - with 1 and 4
 microbatches, fused AdamW with clipping and fused SGD without, an LR schedule (the learning
 rate a device tensor the scheduler fills), and an Inf injected into one microbatch of rank
-0 at one step (the update is skipped on every rank, the optimizer state left as it was).
+0 at one step (the update is skipped on every rank, the optimizer state left as it was), and
+a checkpoint-style ``load_state_dict`` mid-run (new state tensors: the step captures again).
 Every graphed step after the warmup is exactly one replay. The 2-rank variant (the skip
 decided from an all-reduced norm inside the graph) skips below 2 GPUs.
 
@@ -19,6 +20,7 @@ lines (run pytest with ``-s``); the targets are printed, not asserted.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -40,7 +42,7 @@ pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 SMALL = GPTConfig(
     vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
 )
-STEPS, WARMUP, INF_STEP, EVAL_STEP = 30, 2, 12, 20
+STEPS, WARMUP, INF_STEP, LOAD_STEP, EVAL_STEP = 30, 2, 12, 16, 20
 
 
 def _exact_cfg(grad_accum: int):
@@ -118,6 +120,8 @@ def _train(rank: int, world: int, grad_accum: int, kind: str, clip, eager: bool)
         rows.append(torch.stack([res.loss, res.grad_norm, res.skipped]))
         if i in (INF_STEP - 1, INF_STEP):
             snaps[i] = _snapshot(model, opt)
+        if i == LOAD_STEP:  # new state tensors, same values (a checkpoint load): recapture
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         if i == EVAL_STEP:  # an eager forward between replays (releases the main grads)
             with torch.no_grad():
                 eval_loss = model(*batch_for(cfg, i, rank, device, eval=True)).float().cpu()
@@ -188,8 +192,10 @@ def _check_exact(results: list[dict], variants: list[tuple]) -> None:
             assert _differing(before["opt"], after["opt"]) == [], f"{what}: state changed"
             assert eager["lr"] == graphed["lr"], what
             report = graphed["report"]
-            # One replay per graphed step, none eager after the warmup, one capture.
-            assert report["captures"] == 1 and report["captured_at_step"] == WARMUP, report
+            # One replay per graphed step, none eager after the warmup; captured after the
+            # warmup and again after the optimizer's state tensors were replaced.
+            assert report["captures"] == 2, report
+            assert report["captured_at_step"] == LOAD_STEP + 1, report
             assert report["replays"] == STEPS - WARMUP, report
             assert report["eager_fallbacks"] == 0 and report["impl"] == "torch", report
             assert eager["report"]["replays"] == 0 and eager["report"]["impl"] == "eager"
