@@ -280,7 +280,8 @@ def _whole_step_row(rank: int, world: int, spec, *, clip=None) -> dict:
 
 
 def _rows(world: int) -> list[tuple]:
-    """(name, runner, spec, kwargs): the issue's table plus the whole-step rows."""
+    """(name, runner, spec, kwargs): the peers' rows (eager, captured reference, full_iteration,
+    FSDP2 + graph) and the whole-step rows."""
     from graph_fsdp.bench.peers import (
         BenchSpec,
         run_fsdp2_cuda_graph,
