@@ -134,7 +134,8 @@ class FSDPModule:
         return clip_grad_norm_(params, max_norm, norm_type)
 
     def fsdp_memory_report(self) -> dict:
-        """Bytes by kind: persistent FSDP tensors and the allocator's roles and peaks."""
+        """Bytes by kind: persistent FSDP tensors, the allocator's roles and peaks, and the
+        CUDA graphs' private pools (``graph_pool_bytes``: reserved and allocated)."""
         states = collect_states(self)
         persistent: dict[str, int] = {}
 
@@ -154,6 +155,14 @@ class FSDPModule:
         if root is not None:
             report.update(root.allocator.memory_report())
             report["allocator"] = type(root.allocator).__name__
+        # The graphs' private pools, a role of their own: what replays use is reserved there,
+        # never allocated (capture/pools.py). Each registered runner once.
+        runners = {id(r): r for s in states for r in s.graph_runners}
+        pools = {"reserved": 0, "allocated": 0}
+        for runner in runners.values():
+            for kind, nbytes in getattr(runner, "graph_pool_bytes", dict)().items():
+                pools[kind] += nbytes
+        report["graph_pool_bytes"] = pools
         return report
 
     # ------------------------------------------------------------------ lifecycle (RL)

@@ -49,16 +49,13 @@ def _reduction_groups(group) -> list:
     return out
 
 
-def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor],
-    max_norm: float,
-    norm_type: float = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole (unsharded) gradient
-    ([Note: global gradient norm]); every rank must call it with the same parameters.
-    ``foreach`` is accepted for torch's signature (the foreach kernels are always used)."""
+def global_grad_norm(
+    parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(norm, grads)``: the norm of order ``norm_type`` of the whole (unsharded) gradient
+    ([Note: global gradient norm]) as a 0-d float32 tensor on the device - no host sync, so
+    it can be captured in a CUDA graph - and the gradients it covers. Every rank must call
+    it with the same parameters (one collective per set of reduction groups)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
     if math.isnan(norm_type) or norm_type <= 0:
@@ -92,7 +89,7 @@ def clip_grad_norm_(
         grads += [p.grad for p in unmanaged_dtensors if p.grad is not None]
         device = device or dtensor_total.device
     if device is None:
-        return torch.zeros(())
+        return torch.zeros(()), grads
     total = torch.zeros((), dtype=torch.float32, device=device)
     if dtensor_total is not None:
         total = dtensor_total.to(device)
@@ -108,11 +105,12 @@ def clip_grad_norm_(
         total = torch.maximum(total, local) if inf else total + local
     if not inf:
         total = total.pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total).item():
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}),"
-            " so it cannot be clipped; pass error_if_nonfinite=False to clip anyway"
-        )
+    return total, grads
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale ``grads`` by ``min(1, max_norm / (total + 1e-6))`` (torch's coefficient), on the
+    device."""
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
@@ -120,6 +118,26 @@ def clip_grad_norm_(
         by_dtype.setdefault((local.device, local.dtype), []).append(local)
     for (dev, dtype), gs in by_dtype.items():
         torch._foreach_mul_(gs, coef.to(device=dev, dtype=dtype))
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm of the whole (unsharded) gradient
+    ([Note: global gradient norm]); every rank must call it with the same parameters.
+    ``foreach`` is accepted for torch's signature (the foreach kernels are always used)."""
+    total, grads = global_grad_norm(parameters, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"the total norm of order {float(norm_type)} of the gradients is non-finite "
+            f"({total.item()}), so it cannot be clipped; pass error_if_nonfinite=False to clip "
+            "anyway"
+        )
+    clip_grads_(grads, max_norm, total)
     return total
 
 

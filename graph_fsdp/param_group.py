@@ -258,6 +258,13 @@ class FlatParamGroup:
     def _rs_direct(self) -> bool:
         return self.mp.comm_dtype() == self.mp.main_grads_dtype
 
+    def _reduces_nothing(self) -> bool:
+        """One data-parallel rank and a reduction in the main gradients' dtype: reducing is
+        the identity, so the gradients are cast straight into ``main_grad`` - the values the
+        cast, reduce-scatter (a copy) and scale-by-1 passes give, in one pass and without the
+        unsharded fp32 buffer."""
+        return self.comm.dp_size == 1 and self._rs_direct() and not self.fp32_accumulating
+
     def sharded_params(self) -> list[nn.Parameter]:
         return [ref.sharded for ref in self.params]
 
@@ -565,7 +572,8 @@ class FlatParamGroup:
             # queued and on the main stream, not on the reduce-scatter stream that uses them
             # ([Note: backward slots between steps]): at the start of backward, the memory
             # peak (every activation and the loss gradients live), they hold nothing yet.
-            allocator.prepare(self._reduction_keys)
+            if not self._reduces_nothing():
+                allocator.prepare(self._reduction_keys)
         main = comm.main_stream()
         comm.wait(comm.rs_stream, main)
         with comm.on(comm.rs_stream), nvtx_range(f"graph_fsdp/reduce_grads/{self.fqn}"):
@@ -594,6 +602,10 @@ class FlatParamGroup:
             if self.accum_pending:
                 src = self.accum.add_(src)
                 self.accum_pending = False
+            if self._reduces_nothing():
+                self._scale_into_main_grad(src, direct=False, overwrite=overwrite)
+                allocator.free(self.grad_key, used_on=self._grad_streams() + self._main_streams())
+                return
             if self.fp32_accumulating and src is self.grad_full:
                 self._reduce_scatter_fp32_accumulating(allocator, overwrite)
                 return
@@ -694,10 +706,15 @@ class FlatParamGroup:
         size (the dense one for experts: experts.py [Note: expert groups]); ``direct``: the
         reduction wrote ``main_grad`` itself, scale it in place."""
         inv_world = 1.0 / self.comm.grad_divisor
+        # One data-parallel rank: nothing to divide (x * 1.0 == x), a pass over the fp32
+        # gradients saved.
         if direct:
-            self.main_grad.mul_(inv_world)
+            if inv_world != 1.0:
+                self.main_grad.mul_(inv_world)
         elif overwrite:
-            self.main_grad.copy_(out).mul_(inv_world)
+            self.main_grad.copy_(out)
+            if inv_world != 1.0:
+                self.main_grad.mul_(inv_world)
         else:
             self.main_grad.add_(out, alpha=inv_world)
 

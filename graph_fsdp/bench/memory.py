@@ -29,8 +29,9 @@ live bytes over the whole trace: buffers that are freed before the peak (the dyn
 allocator's gathered weights when the peak is the optimizer step) show there.
 
 A captured step allocates nothing when it replays: its memory is the graph pool, reported
-as reserved bytes per pool at the end (``reserved_by_pool``), next to the peak attribution
-(which, for a captured run, is the peak of the capture itself). On CPU there is no
+as reserved bytes per pool at the end (``reserved_by_pool``; for graph_fsdp also the model's
+own account of its runners' pools, ``graph_pool_bytes``, a row of the table), next to the
+peak attribution (which, for a captured run, is the peak of the capture itself). On CPU there is no
 allocator history: only the known tensors' bytes are reported.
 """
 
@@ -392,6 +393,10 @@ def _role_rank(role: str) -> tuple[int, str]:
     return (ROLE_ORDER.index(role) if role in ROLE_ORDER else len(ROLE_ORDER), role)
 
 
+def _pool_reserved(result: dict) -> int | None:
+    return (result.get("graph_pool_bytes") or {}).get("reserved")
+
+
 def format_table(results: dict[str, dict]) -> str:
     """Markdown: one column per run (GiB), one row per role, peak and reserved last."""
     names = list(results)
@@ -415,6 +420,9 @@ def format_table(results: dict[str, dict]) -> str:
         ]
         lines.append(f"| {role} | " + " | ".join(cells) + " |")
     for label, fn in (
+        # The graphs' private pools as a role of their own (capture/pools.py): a replay
+        # allocates nothing, so what it uses is reserved there.
+        ("graph pool (reserved, fsdp_memory_report)", _pool_reserved),
         ("**peak allocated (trace)**", lambda r: r.get("peak_allocated_bytes")),
         ("max_memory_allocated", lambda r: r.get("max_memory_allocated")),
         ("reserved at end, all pools", lambda r: sum(r.get("reserved_by_pool", {}).values())),
@@ -515,6 +523,8 @@ def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
         step(i)
     known = known_fn(model, opt)
     result: dict = {"engine": job.engine, "rank": rank, "world_size": world_size}
+    if job.engine == "graph_fsdp":
+        result["graph_pool_bytes"] = model.fsdp_memory_report()["graph_pool_bytes"]
     if cuda:
         torch.cuda.synchronize(device)
         snapshot = torch.cuda.memory._snapshot()

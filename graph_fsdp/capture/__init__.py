@@ -25,6 +25,7 @@ from graph_fsdp.capture.teardown import (
     live_runners,
 )
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
+from graph_fsdp.capture.whole_step import StepPolicy, StepResult, WholeStep, WholeStepGraph
 
 # Live graphs keep NCCL communicators alive: destroy_process_group closes them first.
 install_shutdown_guard()
@@ -42,7 +43,11 @@ __all__ = [
     "HostClock",
     "LayerwiseGraphs",
     "ScopePath",
+    "StepPolicy",
+    "StepResult",
     "VerifyResult",
+    "WholeStep",
+    "WholeStepGraph",
     "check_scopes",
     "check_static_buffers",
     "close_live_runners",

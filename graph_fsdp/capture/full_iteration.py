@@ -71,6 +71,7 @@ from graph_fsdp.capture.diagnosis import (
     explain_capture_failure,
     no_collection,
 )
+from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.step import (
     GraphedStep,
@@ -241,6 +242,10 @@ class FullIterationGraphs(RunnerLifecycle):
         # Warm up again: released slots must be re-made by eager steps, not inside a capture.
         self.steps_seen = 0
 
+    def graph_pool_bytes(self) -> dict[str, int]:
+        """Bytes of the graphs' shared memory pool (pools.py); zeros when none is captured."""
+        return pool_bytes([self._pool] if self._pool is not None else [])
+
     def report(self) -> dict:
         return {
             "impl": "eager" if self.eager else "torch",
@@ -305,6 +310,8 @@ class FullIterationGraphs(RunnerLifecycle):
         if self.eager or self._phase == "eager":
             return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
+            if micro == 0:
+                release_cached_blocks()  # pools.py [Note: capture memory]
             # The step before the capture also checks TE attention (te_backend.py [Note: TE
             # attention under capture]): refused here, it never reaches the capture.
             with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
@@ -390,6 +397,7 @@ class FullIterationGraphs(RunnerLifecycle):
             for state in self.states:
                 for group in state.groups:
                     group.renew_unsharded()
+            release_cached_blocks()  # pools.py [Note: capture memory]
             self._pool = torch.cuda.graph_pool_handle()
         self._drop_slot_events()
         sig = pos.signature

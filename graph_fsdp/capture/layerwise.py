@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
+from graph_fsdp.capture.pools import pool_bytes
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     GraphConfigError,
@@ -232,6 +233,11 @@ class LayerwiseGraphs(RunnerLifecycle):
             self._reset_graphs()
             self.drop()
             self.captured_generation = -1  # never an allocator generation: recapture
+
+    def graph_pool_bytes(self) -> dict[str, int]:
+        """Bytes of the layer graphs' pool and the communication graphs' (pools.py)."""
+        comm = self._comm.pool if self._comm is not None else None
+        return pool_bytes([self._pool, comm])
 
     def report(self) -> dict:
         return {

@@ -218,8 +218,12 @@ def test_roles_from_frames() -> None:
 
 def test_table_and_merge(tmp_path) -> None:
     a = attribute(SNAPSHOT, [Known("main_params", 1000, 400)], device=1)
-    b = {"known_bytes": {"main_params": 2**30, "compute_shard": 2**29}}
+    b = {
+        "known_bytes": {"main_params": 2**30, "compute_shard": 2**29},
+        "graph_pool_bytes": {"reserved": 2**31, "allocated": 0},
+    }
     text = format_table({"graph_fsdp_eager": a, "cpu": b})
+    assert "| graph pool (reserved, fsdp_memory_report) | - | 2.000 |" in text
     assert "| role (GiB, rank 0, at the peak) | graph_fsdp_eager | cpu |" in text
     assert "| compute_shard | - | 0.500 |" in text
     assert "| main_params | 0.000 | 1.000 |" in text
@@ -277,6 +281,7 @@ def test_model_matches_a_real_run() -> None:
     assert all(roles[k] for k in slots)
     between_steps = {k: v for k, v in roles.items() if k not in slots}
     assert result["known_bytes"] == between_steps
+    assert result["graph_pool_bytes"] == {"reserved": 0, "allocated": 0}  # no graph on CPU
     assert "CPU" in result["note"]
 
 

@@ -265,3 +265,36 @@ def test_dropped_model_is_collected_while_a_module_kept_a_forward_tensor():
     for res in spawn(_dropped_model_is_collected, 2):
         assert res["graph_kept"]
         assert res["alive"] == 0, res
+
+
+def _one_rank_reduction(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = build_model(TINY, device="cpu")
+    reference = build_model(TINY, device="cpu")
+    reference.load_state_dict(model.state_dict())
+    reference.to(torch.bfloat16)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
+    for layer in transformer_layers(model):
+        fully_shard(layer, mp_policy=mp, buffer_policy=bp)
+    fully_shard(model, mp_policy=mp, buffer_policy=bp)
+    x, y = synthetic_batch(TINY, micro_batch_size=2, step=rank, device="cpu")
+    model(x, y).backward()
+    reference(x, y).backward()
+    names = [n for n, _ in reference.named_parameters()]
+    grads = dict(zip(names, (p.grad for p in reference.parameters())))
+    same = world == 1 and all(
+        torch.equal(p.grad, grads[n].float().reshape(-1)) for n, p in model.named_parameters()
+    )
+    peak = model.fsdp_memory_report()["peak_live_bytes"]
+    return {"grad_comm": peak.get("grad_comm", 0), "same_as_unsharded": same}
+
+
+def test_one_rank_casts_gradients_straight_into_main_grads():
+    """One data-parallel rank: the reduction is the identity (param_group.py
+    ``_reduces_nothing``): no fp32 reduction buffer, and the main gradients are exactly the
+    bf16 gradients cast to fp32. Two ranks use the buffer (what the check tells apart)."""
+    (one,) = spawn(_one_rank_reduction, 1)
+    assert one["grad_comm"] == 0 and one["same_as_unsharded"], one
+    two = spawn(_one_rank_reduction, 2)
+    assert all(r["grad_comm"] > 0 for r in two), two

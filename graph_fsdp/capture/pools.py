@@ -1,0 +1,43 @@
+"""Bytes of CUDA graphs' private memory pools, for memory reports.
+
+A graph's pool holds everything its capture allocated (activations, FSDP's slots made inside
+the capture, main gradients of a whole-step graph); a replay does not call the allocator, so
+these bytes never show as *allocated* while the graph runs, only as *reserved*. The caching
+allocator's snapshot names each segment's pool (``segment_pool_id``): summing the segments
+of a runner's pools gives the graph's memory as its own role (``fsdp_memory_report()``'s
+``graph_pool``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def pool_bytes(pools: Iterable) -> dict[str, int]:
+    """``{"reserved": ..., "allocated": ...}`` bytes of the segments of ``pools`` (graph pool
+    handles, ``torch.cuda.graph_pool_handle()`` / ``CUDAGraph.pool()``); zeros without CUDA
+    or pools."""
+    wanted = {tuple(p) for p in pools if p is not None}
+    out = {"reserved": 0, "allocated": 0}
+    if not wanted or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return out
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", (0, 0))) in wanted:
+            out["reserved"] += seg["total_size"]
+            out["allocated"] += seg["allocated_size"]
+    return out
+
+
+# [Note: capture memory] The caching allocator keeps freed blocks per stream, and a graph's
+# pool is memory of its own: an eager step on the capture stream cannot reuse the blocks the
+# earlier eager steps cached on the default stream, and a capture can reuse neither. So before
+# both, every cached block no tensor uses goes back to the driver (after a device synchronize,
+# so nothing queued still uses them): the process's peak reserved memory is then the larger of
+# one eager step's and the graph's, not their sum. Once per capture; steps are untouched.
+def release_cached_blocks() -> None:
+    """Give the caching allocator's unused cached blocks back ([Note: capture memory])."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
