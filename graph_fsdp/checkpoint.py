@@ -1,8 +1,9 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), and full state dicts.
 
-Each parameter is saved as a 1-D tensor of its full numel; a rank writes the contiguous
-piece its flat shard holds (arbitrary, uneven ranges - expressed as DCP chunk metadata), so
-a checkpoint loads onto any world size or strategy: DCP reads the overlapping pieces.
+Each parameter (tensor-parallel ones aside, below) is saved as a 1-D tensor of its full
+numel; a rank writes the contiguous piece its flat shard holds (arbitrary, uneven ranges -
+expressed as DCP chunk metadata), so a checkpoint loads onto any world size or strategy: DCP
+reads the overlapping pieces.
 Optimizer state tensors shaped like a parameter's shard are saved the same way.
 
 The global offsets depend only on the range a rank owns, so 1-D and 2-D (HSDP) meshes share
@@ -14,11 +15,19 @@ parameter, every EP rank's experts, under its global name (``ExpertLayout.global
 EP rank r's stacked experts are rows ``[r * n, (r + 1) * n)`` of one tensor, Megatron-style
 per-expert parameters are renamed to their global expert index. So a checkpoint written at
 one expert-parallel size loads at another, and on another world size.
+
+Tensor-parallel parameters (tensor_parallel.py [Note: tensor-parallel parameters]) are saved
+at their *global* N-D shape, as DCP stores DTensors: a rank's flat piece of its local tensor is
+a few boxes of the global tensor (at most ``2 * ndim - 1``), written as N-D chunks, so a
+checkpoint loads at any (dp, tp) shape. Loading reads either layout: a 1-D (non-TP) checkpoint
+into a TP model, or a TP checkpoint into a model without TP, by asking DCP for the stored
+layout's chunks of this rank's piece.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -41,46 +50,54 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from graph_fsdp.experts import unknown_layout
 from graph_fsdp.param_group import ParamRef
 from graph_fsdp.state import collect_states
+from graph_fsdp.tensor_parallel import box_runs, flat_boxes
 
 
 class FlatPiece:
-    """A contiguous piece ``[offset, offset + local.numel())`` of a 1-D global tensor."""
+    """This rank's piece of a global tensor of ``size``: the 1-D ``local``, cut into chunks
+    ``(start, length, offsets, sizes)`` - ``local[start:start + length]`` is the box at
+    ``offsets`` of ``sizes`` in the global tensor (one 1-D chunk ``[offset, offset + n)`` for a
+    plain parameter's flat piece; boxes for tensor-parallel ones, tensor_parallel.py)."""
 
-    def __init__(self, local: torch.Tensor, offset: int, numel: int) -> None:
-        self.local, self.offset, self.numel = local, offset, numel
+    def __init__(self, local: torch.Tensor, chunks: list[tuple], size: tuple[int, ...]) -> None:
+        self.local, self.chunks, self._size = local, chunks, torch.Size(size)
+        self._by_offset = {tuple(c[2]): c for c in chunks}
 
     def size(self) -> torch.Size:
-        return torch.Size([self.numel])
+        return self._size
 
-    def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(
-            offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()])
-        )
+    @staticmethod
+    def _meta(chunk) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(chunk[2]), sizes=torch.Size(chunk[3]))
+
+    def chunk_data(self, offsets) -> torch.Tensor:
+        """The local data of the chunk at global ``offsets`` (a view of ``local``)."""
+        start, length, _, sizes = self._by_offset[tuple(offsets)]
+        return self.local[start : start + length].view(sizes)
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
-        if self.local.numel() == 0:
-            return []
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size([self.offset])),
+                index=MetadataIndex(fqn, torch.Size(chunk[2])),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=self._chunk(),
+                    chunk=self._meta(chunk),
                     properties=TensorProperties.create_from_tensor(self.local),
-                    size=self.size(),
+                    size=self._size,
                 ),
             )
+            for chunk in self.chunks
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk()] if self.local.numel() else []
+        return [self._meta(chunk) for chunk in self.chunks]
 
 
 class _SavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item):
         obj = self.state_dict[write_item.index.fqn]
         if isinstance(obj, FlatPiece):
-            return obj.local.detach()
+            return obj.chunk_data(write_item.index.offset).detach()
         return super().resolve_data(write_item)
 
 
@@ -98,7 +115,7 @@ class _LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index):
         obj = self.state_dict[index.fqn]
         if isinstance(obj, FlatPiece):
-            return obj.local
+            return obj.chunk_data(index.offset)
         return super().lookup_tensor(index)
 
 
@@ -112,16 +129,20 @@ def _refs(model: nn.Module) -> list[ParamRef]:
 
 
 class Entry:
-    """A parameter as the checkpoint sees it: its name, this rank's piece (``ref.sharded``)
-    at ``offset`` of the flattened global parameter of ``numel`` elements and ``shape``."""
+    """A parameter as the checkpoint sees it: its name, global ``shape`` and this rank's piece
+    (``ref.sharded``): ``[offset, offset + n)`` of the flattened global parameter, or for a
+    tensor-parallel parameter (``tp``) that range of its flattened local tensor, which lies at
+    ``tp.offsets`` in the global one (tensor_parallel.py [Note: tensor-parallel parameters])."""
 
-    __slots__ = ("key", "keys", "numel", "offset", "ref", "shape")
+    __slots__ = ("key", "keys", "numel", "offset", "ref", "shape", "tp")
 
     def __init__(self, ref: ParamRef) -> None:
         self.ref = ref
+        self.tp = ref.tp
         experts = ref.sharded._graph_fsdp_group.expert
         if experts is None:
-            self.key, self.offset, self.shape = ref.fqn, ref.global_offset, ref.shape
+            self.key, self.offset = ref.fqn, ref.global_offset
+            self.shape = ref.shape if ref.tp is None else ref.tp.shape
             self.keys = (self.key,)
         else:
             if ref.expert is None:
@@ -139,8 +160,48 @@ class Entry:
             )
         self.numel = self.shape.numel()
 
-    def piece(self, local: torch.Tensor) -> FlatPiece:
-        return FlatPiece(local, self.offset, self.numel)
+    @property
+    def saved_size(self) -> tuple[int, ...]:
+        """How :func:`save` stores it: tensor-parallel parameters at their global shape (the
+        pieces are boxes of it, as DCP stores DTensors), the others flattened (1-D)."""
+        if self.tp is not None and len(self.shape) > 0:
+            return tuple(self.shape)
+        return (self.numel,)
+
+    def accepts(self, size: tuple[int, ...]) -> bool:
+        """A stored tensor of ``size`` is this parameter (at its shape or flattened)."""
+        return tuple(size) in ((self.numel,), tuple(self.shape))
+
+    def piece(self, local: torch.Tensor, size: tuple[int, ...] | None = None) -> FlatPiece:
+        """``local`` (shaped like ``ref.sharded``) as its chunks of the global tensor stored
+        at ``size`` (default: :attr:`saved_size`): either layout is read and written."""
+        size = self.saved_size if size is None else tuple(size)
+        n = self.ref.sharded.numel()
+        if n == 0:
+            return FlatPiece(local, [], size)
+        flat = len(size) == 1 and len(self.shape) != 1
+        shape = tuple(self.shape)
+        if self.tp is None:
+            start = self.offset
+            if flat or len(shape) <= 1:
+                return FlatPiece(local, [(0, n, (start,), (n,))], size)
+            boxes = flat_boxes(shape, start, start + n)
+        else:
+            start, base = self.offset, self.tp.offsets
+            boxes = [
+                (s, tuple(o + b for o, b in zip(offs, base)), z)
+                for s, offs, z in flat_boxes(tuple(self.tp.local_shape), start, start + n)
+            ]
+        chunks = []
+        for first, offs, sizes in boxes:
+            pos = first - start
+            if not flat:
+                chunks.append((pos, math.prod(sizes), offs, sizes))
+                continue
+            for run_start, length in box_runs(shape, offs, sizes):
+                chunks.append((pos, length, (run_start,), (length,)))
+                pos += length
+        return FlatPiece(local, chunks, size)
 
 
 def entries(model: nn.Module) -> list[Entry]:
@@ -344,6 +405,8 @@ class _Shape:
         self.key, self.keys, self.shape = key, (key,), torch.Size(shape)
         self.numel = self.shape.numel()
 
+    accepts = Entry.accepts
+
 
 def check_checkpoint(path: str, shapes: dict[str, torch.Size] | None = None) -> None:
     """:func:`validate_checkpoint` without a model or a process group (e.g. before a launch):
@@ -370,10 +433,10 @@ def validate_checkpoint(path: str, ents: list[Entry] | None, metadata) -> None:
         )
     for key, e in wanted.items():
         size = tuple(meta[key].size)
-        if size != (e.numel,):
+        if not e.accepts(size):
             raise CheckpointError(
                 f"parameter {key[len('model.') :]}: checkpoint {path!r} holds "
-                f"{size[0] if size else size} "
+                f"{size[0] if len(size) == 1 else size} "
                 f"elements, the model's {tuple(e.shape)} has {e.numel}: the checkpoint is from "
                 "another model shape (for expert parameters: the same total number of experts "
                 "is needed, whatever the expert-parallel size)"
@@ -412,7 +475,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         # Loaded into copies first: a load that fails half-way leaves the model unchanged.
         buf = torch.empty_like(e.ref.sharded.detach())
         staged.append((e.ref, buf))
-        sd[f"model.{e.key}"] = e.piece(buf)
+        sd[f"model.{e.key}"] = e.piece(buf, meta[f"model.{e.key}"].size)
     optim_values: dict = {}
     by_key = {e.key: e for e in ents}
     if optimizer is not None:
@@ -427,9 +490,9 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
             e = by_key.get(pkey)
             if e is None:
                 continue
-            if tuple(md.size) == (e.numel,):
+            if len(md.size) > 0 and e.accepts(md.size):
                 t = torch.zeros_like(e.ref.sharded, dtype=md.properties.dtype)
-                sd[key] = e.piece(t)
+                sd[key] = e.piece(t, md.size)
             else:
                 t = torch.zeros(md.size, dtype=md.properties.dtype, device="cpu")
                 sd[key] = t

@@ -46,6 +46,7 @@ from graph_fsdp.experts import (
 from graph_fsdp.grad_norm import clip_grad_norm_, install_torch_clip
 from graph_fsdp.param_group import FlatParamGroup
 from graph_fsdp.state import FSDPState, collect_states, refuse_offloaded
+from graph_fsdp.tensor_parallel import TP_ATTR, TPSpec, localize
 
 _CLASS_CACHE: dict[type, type] = {}
 _STEP_HOOK = None
@@ -271,6 +272,8 @@ def _full_tensor_loader(module: nn.Module, groups: list[FlatParamGroup]):
             for owner, name in ref.owners:
                 key = f"{paths[id(owner)]}.{name}" if paths[id(owner)] else name
                 base, shapes = 0, (ref.shape,)
+                if ref.tp is not None:  # the global tensor: this TP rank's piece first
+                    shapes = (ref.shape, ref.tp.shape)
                 if group.expert is not None and ref.expert is not None:
                     if ref.expert.template is None and group.expert.ep_size > 1:
                         _, base, global_shape = ref.expert.global_entry(
@@ -289,7 +292,10 @@ def _full_tensor_loader(module: nn.Module, groups: list[FlatParamGroup]):
                     f"load_state_dict({prefix + key}) while {group.fqn}'s weights are gathered "
                     "(between a forward and its backward): load between steps"
                 )
+            if ref.tp is not None and value.shape != ref.shape:
+                value = ref.tp.local_of(value)
             if value.shape == ref.sharded.shape:
+                state_dict[prefix + key] = value
                 continue  # this rank holds the whole parameter
             start = ref.global_offset + (base if value.shape != ref.shape else 0)
             state_dict[prefix + key] = value.reshape(-1)[start : start + ref.sharded.numel()]
@@ -336,7 +342,11 @@ def _mesh_groups(
         raise ValueError(
             f"fully_shard({owner}) takes a 1-D data-parallel mesh or a 2-D (replicate, shard) "
             f"HSDP mesh, got a {ndim}-D mesh {mesh}: pass the data-parallel sub-mesh, e.g. "
-            "mesh['dp'] or mesh['replicate', 'shard']"
+            "mesh['dp'] or mesh['replicate', 'shard']. With tensor parallelism the TP "
+            "dimension is not fully_shard's: parallelize_module(model, mesh['tp'], plan) first, "
+            "then fully_shard(..., mesh=mesh['dp']) (FSDP + TP on a (dp, tp) mesh) or "
+            "mesh=mesh['replicate', 'shard'] (HSDP + TP on a (replicate, shard, tp) mesh); "
+            "tensor_parallel.py"
         )
     world = dist.get_world_size()
     if world % mesh.size() != 0 or mesh.get_coordinate() is None:
@@ -392,6 +402,20 @@ def _expert_layouts(
             "sharded and reduced over the expert-data-parallel group"
         )
     return {fqn: layout_of(module, fqn, p, owners[0][0]) for fqn, owners, p in experts}
+
+
+def _refuse_tp_experts(
+    tp_specs: dict[str, TPSpec], layouts: dict[str, ExpertLayout | None], owner: str
+) -> None:
+    both = [fqn for fqn in tp_specs if fqn in layouts]
+    if both:
+        raise ValueError(
+            f"fully_shard({owner}): parameters {both[:4]} are expert parameters and "
+            "tensor-parallel at once; graph_fsdp shards expert parameters over the "
+            "expert-data-parallel group without tensor parallelism: keep the experts whole "
+            "on each TP rank (Megatron: expert_tensor_parallel_size=1) or leave them to TP "
+            "without an expert mesh"
+        )
 
 
 def _dense_ranks(mesh) -> list[int]:
@@ -540,6 +564,9 @@ def fully_shard(
             f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module"
         )
 
+    originals = {ref_fqn: p for ref_fqn, _, p in entries}
+    entries, tp_specs = localize(entries, group, owner)
+    _refuse_tp_experts(tp_specs, layouts, owner)
     comm = CommContext(device, group, replicate_group)
     _check_same_mesh(module, comm)
     experts = None
@@ -557,9 +584,11 @@ def fully_shard(
         device=device,
         broadcast_from_rank0=broadcast,
     )
-    originals = {ref_fqn: p for ref_fqn, _, p in entries}
     for g in groups:
         for ref in g.params:
+            ref.tp = tp_specs.get(ref.local_fqn)
+            if ref.tp is not None:  # tensor_parallel.py [Note: tensor-parallel parameters]
+                setattr(ref.sharded, TP_ATTR, ref.tp)
             ref.sharded._graph_fsdp_sharded = True
             ref.sharded._graph_fsdp_fqn = ref.fqn
             # [Note: tied parameters] Only this unit's modules get the sharded parameter; a

@@ -13,6 +13,9 @@ counts them. Expert parameters (experts.py [Note: expert groups]) are sharded ov
 expert-data-parallel group and differ across the expert-parallel group: their pieces are
 summed over the first (when sharded), then over the second - each element of the global
 model once, as Megatron sums its expert norms over the expert-model-parallel ranks.
+Tensor-parallel parameters (tensor_parallel.py) split over a TP group are summed over it
+too; those every TP rank holds whole (norms under sequence parallelism) count once, as
+Megatron counts only tensor-parallel parameters and TP rank 0's duplicates.
 ``fully_shard`` routes ``torch.nn.utils.clip_grad_norm_`` here whenever the
 parameters include graph_fsdp's (``install_torch_clip``), so training loops written for
 FSDP2, DDP or HuggingFace's Trainer clip by the global norm unchanged; a reference bound
@@ -29,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
+
+from graph_fsdp.tensor_parallel import TP_ATTR, is_dtensor
 
 
 def _reduction_groups(group) -> list:
@@ -59,10 +64,17 @@ def global_grad_norm(
     # collective per set, in first-seen order - the same on every rank.
     buckets: dict[tuple, tuple[list, list[torch.Tensor]]] = {}
     grads: list[torch.Tensor] = []
+    unmanaged_dtensors: list[torch.Tensor] = []
     device = None
     for p in params:
         group = getattr(p, "_graph_fsdp_group", None)
         over = _reduction_groups(group) if group is not None else []
+        tp = getattr(p, TP_ATTR, None)
+        if tp is not None and tp.sharded:  # the other TP ranks' pieces (replicated: once)
+            over = [*over, tp.group]
+        elif group is None and is_dtensor(p):
+            unmanaged_dtensors.append(p)
+            continue
         bucket = buckets.setdefault(tuple(id(g) for g in over), (over, []))
         if device is None:
             device = group.device if group is not None else p.device
@@ -71,10 +83,16 @@ def global_grad_norm(
         grads.append(p.grad)
         if p.grad.numel():
             bucket[1].append(p.grad)
+    inf = math.isinf(norm_type)
+    dtensor_total = _dtensor_norm(unmanaged_dtensors, norm_type, inf)
+    if dtensor_total is not None:
+        grads += [p.grad for p in unmanaged_dtensors if p.grad is not None]
+        device = device or dtensor_total.device
     if device is None:
         return torch.zeros(()), grads
-    inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float32, device=device)
+    if dtensor_total is not None:
+        total = dtensor_total.to(device)
     for over, gs in buckets.values():
         if gs:
             norms = torch._foreach_norm([g.float() for g in gs], norm_type)
@@ -96,7 +114,8 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total: torch.Tensor)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_dtype: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
-        by_dtype.setdefault((g.device, g.dtype), []).append(g)
+        local = g._local_tensor if is_dtensor(g) else g
+        by_dtype.setdefault((local.device, local.dtype), []).append(local)
     for (dev, dtype), gs in by_dtype.items():
         torch._foreach_mul_(gs, coef.to(device=dev, dtype=dtype))
 
@@ -120,6 +139,18 @@ def clip_grad_norm_(
         )
     clip_grads_(grads, max_norm, total)
     return total
+
+
+def _dtensor_norm(params: list[torch.Tensor], norm_type: float, inf: bool) -> torch.Tensor | None:
+    """The ``norm_type``-th power (max for inf) of the norm of DTensor gradients graph_fsdp
+    does not manage (a plan's parameters left outside ``fully_shard``): DTensor's own
+    reduction over their mesh, as torch's clip does."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    norms = [torch.linalg.vector_norm(g.float(), norm_type).full_tensor() for g in grads]
+    stacked = torch.stack(norms)
+    return stacked.max() if inf else stacked.pow(norm_type).sum()
 
 
 _TORCH_CLIP = None

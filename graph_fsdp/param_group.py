@@ -67,6 +67,7 @@ from graph_fsdp.experts import (
     ExpertLayout,
     global_expert_params,
 )
+from graph_fsdp.tensor_parallel import TPSpec
 
 
 @dataclass
@@ -85,6 +86,9 @@ class ParamRef:
     expert: ExpertLayout | None = None
     """Expert parameters: where this EP rank's parameter lies in the global one (None: dense,
     or an expert layout nobody declared - checkpoints refuse those)."""
+    tp: TPSpec | None = None
+    """Tensor-parallel parameters: where this TP rank's local tensor (``shape``) lies in the
+    global one (tensor_parallel.py [Note: tensor-parallel parameters])."""
 
 
 class FlatParamGroup:
@@ -269,9 +273,10 @@ class FlatParamGroup:
         ranks): views named by FQN, or for expert groups new global tensors under their
         global names (every EP rank's experts; a collective over the EP group)."""
         if self.expert is None:
-            return [
-                (ref.fqn, full[offset : offset + ref.shape.numel()].view(ref.shape))
-                for ref, offset in zip(self.params, self.layout.offsets)
+            views = self._param_views(full)
+            return [  # tensor-parallel ones gathered over tp too (a collective, in order)
+                (ref.fqn, view if ref.tp is None else ref.tp.full_tensor(view))
+                for ref, view in zip(self.params, views)
             ]
         refs = [
             (ref.fqn, ref.shape, ref.expert, offset)
@@ -392,7 +397,10 @@ class FlatParamGroup:
         # The params view an alias with its own version counter: re-gathering into ``full``
         # before backward must not look like an in-place change of tensors autograd saved.
         for ref, view in zip(self.params, self._param_views(full.data)):
-            ref.unsharded = nn.Parameter(view, requires_grad=ref.sharded.requires_grad)
+            if ref.tp is None:
+                ref.unsharded = nn.Parameter(view, requires_grad=ref.sharded.requires_grad)
+            else:  # a DTensor again for a TP plan's modules
+                ref.unsharded = ref.tp.compute_param(view, ref.sharded.requires_grad)
         self._grads_attached_to = None
         self._unsharded_built = True
 
@@ -469,7 +477,7 @@ class FlatParamGroup:
             self.grad_full = grad_full
             for ref, view in zip(self.params, self._grad_views_of(grad_full)):
                 if ref.unsharded is not None and ref.unsharded.requires_grad:
-                    ref.unsharded.grad = view
+                    ref.unsharded.grad = view if ref.tp is None else ref.tp.grad_holder(view)
             self._grads_attached_to = self.full
 
     grads_in_autograd = False
@@ -487,7 +495,7 @@ class FlatParamGroup:
             covered.append(p is not None and p.grad is not None)
             if covered[-1]:
                 dst.append(view)
-                src.append(p.grad)
+                src.append(p.grad if ref.tp is None else ref.tp.local_grad(p.grad))
                 p.grad = None
         gaps = self._gaps_of(grad_full, tuple(covered))
         if gaps:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -172,6 +173,8 @@ class FSDPState:
         handlers in the replay]): the registration hooks stand aside, and eager calls of the
         module register the handlers through :meth:`forward_with_backward_handlers`."""
         self._handles: list = []
+        self.grad_sync_hooks: list[Callable[[], None]] = []
+        """Run after this unit's gradients are reduced and exposed (``add_grad_sync_hook``)."""
         self.graph_runners: weakref.WeakSet[GraphRunner] = weakref.WeakSet()
         """The graph runners capturing this unit (they register themselves): offload
         suspends them before it moves the buffers their graphs address (offload.py [Note:
@@ -180,6 +183,16 @@ class FSDPState:
         self._pre_backward_grad_hook = functools.partial(_pre_backward_grad_hook, self._ref)
 
     # ------------------------------------------------------------------ registration
+    def add_grad_sync_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` at the end of every backward that synchronised this unit's
+        gradients - after every reduction finished and the sharded ``.grad`` views are set,
+        on the main stream, before the optimizer reads them; inside a full-iteration capture
+        it is captured, layerwise captures skip it as they skip the reductions. For the
+        gradients a model's own tensor parallelism still reduces (Megatron's
+        ``finalize_model_grads`` all-reduce of sequence-parallel norms: integrations/
+        megatron_tp.py)."""
+        self.grad_sync_hooks.append(hook)
+
     def register_hooks(self) -> None:
         m = self.module
         self._handles = [
@@ -470,6 +483,8 @@ def root_final_callback(root: RootContext):
                     if state.requires_grad_sync:
                         for group in state.groups:
                             group.attach_sharded_grads()
+                        for hook in state.grad_sync_hooks:
+                            hook()
             root.allocator.step_boundary()
             root.callback_queued = False
 

@@ -20,6 +20,9 @@ What the integration maps (facts from megatron-core 0.19's source):
   whole world. With expert-model-parallel size N > 1 each rank holds num_experts / N experts;
   their parameters are sharded over Megatron's expert-data-parallel group (world / N ranks),
   the dense ones over the world (megatron_ep.py [Note: Megatron-Core expert parallelism]).
+  Tensor parallelism (``init_parallel_state(tensor_model_parallel_size=N)``, dense GPTs,
+  optionally ``sequence_parallel``): each TP rank's pieces are sharded over Megatron's
+  data-parallel group (megatron_tp.py [Note: Megatron-Core tensor parallelism]).
 - Units: ``fully_shard`` per ``TransformerLayer`` (``gpt.decoder.layers``), then the root
   (:class:`MCoreLM`, which owns the embedding, final norm and output layer).
 - Gradients: autograd's ``.grad`` of each unsharded parameter - in eager steps collected
@@ -52,7 +55,7 @@ from torch import nn
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
-from graph_fsdp.integrations import megatron_ep
+from graph_fsdp.integrations import megatron_ep, megatron_tp
 from graph_fsdp.integrations.megatron_config import ATTENTION_BACKENDS as ATTENTION_BACKENDS
 from graph_fsdp.integrations.megatron_config import INSTALL_HINT as INSTALL_HINT
 from graph_fsdp.integrations.megatron_config import MOE_DISPATCHERS as MOE_DISPATCHERS
@@ -74,13 +77,27 @@ from graph_fsdp.integrations.megatron_scopes import (
 )
 
 
-def init_parallel_state(*, expert_model_parallel_size: int | None = None) -> None:
-    """Megatron's parallel_state over the default process group: tensor and pipeline parallel
-    size 1, expert-model-parallel size ``expert_model_parallel_size`` (a divisor of the world
-    size; None keeps an initialised state's, else 1). A state this function created with
-    another EP size is re-created (build models after the call); one initialised elsewhere with
-    another EP size is refused. [Note: Megatron-Core expert parallelism] (megatron_ep.py)"""
+def init_parallel_state(
+    *, expert_model_parallel_size: int | None = None, tensor_model_parallel_size: int = 1
+) -> None:
+    """Megatron's parallel_state over the default process group: pipeline parallel size 1,
+    expert-model-parallel size ``expert_model_parallel_size`` (a divisor of the world size;
+    None keeps an initialised state's, else 1), tensor parallel size
+    ``tensor_model_parallel_size`` (dense GPTs, EP = 1). A state these functions created with
+    other sizes is re-created (build models after the call); one initialised elsewhere with
+    other sizes is refused. [Note: Megatron-Core expert parallelism] (megatron_ep.py),
+    [Note: Megatron-Core tensor parallelism] (megatron_tp.py)"""
     require_megatron()
+    if tensor_model_parallel_size != 1:
+        if expert_model_parallel_size not in (None, 1):
+            raise ValueError(
+                f"tensor_model_parallel_size={tensor_model_parallel_size} with "
+                f"expert_model_parallel_size={expert_model_parallel_size}: graph_fsdp runs "
+                "Megatron's TP for dense GPTs (EP = 1)"
+            )
+        megatron_tp.initialize(tensor_model_parallel_size)
+        return
+    megatron_tp.release()  # a TP state megatron_tp created
     megatron_ep.initialize(expert_model_parallel_size)
 
 
@@ -117,7 +134,8 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         # CPU init (torch's CPU RNG, no Megatron RNG tracker yet): identical weights on every
         # rank, and TE attention is built without the tracker (see build_gpt).
         use_cpu_initialization=True,
-        tensor_model_parallel_size=1,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         attention_backend=AttnBackend[cfg.attention_backend],
@@ -249,7 +267,9 @@ def shard_gpt(
     """
     require_megatron()
     config = lm.module.config
-    ep = megatron_ep.check_model_ep(config, "shard_gpt")
+    # TP > 1: over Megatron's data-parallel group (megatron_tp.py); dense GPTs only
+    tp = megatron_tp.prepare(lm, config, next(lm.parameters()).device.type)
+    ep = 1 if tp is not None else megatron_ep.check_model_ep(config, "shard_gpt")
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError(
             "TransformerConfig.gradient_accumulation_fusion=True: TE would accumulate wgrads "
@@ -257,16 +277,25 @@ def shard_gpt(
         )
     layers = transformer_layers(lm)
     device = next(lm.parameters()).device
-    mesh = megatron_ep.expert_mesh_for(layers, ep, expert_groups, device.type)
-    for layer in layers:
-        fully_shard(
-            layer,
-            strategy=strategy,
-            mp_policy=mp_policy,
-            buffer_policy=buffer_policy,
-            expert_mesh=mesh,
+    mesh = None
+    if tp is None:
+        mesh = megatron_ep.expert_mesh_for(layers, ep, expert_groups, device.type)
+    elif megatron_ep.moe_layers(layers):
+        raise ValueError(
+            f"shard_gpt: tensor_model_parallel_size={config.tensor_model_parallel_size} with "
+            "MoE layers: graph_fsdp runs Megatron's TP for dense GPTs; use TP = 1 for MoE models"
         )
-    fully_shard(lm, strategy=strategy, mp_policy=mp_policy, buffer_policy=buffer_policy)
+    placement = dict(
+        mesh=None if tp is None else tp.mesh,
+        strategy=strategy,
+        mp_policy=mp_policy,
+        buffer_policy=buffer_policy,
+    )
+    for layer in layers:
+        fully_shard(layer, expert_mesh=mesh, **placement)
+    fully_shard(lm, **placement)
+    if tp is not None:
+        tp.install([*layers, lm])
     config.no_sync_func = lm.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     return lm
@@ -286,8 +315,10 @@ def finalize_model_grads(
     """``config.finalize_model_grads_func`` for graph_fsdp models.
 
     Megatron's version calls ``finish_grad_sync`` on its DDP/FSDP wrapper and all-reduces
-    embedding and layernorm gradients across TP/PP ranks; with TP = PP = 1 only the first
-    part applies: wait for graph_fsdp's reduce-scatters and expose the sharded ``.grad``.
+    embedding and layernorm gradients across TP/PP ranks; with PP = 1 only the first part and
+    the TP all-reduce of sequence-parallel gradients apply. This waits for graph_fsdp's
+    reduce-scatters and exposes the sharded ``.grad``; the TP all-reduce already ran at the end
+    of the backward (a grad sync hook, megatron_tp.py).
     ``num_tokens`` (``calculate_per_token_loss``): graph_fsdp averages gradients over the
     data-parallel ranks, so they are scaled by ``world / total tokens``.
     """

@@ -89,6 +89,14 @@ class MCoreGPTConfig:
     over the expert-data-parallel group (world / N ranks), dense ones over every rank. Must
     divide num_experts and the world size; init_parallel_state(expert_model_parallel_size=N)
     sets up Megatron's groups (megatron_ep.py)."""
+    tensor_model_parallel_size: int = 1
+    """Megatron's TP size N (dense GPTs): each rank holds its TP piece of the parallel linears,
+    embedding and output layer; graph_fsdp shards those local pieces over the data-parallel
+    group (world / N ranks). init_parallel_state(tensor_model_parallel_size=N) first
+    (megatron_tp.py [Note: Megatron-Core tensor parallelism])."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (TP > 1): activations between the TP blocks split over
+    the sequence; the norms' gradients are summed over TP after the data-parallel reduction."""
     seed: int = 1234
     """Seed of the weights (torch and Megatron's model-parallel RNG tracker)."""
     attention_backend: str = "auto"
@@ -119,6 +127,7 @@ class MCoreGPTConfig:
                     f"and num_experts={self.num_experts}"
                 )
         self._check_moe()
+        _check_tensor_parallel(self)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"MCoreGPTConfig.attention_backend={self.attention_backend!r}; choose one of "
@@ -248,6 +257,42 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
                 f"{name}: {field}={size} is not a multiple of 8; torch._grouped_mm reads "
                 "16-byte aligned bf16 rows"
             )
+
+
+def _check_tensor_parallel(cfg: MCoreGPTConfig) -> None:
+    """The TP / SP fields against the model's shape (megatron_tp.py)."""
+    tp, name = cfg.tensor_model_parallel_size, "MCoreGPTConfig"
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"{name}.tensor_model_parallel_size={tp!r} must be a positive integer")
+    if cfg.sequence_parallel and tp == 1:
+        raise ValueError(
+            f"{name}.sequence_parallel=True splits the sequence over the TP group, but "
+            "tensor_model_parallel_size=1: set tensor_model_parallel_size > 1 or "
+            "sequence_parallel=False"
+        )
+    if tp == 1:
+        return
+    ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "ffn_hidden_size": ffn,
+        "vocab_size": cfg.vocab_size,
+    }
+    if cfg.sequence_parallel:
+        sizes["seq_length"] = cfg.seq_length
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        raise ValueError(
+            f"{name}.tensor_model_parallel_size={tp} must divide {bad}: each TP rank holds "
+            "whole heads, an equal share of the MLP and vocabulary (and of the sequence with "
+            "sequence_parallel); pick a TP size that divides them"
+        )
+    if cfg.num_experts is not None:
+        raise ValueError(
+            f"{name}: tensor_model_parallel_size={tp} with num_experts={cfg.num_experts}: "
+            "graph_fsdp runs Megatron's tensor parallelism for dense GPTs; use TP = 1 for MoE "
+            "models (expert parallelism: expert_model_parallel_size)"
+        )
 
 
 # --------------------------------------------------------------------------------------------

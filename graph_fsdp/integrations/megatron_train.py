@@ -28,6 +28,7 @@ from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.integrations import megatron_tp
 from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.train import make_optimizer
 
@@ -124,7 +125,7 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
         # warn_only: Megatron's unfused MoE permutation has ops without a deterministic CUDA
         # kernel; they warn instead of failing (eager and graphed runs use the same kernels).
         torch.use_deterministic_algorithms(True, warn_only=True)
-    gm.init_parallel_state()
+    gm.init_parallel_state(tensor_model_parallel_size=cfg.model.tensor_model_parallel_size)
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -135,6 +136,11 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
     lm = gm.build_gpt(dataclasses.replace(cfg.model, bf16=cfg.bf16), device)
     if cfg.engine == "megatron_fsdp":
+        if cfg.model.tensor_model_parallel_size != 1:
+            raise ValueError(
+                "engine='megatron_fsdp' compares data-parallel runs; tensor_model_parallel_size="
+                f"{cfg.model.tensor_model_parallel_size} is wired for graph_fsdp's engine only"
+            )
         if cfg.clip_grad > 0:
             raise ValueError(
                 f"clip_grad={cfg.clip_grad} is wired for graph_fsdp's engine only (the global "
@@ -260,6 +266,8 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             verify=cfg.cuda_graph_verify,
         )
     losses, eval_losses, times = [], [], []
+    # The TP ranks of a data-parallel rank read the same batches (megatron_tp.py).
+    data_rank, data_world = megatron_tp.data_parallel_rank(rank, world_size)
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None:
@@ -268,7 +276,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         batches = [
-            batch(cfg, step * cfg.grad_accum + m, rank, device, world_size=world_size)
+            batch(cfg, step * cfg.grad_accum + m, data_rank, device, world_size=data_world)
             for m in range(cfg.grad_accum)
         ]
         if cfg.use_megatron_schedule:
@@ -297,7 +305,7 @@ def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
         losses.append(step_loss.item())
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
-                xe, ye = batch(cfg, step, rank, device, eval=True, world_size=world_size)
+                xe, ye = batch(cfg, step, data_rank, device, eval=True, world_size=data_world)
                 eval_losses.append(lm(xe, ye).float().item())
         if log is not None:
             log.write(f'{{"step": {step}, "loss": {losses[-1]!r}, "step_time_s": {times[-1]!r}}}\n')

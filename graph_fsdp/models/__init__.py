@@ -23,6 +23,7 @@ from graph_fsdp.models.gpt import (
     synthetic_batch,
     transformer_layers,
 )
+from graph_fsdp.models.tp_plans import parallelize_gpt, parallelize_hf_decoder
 
 __all__ = [
     "MLP",
@@ -38,6 +39,8 @@ __all__ = [
     "init_weights",
     "model_flops_per_token",
     "moe_capacity",
+    "parallelize_gpt",
+    "parallelize_hf_decoder",
     "partition_experts",
     "sharding_units",
     "synthetic_batch",

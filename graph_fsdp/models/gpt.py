@@ -348,7 +348,13 @@ def _rms_norm(config: GPTConfig) -> nn.RMSNorm:
 
 
 class SelfAttention(nn.Module):
-    """Pre-norm causal self-attention; the caller adds the residual."""
+    """Pre-norm causal self-attention; the caller adds the residual.
+
+    ``qkv``'s output rows are grouped per head - head 0's query, key and value, then head 1's,
+    ... (Megatron's ``linear_qkv`` layout) - so a contiguous split of them over tensor-parallel
+    ranks gives each rank whole heads; the forward reads the number of heads from ``qkv``'s
+    output, so the same code runs the full layer or a TP rank's heads (models/tp_plans.py).
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         with _construction(self):
@@ -361,11 +367,14 @@ class SelfAttention(nn.Module):
             self.proj = _SeededLinear(h, h, config, residual_out=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        qkv = self.qkv(self.norm(x)).view(b, s, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
+        qkv = self.qkv(self.norm(x))
+        # Under sequence parallelism ``x`` holds this rank's slice of the sequence and ``qkv``
+        # (gathered by the plan) all of it: shapes come from ``qkv``.
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, (q, k, v), head_dim]
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
