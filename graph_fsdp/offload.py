@@ -51,7 +51,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from graph_fsdp.address_keeping import AddressKeeper, announce, repoint_views
+from graph_fsdp.address_keeping import AddressKeeper, OffloadMode, announce, repoint_views
 from graph_fsdp.param_group import FlatParamGroup
 from graph_fsdp.state import FSDPState, TrainingState, collect_states, in_backward, state_of
 
@@ -181,6 +181,17 @@ def _check_kind(per_root: list[list[FSDPState]], kind: str, offloading: bool) ->
             raise RuntimeError(
                 f"onload_{kind} without offload_{kind}: the {kind} are on the device already"
             )
+
+
+def offload_mode(model: nn.Module) -> OffloadMode:
+    """How offload treats ``model``'s CUDA graphs: ``.keeper`` is not None when addresses are
+    kept (address_keeping.py), ``.notice`` says which mode runs and why."""
+    state = state_of(model)
+    if state is None:
+        raise TypeError(f"offload_mode: {type(model).__name__} is not fully_shard-ed")
+    if state.root is None:
+        state.lazy_init()
+    return state.root.offload_mode
 
 
 def _keeper(states: list[FSDPState]) -> AddressKeeper | None:

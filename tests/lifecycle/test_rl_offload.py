@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
+import os
+import subprocess
+import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +331,42 @@ def test_keep_addresses_needs_a_static_allocator():
     with pytest.raises(ValueError, match="allocator='dynamic'"):
         BufferPolicy(keep_addresses_on_offload=True)
     assert BufferPolicy(allocator="trace_pool", keep_addresses_on_offload=True)
+
+
+# ---------------------------------------------------------------------- the example
+def test_rl_loop_example_runs_on_cpu():
+    """examples/rl_loop.py end to end on CPU (gloo, the full_iteration runner's eager mode, the
+    recapture fallback): its JSON lines, and losses equal to the run without offload."""
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(var, None)
+    args = ["--device", "cpu", "--preset", "tiny", "--iterations", "2", "--train-steps", "2"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "rl_loop.py"),
+            *args,
+            "--rollout-tokens",
+            "4",
+            "--reference",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    iterations = [r for r in records if "iteration" in r]
+    summary = records[-1]
+    assert [r["iteration"] for r in iterations] == [0, 1]
+    for r in iterations:
+        assert r["counted_gib"] > 0 and len(r["generated"]) == 4
+        assert r["offload_s"] >= 0 and r["onload_s"] >= 0 and r["first_step_ms"] > 0
+    assert summary["summary"] and summary["mode"] == "recapture"
+    assert len(summary["losses"]) == 6 and summary["bit_identical"] is True
+    assert "the model is on cpu" in summary["notice"]
