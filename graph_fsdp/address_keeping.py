@@ -64,7 +64,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,12 +126,19 @@ class MemorySaverBackend:
     def capture(self, graph, tag: str, **kwargs) -> AbstractContextManager:
         if not self.preload:
             return torch.cuda.graph(graph, **kwargs)
-        stack = ExitStack()
+        return self._preload_capture(graph, tag, kwargs)
+
+    @contextmanager
+    def _preload_capture(self, graph, tag: str, kwargs: dict) -> Iterator[None]:
+        """Entered where ``torch.cuda.graph`` would be (not when made: callers build the
+        context first and run capture-time hooks before entering it)."""
         # The preload hook tags the allocations of the thread that set the tag: backward
         # must run on the capturing thread, not on autograd's device thread.
-        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
-        stack.enter_context(self.saver.cuda_graph(graph, tag=tag, **kwargs))
-        return stack
+        with (
+            torch.autograd.set_multithreading_enabled(False),
+            self.saver.cuda_graph(graph, tag=tag, **kwargs),
+        ):
+            yield
 
     def pause(self, tag: str, tensors: list[torch.Tensor]) -> None:
         self.saver.pause(tag)

@@ -12,7 +12,8 @@
 # on fewer GPUs), megatron_ep (Megatron-Core MoE GPT with expert parallelism: EP 1 through the
 # expert mesh, EP 2 and checkpoints across EP sizes; 2-GPU parts skip on one), megatron_ep4 (its
 # 4-GPU layouts, EP 2 x EDP 2 and EP 4), bench, comm_graphs (real communication-graph replays,
-# also at world size 1).
+# also at world size 1), rl_offload (examples/rl_loop.py per graph scope and ZeRO level under
+# torch-memory-saver, ~4 min at world 1), rl_offload_1b (its 1B-parameter measurement).
 # Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
@@ -35,7 +36,7 @@ mkdir -p "$OUT"
 declare -A LIMIT=(
   [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [megatron_ep]=560
-  [megatron_ep4]=560 [bench]=400 [comm_graphs]=300
+  [megatron_ep4]=560 [bench]=400 [comm_graphs]=300 [rl_offload]=560 [rl_offload_1b]=560
 )
 declare -A ARGS=(
   [megatron]="tests/gpu/test_megatron_gpu.py -k not seq_64"
@@ -53,9 +54,11 @@ declare -A ARGS=(
   [megatron_ep4]="tests/gpu/test_megatron_ep_gpu.py -k world4"
   [bench]="tests/bench/test_bench_gpu.py"
   [comm_graphs]="tests/gpu/test_comm_graphs_gpu.py"
+  [rl_offload]="tests/gpu/test_rl_offload_gpu.py -k not 1b"
+  [rl_offload_1b]="tests/gpu/test_rl_offload_gpu.py -k 1b"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs rl_offload rl_offload_1b)
 
 # The header of every log: the commit, the machine, the versions.
 STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"

@@ -370,3 +370,35 @@ def test_rl_loop_example_runs_on_cpu():
     assert summary["summary"] and summary["mode"] == "recapture"
     assert len(summary["losses"]) == 6 and summary["bit_identical"] is True
     assert "the model is on cpu" in summary["notice"]
+
+
+class _RecordingSaver:
+    """Stands in for torch-memory-saver in a unit test of our wrapper (no CUDA here)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def cuda_graph(self, graph, tag: str, **kwargs):
+        self.events.append(("enter", tag, torch._C._is_multithreading_enabled(), kwargs))
+        yield
+        self.events.append(("exit", tag))
+
+
+def test_preload_capture_enters_where_torch_cuda_graph_would():
+    """Callers build the capture context, run capture-time hooks, then enter it: the memory
+    saver's capture (and autograd on the capturing thread) starts at the enter, not before."""
+    saver = _RecordingSaver()
+    backend = ak.MemorySaverBackend(saver, preload=True)
+    assert backend.releases_graph_pools and "preload hook" in backend.description
+    before = torch._C._is_multithreading_enabled()
+    ctx = backend.capture(None, "graph_fsdp.9.graphs", pool=None, stream=None)
+    assert saver.events == []  # built, not entered
+    with ctx:
+        assert saver.events == [
+            ("enter", "graph_fsdp.9.graphs", False, {"pool": None, "stream": None})
+        ]
+    assert saver.events[-1] == ("exit", "graph_fsdp.9.graphs")
+    assert torch._C._is_multithreading_enabled() == before
+    torch_hook = ak.MemorySaverBackend(saver, preload=False)
+    assert not torch_hook.releases_graph_pools and "LD_PRELOAD" in torch_hook.description
