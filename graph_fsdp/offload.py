@@ -333,11 +333,10 @@ def _live_slots(allocator) -> list[torch.Tensor]:
 
 
 def _slot_bytes(allocator) -> int:
-    """Bytes of the static allocator's slots that exist now (``release`` frees them)."""
-    slots = getattr(allocator, "slots", None)
-    if slots is None:
-        return 0
-    return sum(slot.nbytes for slot in slots() if slot.tensor is not None)
+    """Bytes the static allocator's slots hold now (``release`` frees them). A slot whose
+    storage was given back between steps holds none: after a full-iteration capture every
+    slot's bytes live in the graph's pool, which ``graph_pools`` counts."""
+    return sum(_nbytes(t) for t in _live_slots(allocator))
 
 
 def _drop_unsharded(group: FlatParamGroup) -> None:
