@@ -125,6 +125,14 @@ class BufferPolicy:
     persist_on_alloc_fail: bool = False
     """double_buffer/trace_pool: a request no planned slot can serve gets a persistent
     dedicated buffer instead of an error."""
+    keep_addresses_on_offload: bool = False
+    """RL loops: ``offload_*`` releases the device memory of the main weights, gradients,
+    optimizer state, static buffers (and, under torch-memory-saver's preload hook, the CUDA
+    graphs' pools) and ``onload_*`` maps it back at the same virtual addresses, so captured
+    graphs replay right after an onload (address_keeping.py [Note: offload keeps addresses]).
+    Needs torch-memory-saver and a static-address allocator; without the package, offload
+    falls back to recapturing the graphs (a one-line notice says which mode runs). Read from
+    the root's ``fully_shard`` call."""
 
     def __post_init__(self) -> None:
         if self.allocator not in ("dynamic", "double_buffer", "trace_pool"):
@@ -134,6 +142,13 @@ class BufferPolicy:
             )
         if self.num_slots < 1:
             raise ValueError(f"BufferPolicy.num_slots={self.num_slots} must be >= 1 (default 2)")
+        if self.keep_addresses_on_offload and self.allocator == "dynamic":
+            raise ValueError(
+                "BufferPolicy.keep_addresses_on_offload=True keeps the addresses CUDA graphs "
+                "read across offload, but allocator='dynamic' gives buffers new addresses at "
+                "every step (no graphs can run on it): use allocator='double_buffer' or "
+                "'trace_pool', or drop keep_addresses_on_offload"
+            )
 
     @property
     def static_addresses(self) -> bool:

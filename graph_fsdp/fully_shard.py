@@ -90,6 +90,8 @@ class FSDPModule:
         state = self._fsdp_state
         if state.root is None:
             state.lazy_init()
+        if "params" in state.root.offloaded:
+            refuse_offloaded(state.root, "unshard")
         state.unshard()
         state.wait_for_unshard()
 
@@ -166,13 +168,15 @@ class FSDPModule:
         return report
 
     # ------------------------------------------------------------------ lifecycle (RL)
-    # See graph_fsdp/offload.py: each returns the bytes it freed (or allocated) by kind.
+    # See graph_fsdp/offload.py (its functions also take a list of model chunks): each
+    # returns the bytes it freed (or allocated) by kind.
     def offload_params(self) -> dict[str, int]:
         """Main weights to pinned CPU memory; frees compute buffers, slots and graph pools."""
         return offload.offload_params(self)
 
     def onload_params(self) -> dict[str, int]:
-        """Main weights back on the device (graphs are recaptured at the next step)."""
+        """Main weights back on the device (graphs replay at once when addresses are kept,
+        else they are recaptured at the next step)."""
         return offload.onload_params(self)
 
     def offload_grads(self) -> dict[str, int]:
@@ -184,11 +188,10 @@ class FSDPModule:
 
     def offload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """The optimizer's device state tensors to pinned CPU memory (step refused)."""
-        offload.root_states(self, "offload_optimizer")
-        return offload.offload_optimizer(optimizer, self._fsdp_state.groups[0].device)
+        return offload.offload_optimizer(self, optimizer)
 
     def onload_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return offload.onload_optimizer(optimizer)
+        return offload.onload_optimizer(self, optimizer)
 
     def iter_full_params(
         self, *, dtype: torch.dtype | None = None, device=None
@@ -197,9 +200,10 @@ class FSDPModule:
         return offload.iter_full_params(self, dtype=dtype, device=device)
 
 
-def synchronize_param_gather(modules: Iterable[nn.Module]) -> None:
-    """Refresh compute weights of *all* given model chunks (not just the first one)."""
-    for module in modules:
+def synchronize_param_gather(model_or_chunks: nn.Module | Iterable[nn.Module]) -> None:
+    """Refresh compute weights of the model, or of *all* given model chunks (not just the
+    first one)."""
+    for module in offload.chunks_of(model_or_chunks, "synchronize_param_gather"):
         for state in collect_states(module):
             if state.root is None:
                 state.lazy_init()

@@ -1,13 +1,31 @@
 """Offload and onload of sharded state, for RL loops that alternate training and rollout.
 
-    model.offload_params(); model.offload_grads(); model.offload_optimizer(opt)  # rollout
-    ...                                                   # the inference engine uses the GPU
-    model.onload_params(); model.onload_grads(); model.onload_optimizer(opt)     # train again
-    for name, tensor in graph_fsdp.iter_full_params([chunk0, chunk1], dtype=torch.bfloat16):
+    from graph_fsdp import offload
+    offload.offload_params(chunks); offload.offload_grads(chunks)        # before the rollout
+    offload.offload_optimizer(chunks, optimizer)
+    for name, tensor in graph_fsdp.iter_full_params(chunks, dtype=torch.bfloat16):
         engine.load_weight(name, tensor)                  # weight sync, one unit at a time
+    ...                                                   # the inference engine uses the GPU
+    offload.onload_params(chunks); offload.onload_grads(chunks)          # train again
+    offload.onload_optimizer(chunks, optimizer)
 
-Offload moves the sharded state to (pinned) CPU memory and frees the device copies; onload
-brings it back. Every call returns the bytes it freed (or re-allocated), by kind.
+``chunks`` is a ``fully_shard``-ed root module or a list of them (virtual pipeline stages, an
+RL backend's model chunks): every function here takes either, and the root's ``FSDPModule``
+methods (``model.offload_params()``, ...) call them for one. Offload moves the sharded state to
+(pinned) CPU memory and frees the device copies; onload brings it back. Every call returns the
+bytes it freed (or re-allocated), by kind, summed over the chunks. Offload is refused inside a
+step (between a training forward and its backward, during a backward) and for a kind already
+offloaded; a forward, a graph runner's step or an optimizer step with offloaded state is
+refused until the matching onload.
+
+Two modes, decided per model at its lazy init and named once per process by a one-line notice
+(address_keeping.py ``announce``):
+
+- addresses kept: with ``BufferPolicy(keep_addresses_on_offload=True)`` and torch-memory-saver,
+  the device memory is released and mapped back at the same addresses, so CUDA graphs replay
+  right after onload (address_keeping.py [Note: offload keeps addresses]);
+- recapture (the default, and the fallback without torch-memory-saver): [Note: CUDA graphs
+  across offload].
 
 [Note: offload keeps identities] The optimizer and checkpoints hold the sharded parameters
 (1-D views of each group's ``main_flat``), so those objects must survive offload. Each group
@@ -16,14 +34,14 @@ sharded parameter at a view of it (``param.data = main_flat[a:b]``): the objects
 version counter they share with ``main_flat`` (what ``FlatParamGroup.stale`` reads), are kept;
 the views stay consistent with the flat tensor on either side. ``main_grad`` and its
 ``.grad`` views move the same way; gradients are detached while the two sides differ and
-re-attached on onload.
+re-attached on onload. With addresses kept, onload swaps the *same* device storage back in.
 
-[Note: CUDA graphs across offload] Onload cannot give the buffers their old addresses back
-(the caching allocator decides), so graphs are *recaptured*: offload_params suspends every
-live runner of the model (its graphs are reset and their pool freed now) and releases the
-static allocator's slots (bumping its generation), and the runner's next ``before_step``
-captures again (layerwise) or its next step does (full_iteration). The first step after an
-onload therefore pays one capture, and replays bit-identically afterwards.
+[Note: CUDA graphs across offload] Without kept addresses, onload cannot give the buffers
+their old addresses back (the caching allocator decides), so graphs are *recaptured*:
+offload_params suspends every live runner of the model (its graphs are reset and their pool
+freed now) and releases the static allocator's slots (bumping its generation), and the
+runner's next ``before_step`` captures again (layerwise) or its next step does
+(full_iteration, after its warmup steps again). It then replays bit-identically.
 """
 
 from __future__ import annotations
@@ -33,8 +51,12 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from graph_fsdp.address_keeping import AddressKeeper, OffloadMode, announce, repoint_views
 from graph_fsdp.param_group import FlatParamGroup
 from graph_fsdp.state import FSDPState, TrainingState, collect_states, in_backward, state_of
+
+ModelOrChunks = nn.Module | Iterable[nn.Module]
+"""A ``fully_shard``-ed root module, or a list of them (model chunks)."""
 
 
 def _pin() -> bool:
@@ -67,7 +89,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def _add(counts: dict[str, int], kind: str, nbytes: int) -> None:
+    counts[kind] = counts.get(kind, 0) + nbytes
+
+
+def _totalled(counts: dict[str, int]) -> dict[str, int]:
+    counts["total"] = sum(v for k, v in counts.items() if k != "total")
+    return counts
+
+
 # ---------------------------------------------------------------------- checks
+def chunks_of(model_or_chunks: ModelOrChunks, action: str) -> list[nn.Module]:
+    """``model_or_chunks`` as a list of modules (one module: a list of one)."""
+    if isinstance(model_or_chunks, nn.Module):
+        return [model_or_chunks]
+    if isinstance(model_or_chunks, torch.optim.Optimizer) or not isinstance(
+        model_or_chunks, Iterable
+    ):
+        raise TypeError(
+            f"{action}: expected a fully_shard-ed module or a list of them, got "
+            f"{type(model_or_chunks).__name__}"
+        )
+    chunks = list(model_or_chunks)
+    bad = [type(c).__name__ for c in chunks if not isinstance(c, nn.Module)]
+    if not chunks or bad:
+        raise TypeError(
+            f"{action}: expected a fully_shard-ed module or a non-empty list of them, got a "
+            f"list of {len(chunks)}{f' holding {bad[:3]}' if bad else ''}"
+        )
+    return chunks
+
+
 def root_states(model: nn.Module, action: str) -> list[FSDPState]:
     """The FSDP states of ``model``, which must be a root, idle (between steps)."""
     state = state_of(model)
@@ -87,11 +139,29 @@ def root_states(model: nn.Module, action: str) -> list[FSDPState]:
     return collect_states(model)
 
 
+def _roots(model_or_chunks: ModelOrChunks, action: str) -> list[list[FSDPState]]:
+    """Every chunk's states; all chunks are checked before anything changes."""
+    per_root = [root_states(chunk, action) for chunk in chunks_of(model_or_chunks, action)]
+    seen: set[int] = set()
+    for states in per_root:
+        if id(states[0].root) in seen:
+            raise ValueError(f"{action}: the same model was passed twice in the chunk list")
+        seen.add(id(states[0].root))
+    return per_root
+
+
 def check_idle(states: list[FSDPState], action: str) -> None:
     if in_backward():
         raise RuntimeError(
             f"{action} during a backward pass: call it between training steps (after "
             "optimizer.step()), never from a hook or autograd function"
+        )
+    root = states[0].root if states else None
+    if root is not None and root.awaiting_backward:
+        raise RuntimeError(
+            f"{action} between a training forward and its backward (the step is open): call "
+            "it after backward() (and optimizer.step()); run forwards that need no backward "
+            "(a rollout's log-probs, an evaluation) under torch.no_grad()"
         )
     busy = [f"{s.fqn} ({s.training_state.value})" for s in states]
     busy = [b for b, s in zip(busy, states) if s.training_state is not TrainingState.IDLE]
@@ -102,8 +172,31 @@ def check_idle(states: list[FSDPState], action: str) -> None:
         )
 
 
-def _offloaded(states: list[FSDPState]) -> set[str]:
-    return states[0].root.offloaded
+def _check_kind(per_root: list[list[FSDPState]], kind: str, offloading: bool) -> None:
+    for states in per_root:
+        offloaded = states[0].root.offloaded
+        if offloading and kind in offloaded:
+            raise RuntimeError(f"offload_{kind}: the {kind} are already offloaded")
+        if not offloading and kind not in offloaded:
+            raise RuntimeError(
+                f"onload_{kind} without offload_{kind}: the {kind} are on the device already"
+            )
+
+
+def offload_mode(model: nn.Module) -> OffloadMode:
+    """How offload treats ``model``'s CUDA graphs: ``.keeper`` is not None when addresses are
+    kept (address_keeping.py), ``.notice`` says which mode runs and why."""
+    state = state_of(model)
+    if state is None:
+        raise TypeError(f"offload_mode: {type(model).__name__} is not fully_shard-ed")
+    if state.root is None:
+        state.lazy_init()
+    return state.root.offload_mode
+
+
+def _keeper(states: list[FSDPState]) -> AddressKeeper | None:
+    mode = states[0].root.offload_mode
+    return mode.keeper if mode is not None else None
 
 
 def _suspend_graphs(states: list[FSDPState]) -> int:
@@ -144,30 +237,34 @@ def _reattach_grads(group: FlatParamGroup) -> None:
             pending.discard(i)
 
 
-def _repoint_params(group: FlatParamGroup) -> None:
-    """Sharded params as views of ``main_flat`` again, and grad views of ``main_grad``."""
-    lo = group.owned[0]
-    grad_lo = lo if group.placements.grads else 0
-    for ref in group.params:
-        offset = group.layout.offsets[ref.index]
-        start = ref.global_offset
-        end = start + ref.sharded.numel()
-        ref.sharded.data = group.main_flat[offset + start - lo : offset + end - lo]
-        ref.grad_view = group.main_grad[offset + start - grad_lo : offset + end - grad_lo]
+def _grads_live(group: FlatParamGroup) -> bool:
+    """Whether ``main_grad`` holds values someone reads: a sharded ``.grad`` is attached (or
+    detached by an offload, to be re-attached). Otherwise the next reduction overwrites it."""
+    return group.grads_defined() or bool(group.__dict__.get("_lifecycle_grads"))
 
 
 # ---------------------------------------------------------------------- params
-def offload_params(model: nn.Module) -> dict[str, int]:
+def offload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Move every unit's sharded main weights to (pinned) CPU memory and free the device
     copies, the compute-weight buffers, the allocator's slots and the graphs' pools.
 
     Returns bytes freed by kind (``total`` included). Training and forward are refused
     until :func:`onload_params`.
     """
-    states = root_states(model, "offload_params")
-    offloaded = _offloaded(states)
-    if "params" in offloaded:
-        raise RuntimeError("offload_params: the parameters are already offloaded")
+    per_root = _roots(model_or_chunks, "offload_params")
+    _check_kind(per_root, "params", offloading=True)
+    freed: dict[str, int] = {}
+    for states in per_root:
+        announce(states[0].root.offload_mode)
+        keeper = _keeper(states)
+        part = _offload_kept(states, keeper) if keeper else _offload_recapture(states)
+        for kind, nbytes in part.items():
+            _add(freed, kind, nbytes)
+        states[0].root.offloaded.add("params")
+    return _totalled(freed)
+
+
+def _offload_recapture(states: list[FSDPState]) -> dict[str, int]:
     freed = {"graph_pools": _suspend_graphs(states)}
     root = states[0].root
     slots = _slot_bytes(root.allocator)
@@ -176,35 +273,70 @@ def offload_params(model: nn.Module) -> dict[str, int]:
         state.reshard()
         for group in state.groups:
             _detach_grads(group)
-            freed["main_params"] = freed.get("main_params", 0) + _nbytes(group.main_flat)
+            _add(freed, "main_params", _nbytes(group.main_flat))
             group.main_flat.data = _to_host(group.main_flat)
             if group.compute_shard is not None:  # HSDP optim_over_replicas only
-                freed["compute_shard"] = freed.get("compute_shard", 0) + _nbytes(
-                    group.compute_shard
-                )
+                _add(freed, "compute_shard", _nbytes(group.compute_shard))
                 group.compute_shard = torch.empty(0, dtype=group.compute_dtype, device=device)
             persistent = getattr(group, "_persistent_full", None)
             if persistent is not None:
-                freed["compute_full"] = freed.get("compute_full", 0) + _nbytes(persistent)
+                _add(freed, "compute_full", _nbytes(persistent))
                 group._persistent_full = None
             _drop_unsharded(group)
     _sync(device)
     for state in states:
         for group in state.groups:
-            _repoint_params(group)
+            repoint_views(group)
     root.allocator.release()  # slots (and graphs that read them) must be re-made
     freed["allocator_slots"] = slots
-    offloaded.add("params")
-    freed["total"] = sum(freed.values())
     return freed
 
 
-def _slot_bytes(allocator) -> int:
-    """Bytes of the static allocator's slots that exist now (``release`` frees them)."""
+def _offload_kept(states: list[FSDPState], keeper: AddressKeeper) -> dict[str, int]:
+    """The main weights to the host; the params, buffers and graphs regions released
+    (address_keeping.py [Note: offload keeps addresses]): the graphs stay valid."""
+    freed: dict[str, int] = {}
+    saved, compute = [], []
+    for state in states:
+        state.reshard()
+        for group in state.groups:
+            _detach_grads(group)
+            device_flat = group.main_flat.detach()
+            group.main_flat.data = _to_host(device_flat)
+            saved.append((group, device_flat))
+            _add(freed, "main_params", _nbytes(device_flat))
+            for kind, t in (
+                ("compute_full", getattr(group, "_persistent_full", None)),
+                ("compute_shard", group.compute_shard),
+            ):
+                if t is not None:
+                    _add(freed, kind, _nbytes(t))
+                    compute.append(t)
+    _sync(keeper.device)
+    for group, _ in saved:
+        repoint_views(group)
+    slots = _live_slots(states[0].root.allocator)
+    freed["allocator_slots"] = sum(_nbytes(t) for t in slots)
+    keeper.saved["params"] = saved
+    keeper.release("params", [t for _, t in saved] + compute)
+    keeper.release("buffers", slots)
+    freed["graph_pools"] = keeper.release("graphs", [])
+    return freed
+
+
+def _live_slots(allocator) -> list[torch.Tensor]:
+    """The slot tensors that hold bytes now."""
     slots = getattr(allocator, "slots", None)
     if slots is None:
-        return 0
-    return sum(slot.nbytes for slot in slots() if slot.tensor is not None)
+        return []
+    return [s.tensor for s in slots() if s.tensor is not None and _nbytes(s.tensor)]
+
+
+def _slot_bytes(allocator) -> int:
+    """Bytes the static allocator's slots hold now (``release`` frees them). A slot whose
+    storage was given back between steps holds none: after a full-iteration capture every
+    slot's bytes live in the graph's pool, which ``graph_pools`` counts."""
+    return sum(_nbytes(t) for t in _live_slots(allocator))
 
 
 def _drop_unsharded(group: FlatParamGroup) -> None:
@@ -219,146 +351,235 @@ def _drop_unsharded(group: FlatParamGroup) -> None:
     group.ag_event = None
 
 
-def onload_params(model: nn.Module) -> dict[str, int]:
+def onload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Bring the main weights back to the device and re-create the compute buffers (their
     contents are refreshed from the main weights by the next unshard). Returns the bytes
     allocated on the device by kind."""
-    states = root_states(model, "onload_params")
-    offloaded = _offloaded(states)
-    if "params" not in offloaded:
-        raise RuntimeError(
-            "onload_params without offload_params: the parameters are on the device already"
-        )
+    per_root = _roots(model_or_chunks, "onload_params")
+    _check_kind(per_root, "params", offloading=False)
+    moved: dict[str, int] = {}
+    for states in per_root:
+        keeper = _keeper(states)
+        part = _onload_kept(states, keeper) if keeper else _onload_recapture(states)
+        for kind, nbytes in part.items():
+            _add(moved, kind, nbytes)
+        for state in states:
+            for group in state.groups:
+                _reattach_grads(group)
+        states[0].root.offloaded.discard("params")
+    return _totalled(moved)
+
+
+def _onload_recapture(states: list[FSDPState]) -> dict[str, int]:
     device = states[0].groups[0].device
     moved: dict[str, int] = {}
     for state in states:
         for group in state.groups:
             group.main_flat.data = _to_device(group.main_flat, device)
-            moved["main_params"] = moved.get("main_params", 0) + _nbytes(group.main_flat)
+            _add(moved, "main_params", _nbytes(group.main_flat))
             if group.compute_shard is not None:  # HSDP optim_over_replicas only
                 group.compute_shard = torch.empty(
                     group.shard_numel, dtype=group.compute_dtype, device=device
                 )
-                moved["compute_shard"] = moved.get("compute_shard", 0) + _nbytes(
-                    group.compute_shard
-                )
+                _add(moved, "compute_shard", _nbytes(group.compute_shard))
             if not group.placements.params:
                 group._persistent_full = torch.empty(
                     group.layout.total, dtype=group.compute_dtype, device=device
                 )
-                moved["compute_full"] = moved.get("compute_full", 0) + _nbytes(
-                    group._persistent_full
-                )
-            _repoint_params(group)
+                _add(moved, "compute_full", _nbytes(group._persistent_full))
+            repoint_views(group)
             group.dirty = True  # compute weights are rebuilt from the main weights
     _sync(device)
-    for state in states:
-        for group in state.groups:
-            _reattach_grads(group)
-    offloaded.discard("params")
-    moved["total"] = sum(moved.values())
+    return moved
+
+
+def _onload_kept(states: list[FSDPState], keeper: AddressKeeper) -> dict[str, int]:
+    """The regions mapped again; the main weights copied back into the same device storage."""
+    for kind in ("graphs", "buffers", "params"):
+        keeper.restore(kind)
+    moved: dict[str, int] = {}
+    for group, device_flat in keeper.saved.pop("params"):
+        device_flat.copy_(group.main_flat, non_blocking=group.main_flat.is_pinned())
+        group.main_flat.data = device_flat
+        repoint_views(group)
+        group.dirty = True  # compute weights are rebuilt from the main weights
+        _add(moved, "main_params", _nbytes(device_flat))
+        for kind, t in (
+            ("compute_full", getattr(group, "_persistent_full", None)),
+            ("compute_shard", group.compute_shard),
+        ):
+            if t is not None:
+                _add(moved, kind, _nbytes(t))
+    _sync(keeper.device)
     return moved
 
 
 # ---------------------------------------------------------------------- grads
-def offload_grads(model: nn.Module) -> dict[str, int]:
+def offload_grads(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Move the sharded main gradients (and ``no_sync`` accumulators) to (pinned) CPU memory,
-    values kept. Returns bytes freed by kind; training is refused until :func:`onload_grads`."""
-    states = root_states(model, "offload_grads")
-    offloaded = _offloaded(states)
-    if "grads" in offloaded:
-        raise RuntimeError("offload_grads: the gradients are already offloaded")
+    values kept. Returns bytes freed by kind; training is refused until :func:`onload_grads`.
+    With addresses kept, values nobody can read (no ``.grad`` attached, nothing accumulating:
+    the next reduction overwrites them) are not copied."""
+    per_root = _roots(model_or_chunks, "offload_grads")
+    _check_kind(per_root, "grads", offloading=True)
     freed: dict[str, int] = {}
-    device = states[0].groups[0].device
-    for state in states:
-        for group in state.groups:
-            _detach_grads(group)
-            freed["main_grads"] = freed.get("main_grads", 0) + _nbytes(group.main_grad)
-            group.main_grad.data = _to_host(group.main_grad)
-            if group.accum is not None:
-                freed["grad_accum"] = freed.get("grad_accum", 0) + _nbytes(group.accum)
-                group.accum.data = _to_host(group.accum)
-    _sync(device)
-    for state in states:
-        for group in state.groups:
-            _repoint_params(group)
-    offloaded.add("grads")
-    freed["total"] = sum(freed.values())
-    return freed
+    for states in per_root:
+        announce(states[0].root.offload_mode)
+        keeper = _keeper(states)
+        saved = []
+        for state in states:
+            for group in state.groups:
+                live = {"main_grad": _grads_live(group), "accum": group.accum_pending}
+                _detach_grads(group)
+                for attr in ("main_grad", "accum"):
+                    t = getattr(group, attr)
+                    if t is None:
+                        continue
+                    _add(freed, "main_grads" if attr == "main_grad" else "grad_accum", _nbytes(t))
+                    device_t = t.detach()
+                    if keeper is None or live[attr]:
+                        t.data = _to_host(device_t)
+                    else:  # nothing to keep: a host tensor of the shape, never written
+                        t.data = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    saved.append((group, attr, device_t, live[attr]))
+        _sync(states[0].groups[0].device)
+        for state in states:
+            for group in state.groups:
+                repoint_views(group)
+        if keeper is not None:
+            keeper.saved["grads"] = saved
+            keeper.release("grads", [t for _, _, t, _ in saved])
+        states[0].root.offloaded.add("grads")
+    return _totalled(freed)
 
 
-def onload_grads(model: nn.Module) -> dict[str, int]:
+def onload_grads(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Bring the main gradients back; ``.grad`` views are re-attached where they were."""
-    states = root_states(model, "onload_grads")
-    offloaded = _offloaded(states)
-    if "grads" not in offloaded:
-        raise RuntimeError(
-            "onload_grads without offload_grads: the gradients are on the device already"
-        )
-    device = states[0].groups[0].device
+    per_root = _roots(model_or_chunks, "onload_grads")
+    _check_kind(per_root, "grads", offloading=False)
     moved: dict[str, int] = {}
-    for state in states:
-        for group in state.groups:
-            group.main_grad.data = _to_device(group.main_grad, device)
-            moved["main_grads"] = moved.get("main_grads", 0) + _nbytes(group.main_grad)
-            if group.accum is not None:
-                group.accum.data = _to_device(group.accum, device)
-                moved["grad_accum"] = moved.get("grad_accum", 0) + _nbytes(group.accum)
-            _repoint_params(group)
-    _sync(device)
-    for state in states:
-        for group in state.groups:
-            _reattach_grads(group)
-    offloaded.discard("grads")
-    moved["total"] = sum(moved.values())
-    return moved
+    for states in per_root:
+        keeper = _keeper(states)
+        device = states[0].groups[0].device
+        if keeper is None:
+            for state in states:
+                for group in state.groups:
+                    group.main_grad.data = _to_device(group.main_grad, device)
+                    _add(moved, "main_grads", _nbytes(group.main_grad))
+                    if group.accum is not None:
+                        group.accum.data = _to_device(group.accum, device)
+                        _add(moved, "grad_accum", _nbytes(group.accum))
+        else:
+            keeper.restore("grads")
+            for group, attr, device_t, live in keeper.saved.pop("grads"):
+                t = getattr(group, attr)
+                if live:
+                    device_t.copy_(t, non_blocking=t.is_pinned())
+                t.data = device_t
+                _add(moved, "main_grads" if attr == "main_grad" else "grad_accum", _nbytes(t))
+        for state in states:
+            for group in state.groups:
+                repoint_views(group)
+        _sync(device)
+        for state in states:
+            for group in state.groups:
+                _reattach_grads(group)
+        states[0].root.offloaded.discard("grads")
+    return _totalled(moved)
 
 
 # ---------------------------------------------------------------------- optimizer
 _OPT_ATTR = "_graph_fsdp_offloaded"
+_OPT_KEEPER = "_graph_fsdp_address_keeper"
 
 
-def offload_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
-    """Move every optimizer state tensor on ``device`` (``exp_avg``, ``exp_avg_sq``, ...) to
-    (pinned) CPU memory; ``optimizer.step()`` is refused until :func:`onload_optimizer`.
-    The state dicts and their keys (the sharded params) are kept."""
+def _optimizer_keeper(
+    per_root: list[list[FSDPState]], optimizer: torch.optim.Optimizer
+) -> AddressKeeper | None:
+    """The optimizer's own region (its state keeps its addresses) when its model's do."""
+    model_keeper = _keeper(per_root[0])
+    if model_keeper is None:
+        return None
+    keeper = getattr(optimizer, _OPT_KEEPER, None)
+    if keeper is None:
+        keeper = AddressKeeper(model_keeper.backend, model_keeper.device)
+        setattr(optimizer, _OPT_KEEPER, keeper)
+    return keeper
+
+
+def _check_optimizer(optimizer, action: str) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{action}(model_or_chunks, optimizer): the second argument must be a "
+            f"torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
+def offload_optimizer(
+    model_or_chunks: ModelOrChunks, optimizer: torch.optim.Optimizer
+) -> dict[str, int]:
+    """Move every optimizer state tensor on the model's device (``exp_avg``, ...) to (pinned)
+    CPU memory; ``optimizer.step()`` is refused until :func:`onload_optimizer`. The state dicts
+    and their keys (the sharded params) are kept."""
+    _check_optimizer(optimizer, "offload_optimizer")
+    per_root = _roots(model_or_chunks, "offload_optimizer")
     if getattr(optimizer, _OPT_ATTR, None) is not None:
         raise RuntimeError("offload_optimizer: this optimizer's state is already offloaded")
-    check_idle([], "offload_optimizer")
-    moved: dict[tuple[int, str], torch.device] = {}
+    announce(per_root[0][0].root.offload_mode)
+    device = per_root[0][0].groups[0].device
+    keeper = _optimizer_keeper(per_root, optimizer)
+    moved: dict[tuple[int, str], torch.Tensor | None] = {}
     freed = 0
     for p, st in optimizer.state.items():
         for name, value in st.items():
             if torch.is_tensor(value) and value.device == device and value.numel():
                 st[name] = _to_host(value)
-                moved[(id(p), name)] = value.device
+                # Kept: the region's storage comes back at its address; else re-made.
+                kept = keeper is not None and keeper.owns(value)
+                moved[(id(p), name)] = value if kept else None
                 freed += _nbytes(value)
     _sync(device)
+    if keeper is not None:
+        keeper.release("optim", [t for t in moved.values() if t is not None])
     handle = optimizer.register_step_pre_hook(_refuse_step)
-    setattr(optimizer, _OPT_ATTR, (moved, handle))
+    setattr(optimizer, _OPT_ATTR, (moved, device, handle))
     return {"optimizer_state": freed, "total": freed}
 
 
-def onload_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bring the state :func:`offload_optimizer` moved back to its device."""
+def onload_optimizer(
+    model_or_chunks: ModelOrChunks, optimizer: torch.optim.Optimizer
+) -> dict[str, int]:
+    """Bring the state :func:`offload_optimizer` moved back to the device (with addresses
+    kept: into the optimizer's region, at the addresses it had there)."""
+    _check_optimizer(optimizer, "onload_optimizer")
+    per_root = _roots(model_or_chunks, "onload_optimizer")
     record = getattr(optimizer, _OPT_ATTR, None)
     if record is None:
         raise RuntimeError(
             "onload_optimizer without offload_optimizer: the optimizer's state was not "
-            "offloaded (call model.offload_optimizer(optimizer) first)"
+            "offloaded (call offload_optimizer(model, optimizer) first)"
         )
-    moved, handle = record
+    moved, device, handle = record
+    keeper = _optimizer_keeper(per_root, optimizer)
+    if keeper is not None:
+        keeper.restore("optim")
     total = 0
-    device = None
     for p, st in optimizer.state.items():
         for name, value in st.items():
-            target = moved.get((id(p), name))
+            key = (id(p), name)
+            if key not in moved:
+                continue
+            target = moved[key]
             if target is not None:
-                st[name] = _to_device(value, target)
-                total += _nbytes(value)
-                device = target
-    if device is not None:
-        _sync(device)
+                target.copy_(value, non_blocking=value.is_pinned())
+            elif keeper is not None:  # first onload: the state moves into its region
+                target = keeper.empty("optim", value.shape, value.dtype)
+                target.copy_(value, non_blocking=value.is_pinned())
+            else:
+                target = _to_device(value, device)
+            st[name] = target
+            total += _nbytes(target)
+    _sync(device)
     handle.remove()
     setattr(optimizer, _OPT_ATTR, None)
     return {"optimizer_state": total, "total": total}
@@ -367,13 +588,13 @@ def onload_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, int]:
 def _refuse_step(optimizer, args, kwargs) -> None:
     raise RuntimeError(
         "optimizer.step() with offloaded optimizer state: call "
-        "model.onload_optimizer(optimizer) first"
+        "onload_optimizer(model, optimizer) (model.onload_optimizer(optimizer)) first"
     )
 
 
 # ---------------------------------------------------------------------- export
 def iter_full_params(
-    chunks: nn.Module | Iterable[nn.Module],
+    model_or_chunks: ModelOrChunks,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -386,8 +607,7 @@ def iter_full_params(
     iterate to the end (the gathers are collectives). Names are relative to each chunk.
     Works while the parameters are offloaded (each unit visits the device for its gather).
     """
-    modules = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
-    for module in modules:
+    for module in chunks_of(model_or_chunks, "iter_full_params"):
         states = collect_states(module)
         if not states:
             raise ValueError(

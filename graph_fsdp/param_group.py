@@ -203,6 +203,10 @@ class FlatParamGroup:
         """Set while capturing a full iteration: the graph must contain the refresh."""
         self.pin_main_grad = False
         """A captured graph writes ``main_grad``: its storage must never be released."""
+        self.persistent_region = nullcontext
+        """Where persistent tensors made after construction (``accum``) are allocated: a
+        region whose memory offload releases at kept addresses (address_keeping.py [Note:
+        offload keeps addresses])."""
 
     # Allocator keys are identities (unit name, role, dtype[, tag]): buffers/allocator.py;
     # expert groups' carry a tag (experts.py [Note: expert groups]).
@@ -580,9 +584,10 @@ class FlatParamGroup:
             src = self.grad_full
             if not sync:
                 if self.accum is None:
-                    self.accum = torch.empty(
-                        self.layout.total, dtype=mp.main_grads_dtype, device=self.device
-                    )
+                    with self.persistent_region():  # address_keeping.py
+                        self.accum = torch.empty(
+                            self.layout.total, dtype=mp.main_grads_dtype, device=self.device
+                        )
                 if self.accum_pending:
                     self.accum.add_(src)
                 else:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graph_fsdp.address_keeping import OffloadMode, offload_mode_for
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
 from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
 from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
@@ -71,6 +72,12 @@ class RootContext:
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
     offloaded: set[str] = field(default_factory=set)
     """State kinds moved off the device by graph_fsdp.offload (forward is refused)."""
+    offload_mode: OffloadMode | None = None
+    """Whether offload keeps the addresses CUDA graphs read (set at lazy init:
+    address_keeping.py [Note: offload keeps addresses])."""
+    awaiting_backward: bool = False
+    """A training forward (grad enabled) ran and its backward has not finished: the step is
+    open, and offload is refused (offload.py ``check_idle``)."""
     expert_comms: dict[int, CommContext] = field(default_factory=dict)
     """id(expert-data-parallel group) -> the root's streams over it (``comm_for``)."""
 
@@ -328,6 +335,7 @@ class FSDPState:
             for group in other.groups:
                 group.comm = ctx.comm_for(group.comm)
                 group.register_buffers(ctx.allocator)
+        ctx.offload_mode = offload_mode_for(states, self.buffer_policy.keep_addresses_on_offload)
         self.is_root = True
         # The root's weights are used first in forward and backward: keep them gathered.
         self.reshard_after_forward = False
@@ -341,11 +349,13 @@ class FSDPState:
             self.wait_for_unshard()
             return
         root = self.root
+        if root.offloaded:  # any unit: a submodule called by itself reads offloaded state too
+            refuse_offloaded(root)
         if self.is_root:
-            if root.offloaded:
-                refuse_offloaded(root)
             root.backward_done.clear()
             root.callback_queued = False
+            if torch.is_grad_enabled():
+                root.awaiting_backward = True
             for s in root.states:
                 s._pre_backward_done = s._post_backward_done = False
                 for group in s.groups:
@@ -487,6 +497,7 @@ def root_final_callback(root: RootContext):
                             hook()
             root.allocator.step_boundary()
             root.callback_queued = False
+            root.awaiting_backward = False
 
     return finish
 

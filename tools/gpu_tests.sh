@@ -14,7 +14,8 @@
 # 4-GPU layouts, EP 2 x EDP 2 and EP 4), bench, comm_graphs (real communication-graph replays,
 # also at world size 1), whole_step (the one-graph training step: bit-exactness and the timing
 # rows, ~4 min at world 1), tensor_parallel (DTensor and Megatron-Core TP with FSDP; needs 2 or 4
-# GPUs, skips on one).
+# GPUs, skips on one), rl_offload (examples/rl_loop.py per graph scope and ZeRO level under
+# torch-memory-saver, ~4 min at world 1), rl_offload_1b (its 1B-parameter measurement).
 # Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
@@ -38,7 +39,7 @@ declare -A LIMIT=(
   [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [megatron_ep]=560
   [megatron_ep4]=560 [bench]=400 [comm_graphs]=300 [whole_step]=420
-  [tensor_parallel]=560
+  [tensor_parallel]=560 [rl_offload]=560 [rl_offload_1b]=560
 )
 declare -A ARGS=(
   [megatron]="tests/gpu/test_megatron_gpu.py -k not seq_64"
@@ -58,9 +59,11 @@ declare -A ARGS=(
   [comm_graphs]="tests/gpu/test_comm_graphs_gpu.py"
   [whole_step]="tests/gpu/test_whole_step_gpu.py"
   [tensor_parallel]="tests/gpu/test_tensor_parallel_gpu.py"
+  [rl_offload]="tests/gpu/test_rl_offload_gpu.py -k not 1b"
+  [rl_offload_1b]="tests/gpu/test_rl_offload_gpu.py -k 1b"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs whole_step tensor_parallel)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b)
 
 # The header of every log: the commit, the machine, the versions.
 STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"

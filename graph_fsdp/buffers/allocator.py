@@ -21,8 +21,8 @@ the caching allocator). See [Note: slot reuse across streams].
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,8 @@ import torch
 from graph_fsdp.cuda_streams import current_stream, nvtx_range, stream_capturing
 
 Key = Hashable
+Region = Callable[[], AbstractContextManager]
+"""A context the allocations of persistent bytes run in (``SlotAllocator.set_region``)."""
 
 
 BACKWARD_ROLES = frozenset({"grad", "grad_comm", "rs_out", "rep_out"})
@@ -124,6 +126,13 @@ class BufferAllocator(ABC):
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
 
+    def set_region(self, region: Region) -> None:
+        """Allocate persistent bytes inside ``region()`` from now on (slot allocators)."""
+        raise TypeError(
+            f"{type(self).__name__} keeps no persistent buffers to place in a memory region: "
+            "use a slot allocator (BufferPolicy(allocator='double_buffer' or 'trace_pool'))"
+        )
+
     def memory_report(self) -> dict[str, dict[str, int]]:
         return self.stats.as_dict()
 
@@ -187,6 +196,8 @@ class Slot:
         self.pending: list[torch.cuda.Event] = []
         self._events: dict[tuple, torch.cuda.Event] = {}
         """One reusable event per stream this slot is given back on (see ``give_back``)."""
+        self.region: Region = nullcontext
+        """Where its bytes are allocated (``SlotAllocator.set_region``)."""
 
     @property
     def nbytes(self) -> int:
@@ -195,9 +206,11 @@ class Slot:
     def materialise(self) -> torch.Tensor:
         """The slot's tensor with its bytes, allocated on the current stream if it has none."""
         if self.tensor is None:
-            self.tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            with self.region():
+                self.tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         elif self.released:
-            self.tensor.untyped_storage().resize_(self.nbytes)
+            with self.region():
+                self.tensor.untyped_storage().resize_(self.nbytes)
             self.released = False
         return self.tensor
 
@@ -316,6 +329,7 @@ class SlotAllocator(BufferAllocator):
         weight slots during backward]; computed from the plan and the pinned roles)."""
         self._capture_kept: set[int] | None = None
         """Inside ``owning_capture``: ids of the slots whose bytes predate the capture."""
+        self._region: Region = nullcontext
 
     # -- subclass hooks ------------------------------------------------------------------
     def _plan(self) -> None:
@@ -346,7 +360,7 @@ class SlotAllocator(BufferAllocator):
                 "(--fsdp-db-use-persist-buf-on-alloc-fail) to give such requests a persistent "
                 "dedicated buffer, or call release() and re-plan."
             )
-        dedicated = Slot(numel, dtype, device, label=f"dedicated[{key!r}]")
+        dedicated = self._new_slot(numel, dtype, device, label=f"dedicated[{key!r}]")
         self._dedicated[key] = dedicated
         self._releasable = None
         self._views.pop(key, None)
@@ -361,6 +375,19 @@ class SlotAllocator(BufferAllocator):
                 self._plan()
             self._planned = True
             self._releasable = None
+
+    def _new_slot(self, numel: int, dtype: torch.dtype, device: torch.device, label: str) -> Slot:
+        """A slot whose bytes come from this allocator's region (``set_region``)."""
+        slot = Slot(numel, dtype, device, label)
+        slot.region = self._region
+        return slot
+
+    def set_region(self, region: Region) -> None:
+        """Every slot's bytes are allocated inside ``region()`` from now on (offload that
+        keeps addresses: address_keeping.py [Note: offload keeps addresses])."""
+        self._region = region
+        for slot in self.slots():
+            slot.region = region
 
     def prepare(self, keys):
         self._ensure_planned()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from graph_fsdp.buffers.allocator import Key, Slot, SlotAllocator
+from graph_fsdp.buffers.allocator import Key, SlotAllocator
 
 
 class DoubleBufferAllocator(SlotAllocator):
@@ -57,13 +57,13 @@ class DoubleBufferAllocator(SlotAllocator):
                 classes.setdefault((role, numel, dtype, device, tag), []).append(key)
         for (role, dtype, device), keys in serial.items():
             numel = max(self._registered[k][0] for k in keys)
-            slot = Slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#serial")
+            slot = self._new_slot(numel, dtype, device, label=f"{role}[{numel}x{dtype}]#serial")
             for key in keys:
                 self._assignment[key] = slot
         for (role, numel, dtype, device, tag), keys in classes.items():
             label = f"{role}[{numel}x{dtype}]" + "".join(f"/{t}" for t in tag)
             ring = [
-                Slot(numel, dtype, device, label=f"{label}#{i}")
+                self._new_slot(numel, dtype, device, label=f"{label}#{i}")
                 for i in range(min(self.num_slots, len(keys)))
             ]
             for i, key in enumerate(keys):

@@ -25,7 +25,6 @@ import torch
 from graph_fsdp.buffers.allocator import (
     DynamicAllocator,
     Key,
-    Slot,
     SlotAllocator,
     SlotReuseError,
 )
@@ -163,7 +162,7 @@ class TracePoolAllocator(SlotAllocator):
             }
         )
         slots = [
-            Slot(numel, dtype, device, label=f"pool[{i}]:{numel}x{dtype}")
+            self._new_slot(numel, dtype, device, label=f"pool[{i}]:{numel}x{dtype}")
             for i, (numel, dtype, device) in enumerate(specs)
         ]
         self._assignment = {key: slots[i] for key, i in assignment.items()}

@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graph_fsdp.address_keeping import capture_context
 from graph_fsdp.buffers.allocator import SlotAllocator
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
@@ -292,6 +293,7 @@ class FullIterationGraphs(RunnerLifecycle):
         return tuple(s.requires_grad_sync for s in self.states)
 
     def _run(self, micro: int, fn: StepFn, args: tuple, kwargs: dict):
+        self._check_open()
         if self.steps_seen == 0:
             raise GraphConfigError(
                 "forward_backward before the first before_step(): call graphs.before_step() at "
@@ -419,7 +421,7 @@ class FullIterationGraphs(RunnerLifecycle):
                     no_collection(),
                     eager_mask_decisions(self.model),
                 ):
-                    with torch.cuda.graph(
+                    with capture_context(self.states)(  # address_keeping.py
                         graph,
                         pool=self._pool,
                         stream=self.stream,

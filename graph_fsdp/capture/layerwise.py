@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from graph_fsdp.address_keeping import capture_context
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.pools import pool_bytes
@@ -391,6 +392,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                         warmup_iters=self.warmup_iters,
                         pool=self._pool,
                         tracker=self._tracker,
+                        cuda_graph=capture_context(self.states),
                     )
         except GraphConfigError:
             raise  # a refusal before anything was captured says what to change itself

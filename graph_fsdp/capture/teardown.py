@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from graph_fsdp.state import refuse_offloaded
+
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()
 _GUARD_ATTR = "_graph_fsdp_shutdown_guard"
 
@@ -69,11 +71,18 @@ class RunnerLifecycle:
         raise NotImplementedError
 
     def _check_open(self) -> None:
+        """Before a step: the runner is open and its model's state is on the device (with
+        addresses kept, offload leaves the graphs in place over released memory: a replay
+        now would read unmapped addresses)."""
         if self.closed:
             raise RuntimeError(
                 f"{type(self).__name__} was closed (close(), its context manager, or "
                 "destroy_process_group): create a new runner to capture again"
             )
+        states = getattr(self, "states", None)
+        root = states[0].root if states else None
+        if root is not None and root.offloaded:
+            refuse_offloaded(root, f"a {type(self).__name__} step")
 
     def __enter__(self):
         return self

@@ -554,11 +554,14 @@ def capture_torch(
     warmup_iters: int,
     pool,
     tracker: ModuleTracker | None = None,
+    cuda_graph=torch.cuda.graph,
 ) -> None:
     """Warm up and capture ``caps`` with torch.cuda graphs (see the module notes).
 
     Each callable's capture-time hooks run around every warmup and capture step, outside
     the capture, on the capture stream - TE's contract, so both backends share FSDP's side.
+    ``cuda_graph``: ``torch.cuda.graph`` or a context with its signature (a model whose
+    addresses offload keeps: address_keeping.capture_context).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -579,7 +582,7 @@ def capture_torch(
                 )
             prev = cap
             cap.fwd_graph = torch.cuda.CUDAGraph()
-            graph = torch.cuda.graph(
+            graph = cuda_graph(
                 cap.fwd_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE
             )
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/fwd"):
@@ -594,7 +597,7 @@ def capture_torch(
                     cap.static_grad_outputs[i] = grad.detach()
             nxt = cap
             cap.bwd_graph = torch.cuda.CUDAGraph()
-            graph = torch.cuda.graph(
+            graph = cuda_graph(
                 cap.bwd_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE
             )
             with nvtx_range(f"graph_fsdp/capture/{cap.name}/bwd"):
