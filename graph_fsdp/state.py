@@ -28,6 +28,7 @@ from graph_fsdp.comm import CommContext
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.hook_markers import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
 from graph_fsdp.param_group import FlatParamGroup
+from graph_fsdp.reduce import reduce_grads
 
 
 class TrainingState(enum.Enum):
@@ -421,11 +422,11 @@ class FSDPState:
                 if group.grad_full is None and not group.grads_in_autograd:
                     continue
                 if root.capturing:
-                    self.allocator.free(group.grad_key, used_on=group._main_streams())
+                    self.allocator.free(group.grad_key, used_on=group.main_streams())
                     continue
                 overwrite = not group.grads_defined()
-                group.reduce_grads(
-                    self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
+                reduce_grads(
+                    group, self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
                 )
             if not self.is_root:
                 self.reshard()
