@@ -150,7 +150,7 @@ class FSDPModule:
                 add("main_params", g.main_flat)
                 add("main_grads", g.main_grad)
                 add("compute_shard", g.compute_shard)
-                add("compute_full_persistent", getattr(g, "_persistent_full", None))
+                add("compute_full_persistent", g.persistent_full)
                 add("grad_accum", g.accum)
         root = states[0].root
         report = {"persistent_bytes": persistent}

@@ -61,6 +61,7 @@ from torch import nn
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
 from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.buffers.layout import FlatLayout
+from graph_fsdp.capture_context import CaptureContext
 from graph_fsdp.comm import CommContext, all_gather
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.experts import (
@@ -179,10 +180,12 @@ class FlatParamGroup:
             self.params.append(ref)
         del full
 
-        if not placements.params:
-            self._persistent_full = torch.empty(
-                self.layout.total, dtype=self.compute_dtype, device=device
-            )
+        self.persistent_full: torch.Tensor | None = (
+            None
+            if placements.params
+            else torch.empty(self.layout.total, dtype=self.compute_dtype, device=device)
+        )
+        """ZeRO-0/1/2: the compute weights, kept between steps (ZeRO-3 gathers into slots)."""
         self.shard_range = (slo, shi)
         # Kept between gathers so the gather across replicas runs once per refresh.
         self.compute_shard = (
@@ -201,10 +204,11 @@ class FlatParamGroup:
         self._nonempty_sharded = [ref.sharded for ref in self.params if ref.sharded.numel()]
         self.dirty = False
         """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
-        self.force_refresh = False
-        """Set while capturing a full iteration: the graph must contain the refresh."""
-        self.pin_main_grad = False
+        self._main_grad_pinned = False
         """A captured graph writes ``main_grad``: its storage must never be released."""
+        self.capture = CaptureContext()
+        """The root's capture switches (capture_context.py [Note: capture context]), set at
+        the root's lazy init."""
         self.persistent_region = nullcontext
         """Where persistent tensors made after construction (``accum``) are allocated: a
         region whose memory offload releases at kept addresses (address_keeping.py [Note:
@@ -281,7 +285,11 @@ class FlatParamGroup:
         # The version counter catches in-place updates through the views (foreach AdamW,
         # checkpoint loads); fused kernels do not bump it, so optimizer steps also mark
         # the group dirty through the step hook in fully_shard.py.
-        return self.force_refresh or self.dirty or self.main_flat._version != self._synced_version
+        return (
+            self.capture.refresh_weights
+            or self.dirty
+            or self.main_flat._version != self._synced_version
+        )
 
     def unshard(self, allocator: BufferAllocator) -> None:
         """Queue the all-gather (or refresh) of the compute weights on the AG stream."""
@@ -291,7 +299,7 @@ class FlatParamGroup:
             if self._holds_full:
                 return  # gathered or being gathered (prefetch, root kept for backward)
         elif not needs_gather:
-            self.full = self._persistent_full
+            self.full = self.persistent_full
             return
         with nvtx_range(f"graph_fsdp/unshard/{self.fqn}"):
             if self.placements.params:  # [Note: weight slots during backward]
@@ -304,8 +312,8 @@ class FlatParamGroup:
                         self.param_key, self.layout.total, self.compute_dtype, self.device
                     )
                 else:
-                    full = self._persistent_full
-                graphs = self.comm_graphs
+                    full = self.persistent_full
+                graphs = self.capture.comm_graphs
                 if graphs is not None and self.compute_shard is None and self.placements.optim:
                     # One graph launch: capture/comm_graphs.py [Note: communication graphs].
                     key = ("gather", id(self), full.data_ptr(), self.main_flat.data_ptr())
@@ -324,10 +332,6 @@ class FlatParamGroup:
         shard = self._compute_shard_in(full)
         if self.placements.optim:
             all_gather(full, shard, self.comm, self.fqn)
-
-    comm_graphs = None
-    """The ``CommGraphs`` a layerwise runner lends this group while its graphs are captured
-    (capture/comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
 
     def _compute_shard_in(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard-group range in compute dtype, the input of the shard all-gather:
@@ -415,6 +419,18 @@ class FlatParamGroup:
         self._unsharded_built = False
         if self.full.untyped_storage().nbytes():
             self._rebuild_unsharded(self.full)
+
+    def drop_unsharded(self) -> None:
+        """Forget the unsharded params and gathered buffers (offload: their bytes go with
+        them); the next gather builds them again."""
+        for ref in self.params:
+            ref.unsharded = None
+        self.full = self.grad_full = None
+        self._unsharded_built = False
+        self._holds_full = False
+        self._grads_attached_to = None
+        self._gather_views = self._grad_views = None
+        self.ag_event = None
 
     def use_unsharded(self) -> None:
         for ref in self.params:
@@ -544,9 +560,14 @@ class FlatParamGroup:
     # graph writes ``main_grad`` at a fixed address, so capture pins it.
     def release_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()
-        if self.pin_main_grad or storage.nbytes() == 0 or self.grads_defined():
+        if self._main_grad_pinned or storage.nbytes() == 0 or self.grads_defined():
             return
         storage.resize_(0)
+
+    def pin_main_grad(self) -> None:
+        """Give ``main_grad`` its bytes and keep them: a graph writes it at this address."""
+        self.ensure_main_grad()
+        self._main_grad_pinned = True
 
     def ensure_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()

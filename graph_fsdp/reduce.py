@@ -75,7 +75,7 @@ def reduce_grads(
         if not sync:
             _accumulate(group, allocator)
             return
-        graphs = group.comm_graphs
+        graphs = group.capture.comm_graphs
         if (
             graphs is not None
             and group.placements.grads

@@ -16,10 +16,11 @@ around either, since they live on ``__call__``. Capture (``_capture``):
 1. put every unit's unsharded parameters in place (the graphs' parameter inputs);
 2. extract the hooks of the targets and their FSDP units; build each callable's
    ``capture_time_hooks`` from them (hooks/module_hooks.py);
-3. with ``RootContext.capturing`` set (reductions skipped, grad buffers freed), warm up and
-   capture with the chosen backend in a shared memory pool;
+3. inside the root's ``capture.layerwise_capture()`` (reductions skipped, grad buffers freed:
+   capture_context.py [Note: capture context]), warm up and capture with the chosen backend
+   in a shared memory pool;
 4. restore the hooks (``finally``), reshard, and restore the RNG state;
-5. lend every unit the runner's communication graphs (``comm_graphs``, on by default): each
+5. lend the root the runner's communication graphs (``comm_graphs``, on by default): each
    unit's gather and reduction kernels become one graph launch (comm_graphs.py [Note:
    communication graphs]); ``drop()`` takes them back.
 """
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.address_keeping import capture_context
+from graph_fsdp.address_keeping import graph_capture
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.pools import pool_bytes
@@ -309,19 +310,18 @@ class LayerwiseGraphs(RunnerLifecycle):
                 )
                 for c in self.caps
             ]
-            root.capturing = True
-            self._pool = torch.cuda.graph_pool_handle()
-            self._run_backend(hooks)
-            torch.cuda.synchronize()
+            with root.capture.layerwise_capture():
+                self._pool = torch.cuda.graph_pool_handle()
+                self._run_backend(hooks)
+                torch.cuda.synchronize()
         finally:
-            root.capturing = False
             for saved in extracted.values():
                 restore_module_hooks(saved)
             for state in self.states:
                 state.reshard()
                 for group in state.groups:
                     root.allocator.free(group.grad_key)
-                state._pre_backward_done = state._post_backward_done = False
+                state.reset_backward_guards()
             torch.set_rng_state(rng[0])
             torch.cuda.set_rng_state(rng[1])
         # The graphs keep their capture's autograd graph, and with it AccumulateGrad nodes
@@ -334,8 +334,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                 cap.set_replay_anchor()
                 if cap.module is cap.target.unit:  # [Note: backward handlers in the replay]
                     cap.unit_state = unit_states[id(cap.module)]
-                    cap.unit_state.backward_by_replay = True
-                    cap.unit_state.hand_forward_to_dispatcher()
+                    cap.unit_state.hand_handlers_to_replay()
         for state in units.values():
             state.reshard()
         self._lend_comm_graphs(root)
@@ -352,9 +351,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         if not self.comm_graphs or not root.comm.cuda or root.comm.world_size < 2:
             return
         self._comm = CommGraphs(torch.cuda.graph_pool_handle())
-        for state in self.states:
-            for group in state.groups:
-                group.comm_graphs = self._comm
+        root.capture.lend_comm_graphs(self._comm)
 
     _comm_report: dict | None = None
     """The last communication graphs' counters (kept after they are taken back)."""
@@ -363,9 +360,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         comm, self._comm = self._comm, None
         if comm is None:
             return
-        for state in self.states:
-            for group in state.groups:
-                group.comm_graphs = None
+        self.states[0].root.capture.take_comm_graphs_back()
         self._comm_report = comm.report()
         comm.reset()
 
@@ -392,7 +387,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                         warmup_iters=self.warmup_iters,
                         pool=self._pool,
                         tracker=self._tracker,
-                        cuda_graph=capture_context(self.states),
+                        cuda_graph=graph_capture(self.states),
                     )
         except GraphConfigError:
             raise  # a refusal before anything was captured says what to change itself
