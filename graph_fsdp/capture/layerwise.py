@@ -7,7 +7,7 @@ Usage (train.py does this)::
         graphs.before_step()  # captures once the warmup steps ran; recaptures after release()
         loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
 
-Each target module's ``forward`` is replaced by a dispatcher. During the last warmup step
+Each target module's ``forward`` is replaced by a ``Dispatcher``. During the last warmup step
 it records the call signature (shapes, dtypes, constants); after capture it replays the
 graphs for calls that match it in training mode with grad enabled, and runs the original
 forward for everything else (eval, ``torch.no_grad``, a changed shape) - FSDP's hooks fire
@@ -110,7 +110,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         self.caps: list[CapturedCallable] = []
         for target in select_targets(units, scopes, scope_modules=scope_modules):
             cap = CapturedCallable(target, target.module.forward)
-            target.module.forward = _dispatcher(self, cap)
+            target.module.forward = Dispatcher(self, cap)
             self.caps.append(cap)
         self.steps_seen = 0
         self.captured_generation: int | None = None
@@ -407,12 +407,40 @@ def under_activation_checkpoint() -> bool:
     return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
 
 
-def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
-    """The target's new ``forward``: replay when the call matches the capture, else eager."""
+class Dispatcher:
+    """A target's ``forward`` while a runner holds it: replay when the call matches the
+    capture, else the original forward (``del module.forward`` gives that back).
 
-    def replayable(args, kwargs):
-        """The call's tensors when it replays, else None (a call that does not match the
-        capture is counted and warned about; the recording step records the signature)."""
+    A call is one of: a replay (captured, a training call whose tensors match the capture);
+    an eager call (eval, ``torch.no_grad``, a verification's eager run, a call that does not
+    match - counted and warned about once); the recording step's call, whose signature and
+    outputs are kept for the capture. While the unit's handlers belong to the replay
+    (state.py [Note: forward handlers in the dispatcher]), the dispatcher runs the unit's
+    ``pre_forward``/``post_forward`` around either.
+    """
+
+    def __init__(self, graphs: LayerwiseGraphs, cap: CapturedCallable) -> None:
+        self.graphs = graphs
+        self.cap = cap
+
+    def __call__(self, *args, **kwargs):
+        tensors = self._replayable(args, kwargs)
+        state = self.cap.unit_state
+        if state is None or not state.forward_by_dispatcher:
+            out = self._run(tensors, args, kwargs)
+            if self.graphs.recording:
+                self._record_outputs(out)
+            return out
+        # The unit's forward handlers: a replay leaves the sharded parameters on the module.
+        state.pre_forward(params_on_modules=tensors is None)
+        out = self._run(tensors, args, kwargs)
+        state.post_forward()
+        return out
+
+    def _replayable(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The call's tensors when it replays, else None (the recording step records the
+        signature)."""
+        cap, graphs = self.cap, self.graphs
         training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
         if training_call and under_activation_checkpoint():
             raise GraphConfigError(
@@ -425,26 +453,7 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
                 "(full_iteration), whose graph records the recomputation too"
             )
         if cap.captured and training_call and not graphs.force_eager:
-            tensors = cap.signature.tensors_of(args, kwargs)
-            unchained = None
-            if tensors is not None:  # torch_backend.py [Note: chained static buffers]
-                static = cap.static_inputs
-                for j, _ in cap.chained:
-                    if tensors[j].data_ptr() != static[j].data_ptr():
-                        tensors, unchained = None, j
-                        break
-            if tensors is None:
-                cap.fallbacks += 1
-                if cap.fallbacks == 1:
-                    why = (
-                        f"call ({describe_call(args, kwargs)}) does not match the captured "
-                        f"signature ({cap.signature.describe()})"
-                        if unchained is None
-                        else f"tensor input {unchained} is not the previous graphed module's "
-                        "output, as it was at capture (the graph reads that output in place)"
-                    )
-                    warnings.warn(f"{cap.name}: {why}; running it eagerly", stacklevel=4)
-            return tensors
+            return self._matching_tensors(args, kwargs)
         if graphs.recording and training_call and cap.signature is None:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
             cap.signature.keep_sources(
@@ -457,34 +466,44 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
             )
         return None
 
-    def run(tensors, args, kwargs):
+    def _matching_tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The tensors of a training call after capture, or None (counted, warned about
+        once) when they do not match the capture."""
+        cap = self.cap
+        tensors = cap.signature.tensors_of(args, kwargs)
+        unchained = None
+        if tensors is not None:  # torch_backend.py [Note: chained static buffers]
+            static = cap.static_inputs
+            for j, _ in cap.chained:
+                if tensors[j].data_ptr() != static[j].data_ptr():
+                    tensors, unchained = None, j
+                    break
+        if tensors is None:
+            cap.fallbacks += 1
+            if cap.fallbacks == 1:
+                why = (
+                    f"call ({describe_call(args, kwargs)}) does not match the captured "
+                    f"signature ({cap.signature.describe()})"
+                    if unchained is None
+                    else f"tensor input {unchained} is not the previous graphed module's "
+                    "output, as it was at capture (the graph reads that output in place)"
+                )
+                # Past this method, _replayable, __call__ and torch's two module-call frames.
+                warnings.warn(f"{cap.name}: {why}; running it eagerly", stacklevel=5)
+        return tensors
+
+    def _run(self, tensors, args: tuple, kwargs: dict):
+        cap = self.cap
         if tensors is not None:
             return cap.replay(tensors)
         if cap.unit_state is not None:  # the replay owns the unit's backward handlers
             return cap.unit_state.forward_with_backward_handlers(cap.orig_forward, args, kwargs)
         return cap.orig_forward(*args, **kwargs)
 
-    def forward(*args, **kwargs):
-        tensors = replayable(args, kwargs)
-        state = cap.unit_state
-        if state is None or not state.forward_by_dispatcher:
-            out = run(tensors, args, kwargs)
-            if graphs.recording:
-                record_outputs(out)
-            return out
-        # The unit's forward handlers ([Note: forward handlers in the dispatcher]): a replay
-        # leaves the sharded parameters on the module.
-        state.pre_forward(params_on_modules=tensors is None)
-        out = run(tensors, args, kwargs)
-        state.post_forward()
-        return out
-
-    def record_outputs(out) -> None:
+    def _record_outputs(self, out) -> None:
+        cap = self.cap
         if not cap.recorded_output_ptrs and cap.signature is not None:
             flat = tree_flatten(out)[0]
             outputs = [t for t in flat if isinstance(t, torch.Tensor)]
             cap.recorded_output_ptrs = [t.data_ptr() for t in outputs]
             cap.recorded_outputs = [weakref.ref(t) for t in outputs]
-
-    forward._graph_fsdp_dispatcher = cap
-    return forward

@@ -1,8 +1,9 @@
 """The eager side of [Note: backward handlers in the replay] (capture/torch_backend.py), on gloo.
 
-While a whole-layer torch graph is captured its unit's ``backward_by_replay`` is set: FSDP's
-registration hooks stand aside and the runner's dispatcher (``capture/layerwise.py``
-``_dispatcher``, the layer's ``forward`` once a ``LayerwiseGraphs`` targets it) registers
+While a whole-layer torch graph is captured its unit's handlers belong to the replay
+(``FSDPState.hand_handlers_to_replay``): FSDP's registration hooks stand aside and the
+runner's ``Dispatcher`` (``capture/layerwise.py``, the layer's ``forward`` once a
+``LayerwiseGraphs`` targets it) registers
 the handlers for every eager call (``FSDPState.forward_with_backward_handlers``); with the
 hooks handed to the dispatcher ([Note: forward handlers in the dispatcher], state.py) it
 runs ``pre_forward`` and ``post_forward`` too. Here a real ``LayerwiseGraphs`` installs its
@@ -39,7 +40,8 @@ def _runner_dispatching(model: nn.Module, forward_handlers: bool):
     targets = [c.module for c in graphs.caps]  # every unit below the root: whole units
     assert all(any(layer is t for t in targets) for layer in transformer_layers(model))
     for cap in graphs.caps:
-        assert cap.module.forward._graph_fsdp_dispatcher is cap  # the runner's dispatcher
+        assert isinstance(cap.module.forward, runner.Dispatcher)  # the runner's dispatcher
+        assert cap.module.forward.cap is cap
         assert not cap.captured
         cap.unit_state = cap.module._fsdp_state
         handed = cap.unit_state.hand_handlers_to_replay(forward=forward_handlers)
