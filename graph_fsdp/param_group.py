@@ -127,17 +127,9 @@ class FlatParamGroup:
         R = comm.replicate_size
         self.layout = FlatLayout(tuple(p.numel() for p in originals), comm.world_size * R)
         self.over_replicas = placements.optim_over_replicas and R > 1
-        # [Note: HSDP ranges]; with R == 1 both are the 1-D shard range.
-        piece = self.layout.shard_numel
-        slo, shi = comm.rank * R * piece, (comm.rank + 1) * R * piece
-        if not placements.optim:
-            lo, hi = 0, self.layout.total
-        elif self.over_replicas:
-            lo = slo + comm.replicate_rank * piece
-            hi = lo + piece
-        else:
-            lo, hi = slo, shi
-        self.owned = (lo, hi)
+        self.owned, self.shard_range = self._ranges()
+        """This rank's owned range (main weights, main grads) and shard-group range."""
+        slo, shi = self.shard_range
         self.shard_numel = shi - slo
         """Elements of the shard-group range (compute shard, reduce-scatter output)."""
         if mp.reduce_scatter_fp32_accumulation and not (placements.grads and R == 1):
@@ -152,33 +144,8 @@ class FlatParamGroup:
         """reduce.py [Note: reduce-scatter with fp32 accumulation] (with fp32 compute the
         gradients are fp32 already: the plain reduce-scatter)."""
 
-        full = torch.zeros(self.layout.total, dtype=mp.main_params_dtype, device=device)
-        for offset, p in zip(self.layout.offsets, originals):
-            full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-        if broadcast_from_rank0:
-            _broadcast_from_first(full, comm)
-        self.main_flat = full[lo:hi].clone()
-        grad_numel = hi - lo if placements.grads else self.layout.total
-        self.main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
-        grad_lo = lo if placements.grads else 0
-
-        self.params: list[ParamRef] = []
-        for index, (pfqn, owners, p) in enumerate(entries):
-            offset = self.layout.offsets[index]
-            start = min(max(lo - offset, 0), p.numel())
-            end = max(min(hi - offset, p.numel()), start)
-            view = self.main_flat[offset + start - lo : offset + end - lo]
-            sharded = nn.Parameter(view, requires_grad=p.requires_grad)
-            ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
-            if expert is not None:
-                ref.expert = (expert_layouts or {}).get(pfqn)
-                if getattr(p, "allreduce", None) is False:
-                    sharded.allreduce = False  # Megatron's expert mark, for its own tools
-            ref.local_fqn = pfqn
-            sharded._graph_fsdp_group = self
-            ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
-            self.params.append(ref)
-        del full
+        self.main_flat, self.main_grad = self._make_main(originals, broadcast_from_rank0)
+        self.params = self._make_refs(entries, expert_layouts)
 
         self.persistent_full: torch.Tensor | None = (
             None
@@ -186,7 +153,6 @@ class FlatParamGroup:
             else torch.empty(self.layout.total, dtype=self.compute_dtype, device=device)
         )
         """ZeRO-0/1/2: the compute weights, kept between steps (ZeRO-3 gathers into slots)."""
-        self.shard_range = (slo, shi)
         # Kept between gathers so the gather across replicas runs once per refresh.
         self.compute_shard = (
             torch.empty(self.shard_numel, dtype=self.compute_dtype, device=device)
@@ -213,6 +179,63 @@ class FlatParamGroup:
         """Where persistent tensors made after construction (``accum``) are allocated: a
         region whose memory offload releases at kept addresses (address_keeping.py [Note:
         offload keeps addresses])."""
+
+    def _ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(owned, shard_range)`` of this rank ([Note: HSDP ranges]; with one replica both
+        are the 1-D shard range, or without a sharded optimizer the whole layout is owned)."""
+        comm, R = self.comm, self.comm.replicate_size
+        piece = self.layout.shard_numel
+        slo, shi = comm.rank * R * piece, (comm.rank + 1) * R * piece
+        if not self.placements.optim:
+            lo, hi = 0, self.layout.total
+        elif self.over_replicas:
+            lo = slo + comm.replicate_rank * piece
+            hi = lo + piece
+        else:
+            lo, hi = slo, shi
+        return (lo, hi), (slo, shi)
+
+    def _make_main(
+        self, originals: list[nn.Parameter], broadcast_from_rank0: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned main weights (copied from the originals, or from the first rank's after
+        meta-device init) and the zeroed main gradients."""
+        lo, hi = self.owned
+        mp, device = self.mp, self.device
+        full = torch.zeros(self.layout.total, dtype=mp.main_params_dtype, device=device)
+        for offset, p in zip(self.layout.offsets, originals):
+            full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        if broadcast_from_rank0:
+            _broadcast_from_first(full, self.comm)
+        main_flat = full[lo:hi].clone()
+        grad_numel = hi - lo if self.placements.grads else self.layout.total
+        main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
+        return main_flat, main_grad
+
+    def _make_refs(
+        self, entries: list, expert_layouts: dict[str, ExpertLayout | None] | None
+    ) -> list[ParamRef]:
+        """One ``ParamRef`` per parameter: its sharded parameter (a view of ``main_flat``,
+        maybe empty) and gradient view (of ``main_grad``)."""
+        lo, hi = self.owned
+        grad_lo = lo if self.placements.grads else 0
+        refs = []
+        for index, (pfqn, owners, p) in enumerate(entries):
+            offset = self.layout.offsets[index]
+            start = min(max(lo - offset, 0), p.numel())
+            end = max(min(hi - offset, p.numel()), start)
+            view = self.main_flat[offset + start - lo : offset + end - lo]
+            sharded = nn.Parameter(view, requires_grad=p.requires_grad)
+            ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
+            if self.expert is not None:
+                ref.expert = (expert_layouts or {}).get(pfqn)
+                if getattr(p, "allreduce", None) is False:
+                    sharded.allreduce = False  # Megatron's expert mark, for its own tools
+            ref.local_fqn = pfqn
+            sharded._graph_fsdp_group = self
+            ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
+            refs.append(ref)
+        return refs
 
     # Allocator keys are identities (unit name, role, dtype[, tag]): buffers/allocator.py;
     # expert groups' carry a tag (experts.py [Note: expert groups]).
