@@ -18,6 +18,8 @@ only reads it:
   which every group gathers and reduces (capture/comm_graphs.py [Note: communication graphs]).
 - ``pin_main_grads()``: a graph writes the main gradients at their address, so their storage
   is never released between steps (param_group.py [Note: releasable main grads]).
+- ``forget_events()``: a whole-step capture starts and ends with no stream event pending
+  (full_iteration.py [Note: full-iteration capture]).
 
 Per unit, a replay that runs the unit's handlers itself takes them with the state's
 ``hand_handlers_to_replay``/``take_handlers_back`` (state.py [Note: forward handlers in the
@@ -29,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
+
+from graph_fsdp.buffers.allocator import BufferAllocator
 
 if TYPE_CHECKING:
     from graph_fsdp.state import FSDPState
@@ -44,8 +48,11 @@ class CommGraphRunner(Protocol):
 class CaptureContext:
     """The capture switches of one root's units ([Note: capture context])."""
 
-    def __init__(self, states: Sequence[FSDPState] = ()) -> None:
+    def __init__(
+        self, states: Sequence[FSDPState] = (), allocator: BufferAllocator | None = None
+    ) -> None:
         self._states = states
+        self._allocator = allocator
         self.capturing_layers = False
         """A layerwise warmup/capture runs: post-backward frees the gradients unreduced."""
         self.refresh_weights = False
@@ -80,6 +87,16 @@ class CaptureContext:
         for state in self._states:
             for group in state.groups:
                 group.pin_main_grad()
+
+    def forget_events(self) -> None:
+        """After a device synchronize, around a whole-step capture: the events recorded outside
+        it (slot hand-offs, pending gathers) cannot be waited on inside it, and those recorded
+        inside belong to the graph once it ends."""
+        if self._allocator is not None:
+            self._allocator.forget_events()
+        for state in self._states:
+            for group in state.groups:
+                group.ag_event = None
 
     def reset_backward_guards(self) -> None:
         """Let every unit's backward handlers run again (after a capture ran them)."""

@@ -85,7 +85,7 @@ class RootContext:
     context]); every group under the root shares it."""
 
     def __post_init__(self) -> None:
-        self.capture = CaptureContext(self.states)
+        self.capture = CaptureContext(self.states, self.allocator)
 
     def comm_for(self, unit_comm: CommContext) -> CommContext:
         """The root's context for a group a unit built ``unit_comm`` for: the root's own for

@@ -126,6 +126,10 @@ class BufferAllocator(ABC):
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
 
+    def forget_events(self) -> None:  # noqa: B027 - optional hook
+        """Drop the stream events buffers wait on before reuse: the device was synchronized,
+        and a capture cannot wait on events recorded outside it (slot allocators)."""
+
     def set_region(self, region: Region) -> None:
         """Allocate persistent bytes inside ``region()`` from now on (slot allocators)."""
         raise TypeError(
@@ -470,6 +474,10 @@ class SlotAllocator(BufferAllocator):
         self._views.clear()
         self._releasable = None
         self.generation += 1
+
+    def forget_events(self) -> None:
+        for slot in self.slots():
+            slot.pending = []
 
     def slots(self) -> list[Slot]:
         unique = {id(s): s for s in self._assignment.values()}

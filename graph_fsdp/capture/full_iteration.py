@@ -65,7 +65,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from graph_fsdp.address_keeping import graph_capture
-from graph_fsdp.buffers.allocator import SlotAllocator
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -378,15 +377,6 @@ class FullIterationGraphs(RunnerLifecycle):
             yield
         main.wait_stream(self.stream)
 
-    def _drop_slot_events(self) -> None:
-        alloc = self._allocator
-        if isinstance(alloc, SlotAllocator):
-            for slot in alloc.slots():
-                slot.pending = []
-        for state in self.states:
-            for group in state.groups:
-                group.ag_event = None
-
     def _capture(self, micro: int, pos: StepPosition) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
@@ -396,7 +386,7 @@ class FullIterationGraphs(RunnerLifecycle):
                     group.renew_unsharded()
             release_cached_blocks()  # pools.py [Note: capture memory]
             self._pool = torch.cuda.graph_pool_handle()
-        self._drop_slot_events()
+        self.states[0].root.capture.forget_events()
         sig = pos.signature
         pos.static_inputs = [s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)]
         args, kwargs = sig.rebuild(pos.static_inputs)
@@ -434,7 +424,7 @@ class FullIterationGraphs(RunnerLifecycle):
             ) from err
         flat, pos.out_spec = tree_flatten(out)
         pos.static_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
-        self._drop_slot_events()
+        self.states[0].root.capture.forget_events()
         pos.graph = graph
         self.captured_generation = self._allocator.generation
         if self.captured_at_step is None or micro == 0:

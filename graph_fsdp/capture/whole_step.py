@@ -67,7 +67,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import SlotAllocator
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -377,7 +376,7 @@ class WholeStepGraph(RunnerLifecycle):
         for g in groups:
             g.renew_unsharded()  # fresh autograd leaves (full_iteration.py [Note: ...])
             g.release_main_grad()  # [Note: main gradients in the step graph's pool]
-        self._drop_slot_events()
+        self.states[0].root.capture.forget_events()
         release_cached_blocks()  # pools.py [Note: capture memory]
         self._pool = torch.cuda.graph_pool_handle()
         rec.static_inputs = [
@@ -410,7 +409,7 @@ class WholeStepGraph(RunnerLifecycle):
         rec.hyperparameters = hyperparameters(self.optimizer)
         rec.optimizer_state = _state_tensors(self.optimizer)
         rec.graph = graph
-        self._drop_slot_events()
+        self.states[0].root.capture.forget_events()
         self.captured_generation = self._allocator.generation
         self.captured_at_step = self.steps_seen - 1
         self.captures += 1
@@ -437,16 +436,6 @@ class WholeStepGraph(RunnerLifecycle):
         with torch.cuda.stream(self.stream):
             yield
         main.wait_stream(self.stream)
-
-    def _drop_slot_events(self) -> None:
-        """Events recorded outside the capture cannot be waited on inside it (the device was
-        synchronized); those recorded inside belong to the graph."""
-        alloc = self._allocator
-        if isinstance(alloc, SlotAllocator):
-            for slot in alloc.slots():
-                slot.pending = []
-        for group in self._groups:
-            group.ag_event = None
 
 
 # [Note: optimizer state the graph addresses] The captured optimizer step reads and writes

@@ -85,6 +85,16 @@ def _switches(rank: int, world: int) -> dict:
     out["calls_after_return"] = len(recorder.kinds)
     out["params"] = [p.detach().clone() for p in model.parameters()]
 
+    # Forgotten events: no slot waits on, and no group consumes, an event recorded before.
+    slots = root.allocator.slots()
+    for slot in slots:
+        slot.pending = ["recorded before the capture"]
+    for g in groups:
+        g.ag_event = "recorded before the capture"
+    capture.forget_events()
+    out["events_left"] = [s.pending for s in slots] + [g.ag_event for g in groups]
+    out["slots"] = len(slots)
+
     # Pinned main gradients keep their bytes through the forward that would release them.
     opt.zero_grad(set_to_none=True)
     model(x)
@@ -120,6 +130,8 @@ def test_capture_switches_change_fsdp_and_are_undone():
         # Lent: every reduction, and the gathers of the ZeRO-2 groups once they are stale.
         assert switched["lent_kinds"] == ["gather", "reduce"]
         assert switched["calls_after_return"] == switched["lent_calls"]
+        nslots = switched["slots"]
+        assert nslots and switched["events_left"] == [[]] * nslots + [None, None]
         assert switched["released"] == [0, 0]
         assert switched["pinned"] == switched["sizes"] and all(switched["sizes"])
         # The capture-mode backward changed nothing: the same losses and weights as a
