@@ -30,12 +30,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from graph_fsdp.buffers.allocator import BufferAllocator
 
-if TYPE_CHECKING:
-    from graph_fsdp.state import FSDPState
+class _Allocator(Protocol):
+    """The root's ``BufferAllocator`` (buffers/allocator.py), as far as the context uses it."""
+
+    def forget_events(self) -> None: ...
+
+
+class _Group(Protocol):
+    """What the context switches in a ``FlatParamGroup`` (param_group.py imports this file)."""
+
+    ag_event: object
+
+    def pin_main_grad(self) -> None: ...
+
+
+class _Unit(Protocol):
+    """What the context switches in an ``FSDPState`` (state.py imports this file)."""
+
+    groups: Sequence[_Group]
+
+    def reset_backward_guards(self) -> None: ...
 
 
 class CommGraphRunner(Protocol):
@@ -48,9 +65,7 @@ class CommGraphRunner(Protocol):
 class CaptureContext:
     """The capture switches of one root's units ([Note: capture context])."""
 
-    def __init__(
-        self, states: Sequence[FSDPState] = (), allocator: BufferAllocator | None = None
-    ) -> None:
+    def __init__(self, states: Sequence[_Unit] = (), allocator: _Allocator | None = None) -> None:
         self._states = states
         self._allocator = allocator
         self.capturing_layers = False

@@ -33,6 +33,7 @@ from graph_fsdp import (
     iter_full_params,
     mark_expert_params,
 )
+from graph_fsdp import reduce as reduction
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, partition_experts, synthetic_batch
 from graph_fsdp.train import TrainConfig, run, shard_model
@@ -232,10 +233,8 @@ def _reference_grads(world: int) -> dict[str, torch.Tensor]:
 
 def _reductions(rank: int, world: int) -> dict:
     """Which ranks each group's gradients were reduced over (real collectives, recorded)."""
-    import graph_fsdp.param_group as pg  # noqa: PLC0415
-
     seen: dict[str, set] = {}
-    originals = pg.reduce_scatter, pg.all_reduce
+    originals = reduction.reduce_scatter, reduction.all_reduce
 
     def record(fn):
         def wrapped(*args, over_replicas=False):  # (out, full | full), ctx, fqn
@@ -247,7 +246,7 @@ def _reductions(rank: int, world: int) -> dict:
         return wrapped
 
     out = {}
-    pg.reduce_scatter, pg.all_reduce = record(originals[0]), record(originals[1])
+    reduction.reduce_scatter, reduction.all_reduce = record(originals[0]), record(originals[1])
     try:
         for strategy in ("optim_grads_params", "no_shard"):
             seen.clear()
@@ -256,7 +255,7 @@ def _reductions(rank: int, world: int) -> dict:
             model(x, y).backward()
             out[strategy] = {k: sorted(v) for k, v in seen.items()}
     finally:
-        pg.reduce_scatter, pg.all_reduce = originals
+        reduction.reduce_scatter, reduction.all_reduce = originals
     return out
 
 
