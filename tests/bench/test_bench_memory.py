@@ -117,6 +117,7 @@ def test_attribute_by_address_then_by_stack() -> None:
 
 
 PARAM_GROUP = "/x/graph_fsdp/param_group.py"
+REDUCE = "/x/graph_fsdp/reduce.py"
 ALLOCATOR = "/x/graph_fsdp/buffers/allocator.py"
 MEMORY = "/x/graph_fsdp/bench/memory.py"
 
@@ -134,9 +135,7 @@ def resized_param(addr: int, size: int) -> dict:
 
 
 def main_grad(addr: int, size: int) -> dict:
-    return alloc(
-        addr, size, frame(PARAM_GROUP, "ensure_main_grad"), frame(PARAM_GROUP, "reduce_grads")
-    )
+    return alloc(addr, size, frame(PARAM_GROUP, "ensure_main_grad"), frame(REDUCE, "reduce_grads"))
 
 
 OPT_PEAK = [
