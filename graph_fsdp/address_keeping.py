@@ -43,12 +43,12 @@ compute buffers made by ``fully_shard`` are copied into regions (once; the optim
 parameters keep their identity), the allocator makes its slots inside the buffers region
 (``SlotAllocator.set_region``), accumulators are made inside the grads region
 (``FlatParamGroup.persistent_region``), and main gradients are never released between steps
-(param_group.py [Note: releasable main grads]: ``pin_main_grad``, as a full-iteration graph
+(param_group.py [Note: releasable main grads]: ``pin_main_grad()``, as a full-iteration graph
 needs anyway). Optimizer state is made by the optimizer's first step, outside any region: the
 first ``onload_optimizer`` re-makes it inside the optimizer's region (one address change, for
 an optimizer that runs eagerly), after which it keeps its addresses. Allocations while a CUDA
 graph is being captured stay in the graph's pool (``region`` steps aside). The graphs' pools
-join the graphs region when captures run through :func:`capture_context`: with
+join the graphs region when captures run through :func:`graph_capture`: with
 torch-memory-saver's preload hook (``LD_PRELOAD``), whose allocations are tagged per thread,
 so backward runs on the capturing thread during capture (autograd multithreading off there);
 its torch hook cannot tag a graph's private pool, so the pools stay on the device then, as they
@@ -389,13 +389,13 @@ def adopt_group(keeper: AddressKeeper, group) -> None:
     group.main_flat.data = keeper.adopt("params", group.main_flat)
     group.ensure_main_grad()
     group.main_grad.data = keeper.adopt("grads", group.main_grad)
-    group.pin_main_grad = True  # its storage never comes and goes: graphs may write it
+    group.pin_main_grad()  # its storage never comes and goes: graphs may write it
     if group.accum is not None:
         group.accum.data = keeper.adopt("grads", group.accum)
     group.persistent_region = keeper.region_of("grads")
-    persistent = getattr(group, "_persistent_full", None)
+    persistent = group.persistent_full
     if persistent is not None:  # contents are refreshed from the main weights (dirty)
-        group._persistent_full = keeper.empty("params", persistent.shape, persistent.dtype)
+        group.persistent_full = keeper.empty("params", persistent.shape, persistent.dtype)
     if group.compute_shard is not None:
         shard = group.compute_shard
         group.compute_shard = keeper.empty("params", shard.shape, shard.dtype)
@@ -404,7 +404,7 @@ def adopt_group(keeper: AddressKeeper, group) -> None:
 
 
 # ---------------------------------------------------------------------- captures
-def capture_context(states: list) -> Callable[..., AbstractContextManager]:
+def graph_capture(states: list) -> Callable[..., AbstractContextManager]:
     """``torch.cuda.graph``, or for a model whose addresses are kept the backend's capture,
     which puts the graph's pool into the model's graphs region: call it like
     ``torch.cuda.graph(graph, pool=..., stream=..., capture_error_mode=...)``."""

@@ -78,7 +78,7 @@ class MixedPrecisionPolicy:
     """Megatron's reduce_scatter_with_fp32_accumulation: the gradients of a backward go over
     the wire in their compute dtype (bf16 with bf16 weights) through an all-to-all, and each
     rank sums the pieces of its shard in ``main_grads_dtype`` locally ([Note: reduce-scatter
-    with fp32 accumulation], param_group.py). Half the bytes of the fp32 reduce-scatter with
+    with fp32 accumulation], reduce.py). Half the bytes of the fp32 reduce-scatter with
     the same fp32 accumulation; needs sharded gradients (optim_grads, optim_grads_params) and
     no ``grad_comm_dtype``."""
 

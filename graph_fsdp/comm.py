@@ -266,7 +266,7 @@ def reduce_scatter(
 
 def all_to_all(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:
     """Piece ``r`` of ``full`` goes to rank ``r`` of the shard group; ``out``'s piece ``r``
-    comes from rank ``r`` (param_group.py [Note: reduce-scatter with fp32 accumulation])."""
+    comes from rank ``r`` (reduce.py [Note: reduce-scatter with fp32 accumulation])."""
     group, size = _dim(ctx, False)
     with nvtx_range(f"graph_fsdp/all_to_all/{fqn}"):
         if size > 1:

@@ -150,7 +150,7 @@ class FSDPModule:
                 add("main_params", g.main_flat)
                 add("main_grads", g.main_grad)
                 add("compute_shard", g.compute_shard)
-                add("compute_full_persistent", getattr(g, "_persistent_full", None))
+                add("compute_full_persistent", g.persistent_full)
                 add("grad_accum", g.accum)
         root = states[0].root
         report = {"persistent_bytes": persistent}
@@ -514,59 +514,21 @@ def fully_shard(
             ``edp`` dimension, the rest over ``mesh`` (experts.py [Note: expert groups]).
             Required for a unit holding marked expert parameters; ignored by one without.
     """
-    global _STEP_HOOK
-    if _STEP_HOOK is None:
-        _STEP_HOOK = register_optimizer_step_post_hook(_mark_updated)
-        install_torch_clip()  # grad_norm.py [Note: global gradient norm]
+    _install_step_hook()
     placements = placements_for(strategy, optim_over_replicas=optim_over_replicas)
     mp = mp_policy or MixedPrecisionPolicy()
     buffer_policy = buffer_policy or BufferPolicy()
-    if isinstance(module, FSDPModule):
-        raise ValueError(
-            f"fully_shard was already applied to {type(module).__name__}; apply it once per module"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard needs torch.distributed: call dist.init_process_group('nccl' or 'gloo') "
-            "first (torchrun sets the environment), even for a single process"
-        )
-    group, replicate_group = _mesh_groups(mesh, type(module).__name__, optim_over_replicas)
+    _check_shardable(module)
+    owner = type(module).__name__
+    group, replicate_group = _mesh_groups(mesh, owner, optim_over_replicas)
     entries = _managed_params(module)
     if not entries:
         raise ValueError(
-            f"{type(module).__name__} has no parameters of its own to shard (all belong to "
+            f"{owner} has no parameters of its own to shard (all belong to "
             "already-sharded children); skip fully_shard on it"
         )
-    owner = type(module).__name__
     layouts = _expert_layouts(module, entries, expert_mesh, owner)
-    devices = {p.device for _, _, p in entries}
-    if len(devices) > 1:
-        by_dev = {str(d): [f for f, _, p in entries if p.device == d][:3] for d in devices}
-        raise ValueError(
-            f"{type(module).__name__} has parameters on several devices {by_dev}; move it to one device first"
-        )
-    device = devices.pop()
-    backend = dist.get_backend(group)
-    if device.type == "meta":
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
-        _materialise(module, device)
-        entries = _managed_params(module)
-        broadcast = True
-    else:
-        broadcast = False
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"{type(module).__name__} is on {device} but the process group uses NCCL; move it to CUDA"
-        )
-    if mesh is not None and mesh.device_type != device.type:
-        raise ValueError(
-            f"mesh device type {mesh.device_type!r} does not match the module's device {device}: "
-            f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module"
-        )
+    device, broadcast, entries = _resolve_device(module, entries, mesh, group)
 
     originals = {ref_fqn: p for ref_fqn, _, p in entries}
     entries, tp_specs = localize(entries, group, owner)
@@ -576,7 +538,6 @@ def fully_shard(
     experts = None
     if expert_mesh is not None:
         experts = resolve_expert_mesh(expert_mesh, owner, _dense_ranks(mesh), device)
-    fqn = type(module).__name__  # renamed to the FQN under the root at lazy init
     groups = _make_groups(
         module,
         entries,
@@ -588,6 +549,83 @@ def fully_shard(
         device=device,
         broadcast_from_rank0=broadcast,
     )
+    _shard_params(module, groups, tp_specs, originals)
+    _become_unit(
+        module,
+        groups,
+        placements=placements,
+        mp=mp,
+        buffer_policy=buffer_policy,
+        comm=comm,
+        reshard_after_forward=reshard_after_forward and placements.params,
+    )
+    return module
+
+
+def _install_step_hook() -> None:
+    """Once per process: optimizer steps mark the groups they update (``_mark_updated``), and
+    torch's gradient clipping is routed to the global-norm one for sharded parameters."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_post_hook(_mark_updated)
+        install_torch_clip()  # grad_norm.py [Note: global gradient norm]
+
+
+def _check_shardable(module: nn.Module) -> None:
+    if isinstance(module, FSDPModule):
+        raise ValueError(
+            f"fully_shard was already applied to {type(module).__name__}; apply it once per module"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: call dist.init_process_group('nccl' or 'gloo') "
+            "first (torchrun sets the environment), even for a single process"
+        )
+
+
+def _resolve_device(
+    module: nn.Module, entries: list, mesh, group: dist.ProcessGroup
+) -> tuple[torch.device, bool, list]:
+    """``(device, broadcast_from_rank0, entries)`` of the unit: its parameters' one device, or
+    for meta-device parameters the process group's device, where they are materialised (new
+    entries; every rank takes the first rank's values)."""
+    devices = {p.device for _, _, p in entries}
+    if len(devices) > 1:
+        by_dev = {str(d): [f for f, _, p in entries if p.device == d][:3] for d in devices}
+        raise ValueError(
+            f"{type(module).__name__} has parameters on several devices {by_dev}; move it to one device first"
+        )
+    device = devices.pop()
+    backend = dist.get_backend(group)
+    broadcast = device.type == "meta"
+    if broadcast:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        _materialise(module, device)
+        entries = _managed_params(module)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"{type(module).__name__} is on {device} but the process group uses NCCL; move it to CUDA"
+        )
+    if mesh is not None and mesh.device_type != device.type:
+        raise ValueError(
+            f"mesh device type {mesh.device_type!r} does not match the module's device {device}: "
+            f"build the mesh with init_device_mesh({device.type!r}, ...) or move the module"
+        )
+    return device, broadcast, entries
+
+
+def _shard_params(
+    module: nn.Module,
+    groups: list[FlatParamGroup],
+    tp_specs: dict[str, TPSpec],
+    originals: dict[str, nn.Parameter],
+) -> None:
+    """Mark the sharded parameters (and the originals they replace) and put them on the
+    unit's modules."""
     for g in groups:
         for ref in g.params:
             ref.tp = tp_specs.get(ref.local_fqn)
@@ -602,16 +640,12 @@ def fully_shard(
             ref.sharded._graph_fsdp_unit = type(module).__name__
             originals[ref.local_fqn]._graph_fsdp_sharded_as = ref.sharded
         g.use_sharded(initial=True)
-    state = FSDPState(
-        module,
-        fqn,
-        groups,
-        placements=placements,
-        mp=mp,
-        buffer_policy=buffer_policy,
-        comm=comm,
-        reshard_after_forward=reshard_after_forward and placements.params,
-    )
+
+
+def _become_unit(module: nn.Module, groups: list[FlatParamGroup], **state_kwargs) -> None:
+    """Give ``module`` its FSDP state and hooks, and make it an ``FSDPModule``."""
+    fqn = type(module).__name__  # renamed to the FQN under the root at lazy init
+    state = FSDPState(module, fqn, groups, **state_kwargs)
     state.register_hooks()
     module.register_load_state_dict_pre_hook(_full_tensor_loader(module, groups))
     module._fsdp_state = state
@@ -619,4 +653,3 @@ def fully_shard(
     if cls not in _CLASS_CACHE:
         _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _CLASS_CACHE[cls]
-    return module

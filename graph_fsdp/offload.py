@@ -278,11 +278,11 @@ def _offload_recapture(states: list[FSDPState]) -> dict[str, int]:
             if group.compute_shard is not None:  # HSDP optim_over_replicas only
                 _add(freed, "compute_shard", _nbytes(group.compute_shard))
                 group.compute_shard = torch.empty(0, dtype=group.compute_dtype, device=device)
-            persistent = getattr(group, "_persistent_full", None)
+            persistent = group.persistent_full
             if persistent is not None:
                 _add(freed, "compute_full", _nbytes(persistent))
-                group._persistent_full = None
-            _drop_unsharded(group)
+                group.persistent_full = None
+            group.drop_unsharded()
     _sync(device)
     for state in states:
         for group in state.groups:
@@ -306,7 +306,7 @@ def _offload_kept(states: list[FSDPState], keeper: AddressKeeper) -> dict[str, i
             saved.append((group, device_flat))
             _add(freed, "main_params", _nbytes(device_flat))
             for kind, t in (
-                ("compute_full", getattr(group, "_persistent_full", None)),
+                ("compute_full", group.persistent_full),
                 ("compute_shard", group.compute_shard),
             ):
                 if t is not None:
@@ -337,18 +337,6 @@ def _slot_bytes(allocator) -> int:
     storage was given back between steps holds none: after a full-iteration capture every
     slot's bytes live in the graph's pool, which ``graph_pools`` counts."""
     return sum(_nbytes(t) for t in _live_slots(allocator))
-
-
-def _drop_unsharded(group: FlatParamGroup) -> None:
-    """Forget the unsharded params and gathered buffers (their bytes go with them)."""
-    for ref in group.params:
-        ref.unsharded = None
-    group.full = group.grad_full = None
-    group._unsharded_built = False
-    group._holds_full = False
-    group._grads_attached_to = None
-    group._gather_views = group._grad_views = None
-    group.ag_event = None
 
 
 def onload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
@@ -383,10 +371,10 @@ def _onload_recapture(states: list[FSDPState]) -> dict[str, int]:
                 )
                 _add(moved, "compute_shard", _nbytes(group.compute_shard))
             if not group.placements.params:
-                group._persistent_full = torch.empty(
+                group.persistent_full = torch.empty(
                     group.layout.total, dtype=group.compute_dtype, device=device
                 )
-                _add(moved, "compute_full", _nbytes(group._persistent_full))
+                _add(moved, "compute_full", _nbytes(group.persistent_full))
             repoint_views(group)
             group.dirty = True  # compute weights are rebuilt from the main weights
     _sync(device)
@@ -405,7 +393,7 @@ def _onload_kept(states: list[FSDPState], keeper: AddressKeeper) -> dict[str, in
         group.dirty = True  # compute weights are rebuilt from the main weights
         _add(moved, "main_params", _nbytes(device_flat))
         for kind, t in (
-            ("compute_full", getattr(group, "_persistent_full", None)),
+            ("compute_full", group.persistent_full),
             ("compute_shard", group.compute_shard),
         ):
             if t is not None:

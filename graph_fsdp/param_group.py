@@ -1,4 +1,6 @@
-"""One unit's parameters of one compute dtype: flat buffers, unshard/reshard, reduction.
+"""One unit's parameters of one compute dtype: flat buffers, unshard/reshard, gradients.
+
+The reduction of the gradients into ``main_grad`` is reduce.py's (free functions over a group).
 
 Tensors per group (W = data-parallel world size, "owned" = this rank's shard when the
 optimizer is sharded, else the whole flat buffer; see [Note: HSDP ranges] for 2-D meshes):
@@ -59,7 +61,8 @@ from torch import nn
 from graph_fsdp.api import MixedPrecisionPolicy, Placements
 from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.buffers.layout import FlatLayout
-from graph_fsdp.comm import CommContext, all_gather, all_reduce, all_to_all, reduce_scatter
+from graph_fsdp.capture_context import CaptureContext
+from graph_fsdp.comm import CommContext, all_gather
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.experts import (
     EXPERT_KEY_TAG,
@@ -124,17 +127,9 @@ class FlatParamGroup:
         R = comm.replicate_size
         self.layout = FlatLayout(tuple(p.numel() for p in originals), comm.world_size * R)
         self.over_replicas = placements.optim_over_replicas and R > 1
-        # [Note: HSDP ranges]; with R == 1 both are the 1-D shard range.
-        piece = self.layout.shard_numel
-        slo, shi = comm.rank * R * piece, (comm.rank + 1) * R * piece
-        if not placements.optim:
-            lo, hi = 0, self.layout.total
-        elif self.over_replicas:
-            lo = slo + comm.replicate_rank * piece
-            hi = lo + piece
-        else:
-            lo, hi = slo, shi
-        self.owned = (lo, hi)
+        self.owned, self.shard_range = self._ranges()
+        """This rank's owned range (main weights, main grads) and shard-group range."""
+        slo, shi = self.shard_range
         self.shard_numel = shi - slo
         """Elements of the shard-group range (compute shard, reduce-scatter output)."""
         if mp.reduce_scatter_fp32_accumulation and not (placements.grads and R == 1):
@@ -146,42 +141,18 @@ class FlatParamGroup:
         self.fp32_accumulating = (
             mp.reduce_scatter_fp32_accumulation and self.compute_dtype != mp.main_grads_dtype
         )
-        """[Note: reduce-scatter with fp32 accumulation] (with fp32 compute the gradients are
-        fp32 already: the plain reduce-scatter)."""
+        """reduce.py [Note: reduce-scatter with fp32 accumulation] (with fp32 compute the
+        gradients are fp32 already: the plain reduce-scatter)."""
 
-        full = torch.zeros(self.layout.total, dtype=mp.main_params_dtype, device=device)
-        for offset, p in zip(self.layout.offsets, originals):
-            full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-        if broadcast_from_rank0:
-            _broadcast_from_first(full, comm)
-        self.main_flat = full[lo:hi].clone()
-        grad_numel = hi - lo if placements.grads else self.layout.total
-        self.main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
-        grad_lo = lo if placements.grads else 0
+        self.main_flat, self.main_grad = self._make_main(originals, broadcast_from_rank0)
+        self.params = self._make_refs(entries, expert_layouts)
 
-        self.params: list[ParamRef] = []
-        for index, (pfqn, owners, p) in enumerate(entries):
-            offset = self.layout.offsets[index]
-            start = min(max(lo - offset, 0), p.numel())
-            end = max(min(hi - offset, p.numel()), start)
-            view = self.main_flat[offset + start - lo : offset + end - lo]
-            sharded = nn.Parameter(view, requires_grad=p.requires_grad)
-            ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
-            if expert is not None:
-                ref.expert = (expert_layouts or {}).get(pfqn)
-                if getattr(p, "allreduce", None) is False:
-                    sharded.allreduce = False  # Megatron's expert mark, for its own tools
-            ref.local_fqn = pfqn
-            sharded._graph_fsdp_group = self
-            ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
-            self.params.append(ref)
-        del full
-
-        if not placements.params:
-            self._persistent_full = torch.empty(
-                self.layout.total, dtype=self.compute_dtype, device=device
-            )
-        self.shard_range = (slo, shi)
+        self.persistent_full: torch.Tensor | None = (
+            None
+            if placements.params
+            else torch.empty(self.layout.total, dtype=self.compute_dtype, device=device)
+        )
+        """ZeRO-0/1/2: the compute weights, kept between steps (ZeRO-3 gathers into slots)."""
         # Kept between gathers so the gather across replicas runs once per refresh.
         self.compute_shard = (
             torch.empty(self.shard_numel, dtype=self.compute_dtype, device=device)
@@ -199,14 +170,72 @@ class FlatParamGroup:
         self._nonempty_sharded = [ref.sharded for ref in self.params if ref.sharded.numel()]
         self.dirty = False
         """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
-        self.force_refresh = False
-        """Set while capturing a full iteration: the graph must contain the refresh."""
-        self.pin_main_grad = False
+        self._main_grad_pinned = False
         """A captured graph writes ``main_grad``: its storage must never be released."""
+        self.capture = CaptureContext()
+        """The root's capture switches (capture_context.py [Note: capture context]), set at
+        the root's lazy init."""
         self.persistent_region = nullcontext
         """Where persistent tensors made after construction (``accum``) are allocated: a
         region whose memory offload releases at kept addresses (address_keeping.py [Note:
         offload keeps addresses])."""
+
+    def _ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(owned, shard_range)`` of this rank ([Note: HSDP ranges]; with one replica both
+        are the 1-D shard range, or without a sharded optimizer the whole layout is owned)."""
+        comm, R = self.comm, self.comm.replicate_size
+        piece = self.layout.shard_numel
+        slo, shi = comm.rank * R * piece, (comm.rank + 1) * R * piece
+        if not self.placements.optim:
+            lo, hi = 0, self.layout.total
+        elif self.over_replicas:
+            lo = slo + comm.replicate_rank * piece
+            hi = lo + piece
+        else:
+            lo, hi = slo, shi
+        return (lo, hi), (slo, shi)
+
+    def _make_main(
+        self, originals: list[nn.Parameter], broadcast_from_rank0: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owned main weights (copied from the originals, or from the first rank's after
+        meta-device init) and the zeroed main gradients."""
+        lo, hi = self.owned
+        mp, device = self.mp, self.device
+        full = torch.zeros(self.layout.total, dtype=mp.main_params_dtype, device=device)
+        for offset, p in zip(self.layout.offsets, originals):
+            full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        if broadcast_from_rank0:
+            _broadcast_from_first(full, self.comm)
+        main_flat = full[lo:hi].clone()
+        grad_numel = hi - lo if self.placements.grads else self.layout.total
+        main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
+        return main_flat, main_grad
+
+    def _make_refs(
+        self, entries: list, expert_layouts: dict[str, ExpertLayout | None] | None
+    ) -> list[ParamRef]:
+        """One ``ParamRef`` per parameter: its sharded parameter (a view of ``main_flat``,
+        maybe empty) and gradient view (of ``main_grad``)."""
+        lo, hi = self.owned
+        grad_lo = lo if self.placements.grads else 0
+        refs = []
+        for index, (pfqn, owners, p) in enumerate(entries):
+            offset = self.layout.offsets[index]
+            start = min(max(lo - offset, 0), p.numel())
+            end = max(min(hi - offset, p.numel()), start)
+            view = self.main_flat[offset + start - lo : offset + end - lo]
+            sharded = nn.Parameter(view, requires_grad=p.requires_grad)
+            ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
+            if self.expert is not None:
+                ref.expert = (expert_layouts or {}).get(pfqn)
+                if getattr(p, "allreduce", None) is False:
+                    sharded.allreduce = False  # Megatron's expert mark, for its own tools
+            ref.local_fqn = pfqn
+            sharded._graph_fsdp_group = self
+            ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
+            refs.append(ref)
+        return refs
 
     # Allocator keys are identities (unit name, role, dtype[, tag]): buffers/allocator.py;
     # expert groups' carry a tag (experts.py [Note: expert groups]).
@@ -244,30 +273,16 @@ class FlatParamGroup:
             allocator.register(self.a2a_key, total, dt, self.device)
         elif self.mp.comm_dtype() != dt:
             allocator.register(self.comm_key, total, self.mp.comm_dtype(), self.device)
-        if self.placements.grads and (not self._rs_direct() or self.over_replicas):
+        if self.placements.grads and (not self.rs_direct() or self.over_replicas):
             allocator.register(self.rs_key, self.shard_numel, self.mp.comm_dtype(), self.device)
-        if self.placements.grads and self.over_replicas and not self._rs_direct():
+        if self.placements.grads and self.over_replicas and not self.rs_direct():
             allocator.register(
                 self.rep_key, self.owned[1] - self.owned[0], self.mp.comm_dtype(), self.device
             )
 
-    @property
-    def _reduction_keys(self) -> tuple:
-        return (
-            self.a2a_key if self.fp32_accumulating else self.comm_key,
-            self.rs_key,
-            self.rep_key,
-        )
-
-    def _rs_direct(self) -> bool:
+    def rs_direct(self) -> bool:
+        """The reduction's dtype is the main gradients': it may write ``main_grad`` itself."""
         return self.mp.comm_dtype() == self.mp.main_grads_dtype
-
-    def _reduces_nothing(self) -> bool:
-        """One data-parallel rank and a reduction in the main gradients' dtype: reducing is
-        the identity, so the gradients are cast straight into ``main_grad`` - the values the
-        cast, reduce-scatter (a copy) and scale-by-1 passes give, in one pass and without the
-        unsharded fp32 buffer."""
-        return self.comm.dp_size == 1 and self._rs_direct() and not self.fp32_accumulating
 
     def sharded_params(self) -> list[nn.Parameter]:
         return [ref.sharded for ref in self.params]
@@ -293,7 +308,11 @@ class FlatParamGroup:
         # The version counter catches in-place updates through the views (foreach AdamW,
         # checkpoint loads); fused kernels do not bump it, so optimizer steps also mark
         # the group dirty through the step hook in fully_shard.py.
-        return self.force_refresh or self.dirty or self.main_flat._version != self._synced_version
+        return (
+            self.capture.refresh_weights
+            or self.dirty
+            or self.main_flat._version != self._synced_version
+        )
 
     def unshard(self, allocator: BufferAllocator) -> None:
         """Queue the all-gather (or refresh) of the compute weights on the AG stream."""
@@ -303,7 +322,7 @@ class FlatParamGroup:
             if self._holds_full:
                 return  # gathered or being gathered (prefetch, root kept for backward)
         elif not needs_gather:
-            self.full = self._persistent_full
+            self.full = self.persistent_full
             return
         with nvtx_range(f"graph_fsdp/unshard/{self.fqn}"):
             if self.placements.params:  # [Note: weight slots during backward]
@@ -316,8 +335,8 @@ class FlatParamGroup:
                         self.param_key, self.layout.total, self.compute_dtype, self.device
                     )
                 else:
-                    full = self._persistent_full
-                graphs = self.comm_graphs
+                    full = self.persistent_full
+                graphs = self.capture.comm_graphs
                 if graphs is not None and self.compute_shard is None and self.placements.optim:
                     # One graph launch: capture/comm_graphs.py [Note: communication graphs].
                     key = ("gather", id(self), full.data_ptr(), self.main_flat.data_ptr())
@@ -336,10 +355,6 @@ class FlatParamGroup:
         shard = self._compute_shard_in(full)
         if self.placements.optim:
             all_gather(full, shard, self.comm, self.fqn)
-
-    comm_graphs = None
-    """The ``CommGraphs`` a layerwise runner lends this group while its graphs are captured
-    (capture/comm_graphs.py [Note: communication graphs]); None: every gather and reduction eager."""
 
     def _compute_shard_in(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard-group range in compute dtype, the input of the shard all-gather:
@@ -386,10 +401,10 @@ class FlatParamGroup:
             with nvtx_range(f"graph_fsdp/reshard/{self.fqn}"):
                 # A pending gather is consumed before the slot can be handed on.
                 self.wait_unshard()
-                allocator.free(self.param_key, used_on=self._main_streams())
+                allocator.free(self.param_key, used_on=self.main_streams())
             self._holds_full = False
 
-    def _main_streams(self):
+    def main_streams(self):
         main = self.comm.main_stream()
         return [main] if main is not None else []
 
@@ -427,6 +442,18 @@ class FlatParamGroup:
         self._unsharded_built = False
         if self.full.untyped_storage().nbytes():
             self._rebuild_unsharded(self.full)
+
+    def drop_unsharded(self) -> None:
+        """Forget the unsharded params and gathered buffers (offload: their bytes go with
+        them); the next gather builds them again."""
+        for ref in self.params:
+            ref.unsharded = None
+        self.full = self.grad_full = None
+        self._unsharded_built = False
+        self._holds_full = False
+        self._grads_attached_to = None
+        self._gather_views = self._grad_views = None
+        self.ag_event = None
 
     def use_unsharded(self) -> None:
         for ref in self.params:
@@ -556,224 +583,26 @@ class FlatParamGroup:
     # graph writes ``main_grad`` at a fixed address, so capture pins it.
     def release_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()
-        if self.pin_main_grad or storage.nbytes() == 0 or self.grads_defined():
+        if self._main_grad_pinned or storage.nbytes() == 0 or self.grads_defined():
             return
         storage.resize_(0)
+
+    def pin_main_grad(self) -> None:
+        """Give ``main_grad`` its bytes and keep them: a graph writes it at this address."""
+        self.ensure_main_grad()
+        self._main_grad_pinned = True
 
     def ensure_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.main_grad.numel() * self.main_grad.element_size())
 
-    def reduce_grads(self, allocator: BufferAllocator, *, sync: bool, overwrite: bool) -> None:
-        """Reduce this backward's gradients into ``main_grad`` (or keep them under no_sync)."""
-        comm, mp = self.comm, self.mp
-        if self.grads_in_autograd:
-            self.collect_grads(allocator)
-        if sync:
-            self.ensure_main_grad()  # on the main stream: [Note: releasable main grads]
-            # The reduction's buffers get their bytes here, after this unit's backward was
-            # queued and on the main stream, not on the reduce-scatter stream that uses them
-            # ([Note: backward slots between steps]): at the start of backward, the memory
-            # peak (every activation and the loss gradients live), they hold nothing yet.
-            if not self._reduces_nothing():
-                allocator.prepare(self._reduction_keys)
-        main = comm.main_stream()
-        comm.wait(comm.rs_stream, main)
-        with comm.on(comm.rs_stream), nvtx_range(f"graph_fsdp/reduce_grads/{self.fqn}"):
-            src = self.grad_full
-            if not sync:
-                if self.accum is None:
-                    with self.persistent_region():  # address_keeping.py
-                        self.accum = torch.empty(
-                            self.layout.total, dtype=mp.main_grads_dtype, device=self.device
-                        )
-                if self.accum_pending:
-                    self.accum.add_(src)
-                else:
-                    self.accum.copy_(src)
-                self.accum_pending = True
-                allocator.free(self.grad_key, used_on=self._grad_streams())
-                return
-            graphs = self.comm_graphs
-            if (
-                graphs is not None
-                and self.placements.grads
-                and comm.replicate_size == 1
-                and not (self.fp32_accumulating and not self.accum_pending)
-            ):
-                self._reduce_by_graph(allocator, graphs, overwrite)
-                return
-            if self.accum_pending:
-                src = self.accum.add_(src)
-                self.accum_pending = False
-            if self._reduces_nothing():
-                self._scale_into_main_grad(src, direct=False, overwrite=overwrite)
-                allocator.free(self.grad_key, used_on=self._grad_streams() + self._main_streams())
-                return
-            if self.fp32_accumulating and src is self.grad_full:
-                self._reduce_scatter_fp32_accumulating(allocator, overwrite)
-                return
-            comm_dtype = mp.comm_dtype()
-            used_comm = False
-            if src.dtype != comm_dtype:
-                buf = allocator.allocate(self.comm_key, self.layout.total, comm_dtype, self.device)
-                buf.copy_(src)
-                src, used_comm = buf, True
-            # The unsharded grads are read for the last time above (the copy, or the add into
-            # ``accum``): hand their bytes back before the reduction instead of after it.
-            grad_done = src is not self.grad_full
-            if grad_done:
-                allocator.free(self.grad_key, used_on=self._grad_streams() + self._main_streams())
-            direct = self.placements.grads and self._rs_direct() and overwrite
-            used_rs = self.placements.grads and not (direct and not self.over_replicas)
-            if self.placements.grads:
-                out = (
-                    allocator.allocate(self.rs_key, self.shard_numel, comm_dtype, self.device)
-                    if used_rs
-                    else self.main_grad
-                )
-                reduce_scatter(out, src, comm, self.fqn)
-            else:
-                all_reduce(src, comm, self.fqn)
-                out = src
-            # HSDP: the shard-reduced gradients are reduced across replicas on their own stream
-            # ([Note: stream roles], [Note: HSDP ranges]); the scaling follows on that stream.
-            replicas = comm.replicate_size > 1
-            if replicas:
-                comm.wait(comm.rep_stream, comm.rs_stream)
-            with comm.on(comm.rep_stream) if replicas else nullcontext():
-                if replicas:
-                    out = self._reduce_over_replicas(allocator, out, direct)
-                self._scale_into_main_grad(out, direct=direct, overwrite=overwrite)
-            streams = self._rs_streams()
-            if used_rs:
-                allocator.free(self.rs_key, used_on=streams)
-            if self.over_replicas and self.placements.grads and not direct:
-                allocator.free(self.rep_key, used_on=streams)
-            if used_comm:
-                allocator.free(self.comm_key, used_on=streams)
-            if not grad_done:
-                allocator.free(self.grad_key, used_on=streams + self._main_streams())
-
-    def _reduce_by_graph(self, allocator: BufferAllocator, graphs, overwrite: bool) -> None:
-        """``reduce_grads``' plain one-mesh-dim reduction as one graph launch on the RS stream
-        (capture/comm_graphs.py [Note: communication graphs]): the kernels of the eager path, the
-        slot hand-offs around them."""
-        comm_dtype = self.mp.comm_dtype()
-        accum = self.accum if self.accum_pending else None
-        self.accum_pending = False
-        src = self.grad_full if accum is None else accum
-        buf = None
-        if src.dtype != comm_dtype:
-            buf = allocator.allocate(self.comm_key, self.layout.total, comm_dtype, self.device)
-        direct = self._rs_direct() and overwrite
-        out = (
-            self.main_grad
-            if direct
-            else allocator.allocate(self.rs_key, self.shard_numel, comm_dtype, self.device)
-        )
-        key = (
-            "reduce",
-            id(self),
-            self.grad_full.data_ptr(),
-            accum is not None,
-            None if buf is None else buf.data_ptr(),
-            out.data_ptr(),
-            self.main_grad.data_ptr(),
-            overwrite,
-        )
-        kernels = partial(
-            self._reduction_kernels, accum, buf, out, direct=direct, overwrite=overwrite
-        )
-        graphs.run(key, (id(self), "reduce"), kernels)
-        streams = self._rs_streams()
-        if not direct:
-            allocator.free(self.rs_key, used_on=streams)
-        if buf is not None:
-            allocator.free(self.comm_key, used_on=streams)
-        allocator.free(self.grad_key, used_on=streams + self._main_streams())
-
-    def _reduction_kernels(self, accum, buf, out, *, direct: bool, overwrite: bool) -> None:
-        """Accumulate, cast, reduce-scatter and scale into ``main_grad``: what the eager
-        branch of ``reduce_grads`` queues for one mesh dimension, in the same order."""
-        src = self.grad_full
-        if accum is not None:
-            src = accum.add_(src)
-        if buf is not None:
-            buf.copy_(src)
-            src = buf
-        reduce_scatter(out, src, self.comm, self.fqn)
-        self._scale_into_main_grad(out, direct=direct, overwrite=overwrite)
-
-    def _scale_into_main_grad(self, out, *, direct: bool, overwrite: bool) -> None:
-        """``main_grad`` (=, or += under accumulation) the reduced ``out`` / data-parallel
-        size (the dense one for experts: experts.py [Note: expert groups]); ``direct``: the
-        reduction wrote ``main_grad`` itself, scale it in place."""
-        inv_world = 1.0 / self.comm.grad_divisor
-        # One data-parallel rank: nothing to divide (x * 1.0 == x), a pass over the fp32
-        # gradients saved.
-        if direct:
-            if inv_world != 1.0:
-                self.main_grad.mul_(inv_world)
-        elif overwrite:
-            self.main_grad.copy_(out)
-            if inv_world != 1.0:
-                self.main_grad.mul_(inv_world)
-        else:
-            self.main_grad.add_(out, alpha=inv_world)
-
-    # [Note: reduce-scatter with fp32 accumulation] (MixedPrecisionPolicy's
-    # reduce_scatter_fp32_accumulation, Megatron's reduce_scatter_with_fp32_accumulation)
-    # A plain fp32 reduce-scatter of bf16 gradients first copies them into an fp32 buffer,
-    # then moves 4 bytes per element. Here the bf16 gradients themselves go through an
-    # all-to-all (the same bytes per rank as a ring reduce-scatter, in bf16: half the fp32
-    # traffic, and no copy kernel or fp32 buffer of the unsharded size), and each rank sums
-    # the world pieces of its shard in fp32 with one torch.sum over a fixed row order. Values
-    # are bf16 in both schemes before the sum, which is fp32 in both: only the order of the
-    # fp32 additions differs from NCCL's ring - with 2 ranks not at all (a + b == b + a), so
-    # 2-rank runs are bit-identical to the default. Microbatches accumulated under no_sync
-    # are fp32 already and take the plain fp32 reduce-scatter.
-    def _reduce_scatter_fp32_accumulating(self, allocator: BufferAllocator, overwrite: bool):
-        comm = self.comm
-        pieces = allocator.allocate(
-            self.a2a_key, self.layout.total, self.compute_dtype, self.device
-        )
-        all_to_all(pieces, self.grad_full, comm, self.fqn)
-        allocator.free(self.grad_key, used_on=self._grad_streams() + self._main_streams())
-        rows = pieces.view(comm.world_size, self.shard_numel)  # row r: rank r's gradients
-        if overwrite:
-            torch.sum(rows, dim=0, dtype=self.main_grad.dtype, out=self.main_grad)
-            self.main_grad.mul_(1.0 / comm.grad_divisor)
-        else:
-            total = torch.sum(rows, dim=0, dtype=self.main_grad.dtype)
-            self.main_grad.add_(total, alpha=1.0 / comm.grad_divisor)
-        allocator.free(self.a2a_key, used_on=self._rs_streams())
-
-    def _reduce_over_replicas(
-        self, allocator: BufferAllocator, out: torch.Tensor, direct: bool
-    ) -> torch.Tensor:
-        """Sum ``out`` (this shard's reduced gradients) over the replicas: all-reduce, or with
-        the optimizer and gradients sharded over replicas a reduce-scatter down to the owned
-        piece (ZeRO-1 keeps full gradients: all-reduce)."""
-        if not (self.over_replicas and self.placements.grads):
-            all_reduce(out, self.comm, self.fqn, over_replicas=True)
-            return out
-        lo, hi = self.owned
-        dst = (
-            self.main_grad
-            if direct
-            else allocator.allocate(self.rep_key, hi - lo, out.dtype, self.device)
-        )
-        reduce_scatter(dst, out, self.comm, self.fqn, over_replicas=True)
-        return dst
-
-    def _grad_streams(self):
+    def grad_streams(self):
         """The side stream that reads the unsharded grads (the replica stream never does: an
         event recorded on it before it joins a full_iteration capture is uncaptured work)."""
         return [self.comm.rs_stream] if self.comm.rs_stream is not None else []
 
-    def _rs_streams(self):
+    def rs_streams(self):
         comm = self.comm
         return [s for s in (comm.rs_stream, comm.rep_stream) if s is not None]
 

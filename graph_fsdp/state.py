@@ -24,10 +24,12 @@ from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
 from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
 from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
 from graph_fsdp.buffers.trace_pool import TracePoolAllocator
+from graph_fsdp.capture_context import CaptureContext
 from graph_fsdp.comm import CommContext
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.hook_markers import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
 from graph_fsdp.param_group import FlatParamGroup
+from graph_fsdp.reduce import reduce_grads
 
 
 class TrainingState(enum.Enum):
@@ -65,8 +67,6 @@ class RootContext:
     forward_order: list[FSDPState] = field(default_factory=list)
     order_frozen: bool = False
     callback_queued: bool = False
-    capturing: bool = False
-    """Set by the capture layer: reductions are skipped while warming up/capturing layers."""
     backward_done: set[int] = field(default_factory=set)
     order_positions: dict[int, int] = field(default_factory=dict)
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
@@ -80,6 +80,12 @@ class RootContext:
     open, and offload is refused (offload.py ``check_idle``)."""
     expert_comms: dict[int, CommContext] = field(default_factory=dict)
     """id(expert-data-parallel group) -> the root's streams over it (``comm_for``)."""
+    capture: CaptureContext = field(init=False)
+    """What the CUDA-graph tools switch in these units (capture_context.py [Note: capture
+    context]); every group under the root shares it."""
+
+    def __post_init__(self) -> None:
+        self.capture = CaptureContext(self.states)
 
     def comm_for(self, unit_comm: CommContext) -> CommContext:
         """The root's context for a group a unit built ``unit_comm`` for: the root's own for
@@ -174,11 +180,8 @@ class FSDPState:
         self._pre_backward_done = False
         self._post_backward_done = False
         self.requires_grad_sync = True
-        self.backward_by_replay = False
-        """Set by the capture layer while a graph replay of this unit's whole module runs the
-        unit's ``pre_backward``/``post_backward`` itself (capture/layerwise.py, [Note: backward
-        handlers in the replay]): the registration hooks stand aside, and eager calls of the
-        module register the handlers through :meth:`forward_with_backward_handlers`."""
+        self._backward_by_replay = False
+        self._forward_by_dispatcher = False
         self._handles: list = []
         self.grad_sync_hooks: list[Callable[[], None]] = []
         """Run after this unit's gradients are reduced and exposed (``add_grad_sync_hook``)."""
@@ -219,11 +222,28 @@ class FSDPState:
     # code of the module runs, the graph reads the gathered buffer. Eager calls (fallbacks,
     # eval, verification, activation recompute) put them on as before. Only when FSDP's hooks
     # are the module's only ones: a user's hook keeps its place before or after FSDP's.
-    forward_by_dispatcher = False
+    @property
+    def backward_by_replay(self) -> bool:
+        """A graph replay of this unit's whole module runs the unit's ``pre_backward``/
+        ``post_backward`` itself (capture/torch_backend.py [Note: backward handlers in the
+        replay]): the registration hooks stand aside, and eager calls of the module register
+        the handlers through :meth:`forward_with_backward_handlers`."""
+        return self._backward_by_replay
 
-    def hand_forward_to_dispatcher(self) -> bool:
-        """Remove the registration hooks (the dispatcher calls the handlers); False, and
-        nothing changes, when the module has hooks of its own."""
+    @property
+    def forward_by_dispatcher(self) -> bool:
+        """The capture layer's dispatcher runs ``pre_forward``/``post_forward`` (the
+        registration hooks are off the module)."""
+        return self._forward_by_dispatcher
+
+    def hand_handlers_to_replay(self, *, forward: bool = True) -> bool:
+        """A replay of the whole module runs the unit's backward handlers from now on and,
+        with ``forward``, the dispatcher its forward handlers: the registration hooks come
+        off. Returns whether the forward handlers were handed over (False, and the forward
+        hooks stay, when the module has hooks of its own)."""
+        self._backward_by_replay = True
+        if not forward:
+            return False
         m = self.module
         ours = {h.id for h in self._handles}
         present = {*m._forward_pre_hooks, *m._forward_hooks}
@@ -232,13 +252,14 @@ class FSDPState:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.forward_by_dispatcher = True
+        self._forward_by_dispatcher = True
         return True
 
-    def take_forward_back(self) -> None:
-        """The registration hooks again (the graphs were dropped)."""
-        if self.forward_by_dispatcher:
-            self.forward_by_dispatcher = False
+    def take_handlers_back(self) -> None:
+        """The registration hooks run every handler again (the graphs were dropped)."""
+        self._backward_by_replay = False
+        if self._forward_by_dispatcher:
+            self._forward_by_dispatcher = False
             self.register_hooks()
 
     # The hooks themselves. Sentinels (hooks/module_hooks.py, [Note: sentinel hooks]) name
@@ -253,7 +274,7 @@ class FSDPState:
 
     @mark(BACKWARD_HANDLER, "capture_post_backward")
     def _register_post_backward_hook(self, module, args, kwargs):
-        if self.backward_by_replay:
+        if self._backward_by_replay:
             return None
         return self._wrap_inputs(args, kwargs)
 
@@ -276,7 +297,7 @@ class FSDPState:
 
     @mark(BACKWARD_PRE_HANDLER, "capture_pre_backward")
     def _register_pre_backward_hook(self, module, args, output) -> None:
-        if not self.backward_by_replay:
+        if not self._backward_by_replay:
             self._hook_outputs(output)
 
     def _hook_outputs(self, output) -> None:
@@ -334,6 +355,7 @@ class FSDPState:
             other.comm = self.comm  # one set of streams for the whole model
             for group in other.groups:
                 group.comm = ctx.comm_for(group.comm)
+                group.capture = ctx.capture
                 group.register_buffers(ctx.allocator)
         ctx.offload_mode = offload_mode_for(states, self.buffer_policy.keep_addresses_on_offload)
         self.is_root = True
@@ -357,7 +379,7 @@ class FSDPState:
             if torch.is_grad_enabled():
                 root.awaiting_backward = True
             for s in root.states:
-                s._pre_backward_done = s._post_backward_done = False
+                s.reset_backward_guards()
                 for group in s.groups:
                     group.release_main_grad()
         with nvtx_range(f"graph_fsdp/pre_forward/{self.fqn}"):
@@ -420,12 +442,12 @@ class FSDPState:
             for group in self.groups:
                 if group.grad_full is None and not group.grads_in_autograd:
                     continue
-                if root.capturing:
-                    self.allocator.free(group.grad_key, used_on=group._main_streams())
+                if root.capture.capturing_layers:  # [Note: capture context]
+                    self.allocator.free(group.grad_key, used_on=group.main_streams())
                     continue
                 overwrite = not group.grads_defined()
-                group.reduce_grads(
-                    self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
+                reduce_grads(
+                    group, self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
                 )
             if not self.is_root:
                 self.reshard()
@@ -442,6 +464,11 @@ class FSDPState:
     def capture_post_backward(self) -> None:
         self._post_backward_done = False
         self.post_backward()
+
+    def reset_backward_guards(self) -> None:
+        """Let ``pre_backward``/``post_backward`` run again: at the root's forward, and after a
+        capture ran them for its callables."""
+        self._pre_backward_done = self._post_backward_done = False
 
     # ------------------------------------------------------------------ primitives
     def unshard(self) -> None:
@@ -488,7 +515,7 @@ def root_final_callback(root: RootContext):
                 if state.is_root:
                     state.reshard()
             root.comm.wait_reductions()  # both mesh dims: the full_iteration capture joins them
-            if not root.capturing:
+            if not root.capture.capturing_layers:
                 for state in root.states:
                     if state.requires_grad_sync:
                         for group in state.groups:

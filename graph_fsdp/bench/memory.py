@@ -136,7 +136,7 @@ def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> lis
             out += _known("main_params", g.main_flat)
             out += _known("main_grads", g.main_grad)
             out += _known("compute_shard", g.compute_shard)
-            out += _known("compute_full_persistent", getattr(g, "_persistent_full", None))
+            out += _known("compute_full_persistent", g.persistent_full)
             out += _known("accum", g.accum)
     root = states[0].root if states else None
     if root is not None:

@@ -36,8 +36,8 @@ works; it is ``forward_backward(step_fn, x, y, denom=denom)`` with a built-in st
 - warmup on the capture stream: the last eager warmup step runs on the capture stream, so
   lazily created per-stream state (cuBLAS workspaces, NCCL's stream bookkeeping) exists
   before capture;
-- no stale host state inside the graph: ``force_refresh`` puts the main->compute weight copy
-  in the graph (the optimizer updates main weights between replays), and slot events
+- no stale host state inside the graph: the root's ``capture.refreshing_weights()`` puts the
+  main->compute weight copy in the graph (the optimizer updates main weights between replays), and slot events
   recorded outside the capture are dropped after a device synchronize (waiting on them
   inside the capture would be illegal); events recorded inside it are dropped after it,
   because the graph joins its side streams back into the capture stream before it ends;
@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import capture_context
+from graph_fsdp.address_keeping import graph_capture
 from graph_fsdp.buffers.allocator import SlotAllocator
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
@@ -346,21 +346,16 @@ class FullIterationGraphs(RunnerLifecycle):
     def _verify(
         self, micro: int, pos: StepPosition, args: tuple, kwargs: dict, before, after
     ) -> object:
-        groups = [g for s in self.states for g in s.groups]
+        capture = self.states[0].root.capture
 
         def run_eager():
-            # The graph refreshes the compute weights from the main weights (force_refresh);
-            # the capture marked them fresh without running: refresh here as well.
-            # On the capture stream, like the warmup step: autograd nodes it creates are
-            # bound to that stream, so the next position's capture is not pulled off it.
-            for g in groups:
-                g.force_refresh = True
-            try:
-                with self._on_capture_stream():
-                    return detached(pos.fn(*args, **kwargs))
-            finally:
-                for g in groups:
-                    g.force_refresh = False
+            # The graph refreshes the compute weights from the main weights (capture_context.py
+            # [Note: capture context]); the capture marked them fresh without running: refresh
+            # here as well. On the capture stream, like the warmup step: autograd nodes it
+            # creates are bound to that stream, so the next position's capture is not pulled
+            # off it.
+            with capture.refreshing_weights(), self._on_capture_stream():
+                return detached(pos.fn(*args, **kwargs))
 
         result, out = verify_step(
             what=f"full_iteration step call {micro}",
@@ -407,22 +402,24 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.static_inputs = [s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)]
         args, kwargs = sig.rebuild(pos.static_inputs)
         graph = torch.cuda.CUDAGraph()
-        groups = [g for s in self.states for g in s.groups]
-        for g in groups:
-            g.force_refresh = True
-            g.pin_main_grad = True  # the graph reduces into it: [Note: releasable main grads]
-            g.ensure_main_grad()
+        capture = self.states[0].root.capture
+        capture.pin_main_grads()  # the graph reduces into them: [Note: releasable main grads]
         try:
             # The slots come from the graph's pool: allocator.py [Note: slots in a capture's
             # pool].
-            with self._tracker.active(), self._checksums(), self._allocator.owning_capture():
+            with (
+                capture.refreshing_weights(),
+                self._tracker.active(),
+                self._checksums(),
+                self._allocator.owning_capture(),
+            ):
                 # transformers' mask decisions as in eager: transformers_masks.py
                 with (
                     nvtx_range(f"graph_fsdp/capture/full_iteration/{micro}"),
                     no_collection(),
                     eager_mask_decisions(self.model),
                 ):
-                    with capture_context(self.states)(  # address_keeping.py
+                    with graph_capture(self.states)(  # address_keeping.py
                         graph,
                         pool=self._pool,
                         stream=self.stream,
@@ -436,9 +433,6 @@ class FullIterationGraphs(RunnerLifecycle):
                 what=f"full_iteration step call {micro} ({fn_name(pos.fn)})",
                 layerwise=False,
             ) from err
-        finally:
-            for g in groups:
-                g.force_refresh = False
         flat, pos.out_spec = tree_flatten(out)
         pos.static_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         self._drop_slot_events()

@@ -7,7 +7,7 @@ Usage (train.py does this)::
         graphs.before_step()  # captures once the warmup steps ran; recaptures after release()
         loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
 
-Each target module's ``forward`` is replaced by a dispatcher. During the last warmup step
+Each target module's ``forward`` is replaced by a ``Dispatcher``. During the last warmup step
 it records the call signature (shapes, dtypes, constants); after capture it replays the
 graphs for calls that match it in training mode with grad enabled, and runs the original
 forward for everything else (eval, ``torch.no_grad``, a changed shape) - FSDP's hooks fire
@@ -16,10 +16,11 @@ around either, since they live on ``__call__``. Capture (``_capture``):
 1. put every unit's unsharded parameters in place (the graphs' parameter inputs);
 2. extract the hooks of the targets and their FSDP units; build each callable's
    ``capture_time_hooks`` from them (hooks/module_hooks.py);
-3. with ``RootContext.capturing`` set (reductions skipped, grad buffers freed), warm up and
-   capture with the chosen backend in a shared memory pool;
+3. inside the root's ``capture.layerwise_capture()`` (reductions skipped, grad buffers freed:
+   capture_context.py [Note: capture context]), warm up and capture with the chosen backend
+   in a shared memory pool;
 4. restore the hooks (``finally``), reshard, and restore the RNG state;
-5. lend every unit the runner's communication graphs (``comm_graphs``, on by default): each
+5. lend the root the runner's communication graphs (``comm_graphs``, on by default): each
    unit's gather and reduction kernels become one graph launch (comm_graphs.py [Note:
    communication graphs]); ``drop()`` takes them back.
 """
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.address_keeping import capture_context
+from graph_fsdp.address_keeping import graph_capture
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.pools import pool_bytes
@@ -110,7 +111,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         self.caps: list[CapturedCallable] = []
         for target in select_targets(units, scopes, scope_modules=scope_modules):
             cap = CapturedCallable(target, target.module.forward)
-            target.module.forward = _dispatcher(self, cap)
+            target.module.forward = Dispatcher(self, cap)
             self.caps.append(cap)
         self.steps_seen = 0
         self.captured_generation: int | None = None
@@ -310,19 +311,18 @@ class LayerwiseGraphs(RunnerLifecycle):
                 )
                 for c in self.caps
             ]
-            root.capturing = True
-            self._pool = torch.cuda.graph_pool_handle()
-            self._run_backend(hooks)
-            torch.cuda.synchronize()
+            with root.capture.layerwise_capture():
+                self._pool = torch.cuda.graph_pool_handle()
+                self._run_backend(hooks)
+                torch.cuda.synchronize()
         finally:
-            root.capturing = False
             for saved in extracted.values():
                 restore_module_hooks(saved)
             for state in self.states:
                 state.reshard()
                 for group in state.groups:
                     root.allocator.free(group.grad_key)
-                state._pre_backward_done = state._post_backward_done = False
+                state.reset_backward_guards()
             torch.set_rng_state(rng[0])
             torch.cuda.set_rng_state(rng[1])
         # The graphs keep their capture's autograd graph, and with it AccumulateGrad nodes
@@ -335,8 +335,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                 cap.set_replay_anchor()
                 if cap.module is cap.target.unit:  # [Note: backward handlers in the replay]
                     cap.unit_state = unit_states[id(cap.module)]
-                    cap.unit_state.backward_by_replay = True
-                    cap.unit_state.hand_forward_to_dispatcher()
+                    cap.unit_state.hand_handlers_to_replay()
         for state in units.values():
             state.reshard()
         self._lend_comm_graphs(root)
@@ -353,9 +352,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         if not self.comm_graphs or not root.comm.cuda or root.comm.world_size < 2:
             return
         self._comm = CommGraphs(torch.cuda.graph_pool_handle())
-        for state in self.states:
-            for group in state.groups:
-                group.comm_graphs = self._comm
+        root.capture.lend_comm_graphs(self._comm)
 
     _comm_report: dict | None = None
     """The last communication graphs' counters (kept after they are taken back)."""
@@ -364,9 +361,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         comm, self._comm = self._comm, None
         if comm is None:
             return
-        for state in self.states:
-            for group in state.groups:
-                group.comm_graphs = None
+        self.states[0].root.capture.take_comm_graphs_back()
         self._comm_report = comm.report()
         comm.reset()
 
@@ -393,7 +388,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                         warmup_iters=self.warmup_iters,
                         pool=self._pool,
                         tracker=self._tracker,
-                        cuda_graph=capture_context(self.states),
+                        cuda_graph=graph_capture(self.states),
                     )
         except GraphConfigError:
             raise  # a refusal before anything was captured says what to change itself
@@ -413,12 +408,40 @@ def under_activation_checkpoint() -> bool:
     return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
 
 
-def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
-    """The target's new ``forward``: replay when the call matches the capture, else eager."""
+class Dispatcher:
+    """A target's ``forward`` while a runner holds it: replay when the call matches the
+    capture, else the original forward (``del module.forward`` gives that back).
 
-    def replayable(args, kwargs):
-        """The call's tensors when it replays, else None (a call that does not match the
-        capture is counted and warned about; the recording step records the signature)."""
+    A call is one of: a replay (captured, a training call whose tensors match the capture);
+    an eager call (eval, ``torch.no_grad``, a verification's eager run, a call that does not
+    match - counted and warned about once); the recording step's call, whose signature and
+    outputs are kept for the capture. While the unit's handlers belong to the replay
+    (state.py [Note: forward handlers in the dispatcher]), the dispatcher runs the unit's
+    ``pre_forward``/``post_forward`` around either.
+    """
+
+    def __init__(self, graphs: LayerwiseGraphs, cap: CapturedCallable) -> None:
+        self.graphs = graphs
+        self.cap = cap
+
+    def __call__(self, *args, **kwargs):
+        tensors = self._replayable(args, kwargs)
+        state = self.cap.unit_state
+        if state is None or not state.forward_by_dispatcher:
+            out = self._run(tensors, args, kwargs)
+            if self.graphs.recording:
+                self._record_outputs(out)
+            return out
+        # The unit's forward handlers: a replay leaves the sharded parameters on the module.
+        state.pre_forward(params_on_modules=tensors is None)
+        out = self._run(tensors, args, kwargs)
+        state.post_forward()
+        return out
+
+    def _replayable(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The call's tensors when it replays, else None (the recording step records the
+        signature)."""
+        cap, graphs = self.cap, self.graphs
         training_call = cap.module.training and torch.is_grad_enabled() and not in_backward()
         if training_call and under_activation_checkpoint():
             raise GraphConfigError(
@@ -431,26 +454,7 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
                 "(full_iteration), whose graph records the recomputation too"
             )
         if cap.captured and training_call and not graphs.force_eager:
-            tensors = cap.signature.tensors_of(args, kwargs)
-            unchained = None
-            if tensors is not None:  # torch_backend.py [Note: chained static buffers]
-                static = cap.static_inputs
-                for j, _ in cap.chained:
-                    if data_address(tensors[j]) != data_address(static[j]):
-                        tensors, unchained = None, j
-                        break
-            if tensors is None:
-                cap.fallbacks += 1
-                if cap.fallbacks == 1:
-                    why = (
-                        f"call ({describe_call(args, kwargs)}) does not match the captured "
-                        f"signature ({cap.signature.describe()})"
-                        if unchained is None
-                        else f"tensor input {unchained} is not the previous graphed module's "
-                        "output, as it was at capture (the graph reads that output in place)"
-                    )
-                    warnings.warn(f"{cap.name}: {why}; running it eagerly", stacklevel=4)
-            return tensors
+            return self._matching_tensors(args, kwargs)
         if graphs.recording and training_call and cap.signature is None:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
             cap.signature.keep_sources(
@@ -463,34 +467,44 @@ def _dispatcher(graphs: LayerwiseGraphs, cap: CapturedCallable):
             )
         return None
 
-    def run(tensors, args, kwargs):
+    def _matching_tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The tensors of a training call after capture, or None (counted, warned about
+        once) when they do not match the capture."""
+        cap = self.cap
+        tensors = cap.signature.tensors_of(args, kwargs)
+        unchained = None
+        if tensors is not None:  # torch_backend.py [Note: chained static buffers]
+            static = cap.static_inputs
+            for j, _ in cap.chained:
+                if data_address(tensors[j]) != data_address(static[j]):
+                    tensors, unchained = None, j
+                    break
+        if tensors is None:
+            cap.fallbacks += 1
+            if cap.fallbacks == 1:
+                why = (
+                    f"call ({describe_call(args, kwargs)}) does not match the captured "
+                    f"signature ({cap.signature.describe()})"
+                    if unchained is None
+                    else f"tensor input {unchained} is not the previous graphed module's "
+                    "output, as it was at capture (the graph reads that output in place)"
+                )
+                # Past this method, _replayable, __call__ and torch's two module-call frames.
+                warnings.warn(f"{cap.name}: {why}; running it eagerly", stacklevel=5)
+        return tensors
+
+    def _run(self, tensors, args: tuple, kwargs: dict):
+        cap = self.cap
         if tensors is not None:
             return cap.replay(tensors)
         if cap.unit_state is not None:  # the replay owns the unit's backward handlers
             return cap.unit_state.forward_with_backward_handlers(cap.orig_forward, args, kwargs)
         return cap.orig_forward(*args, **kwargs)
 
-    def forward(*args, **kwargs):
-        tensors = replayable(args, kwargs)
-        state = cap.unit_state
-        if state is None or not state.forward_by_dispatcher:
-            out = run(tensors, args, kwargs)
-            if graphs.recording:
-                record_outputs(out)
-            return out
-        # The unit's forward handlers ([Note: forward handlers in the dispatcher]): a replay
-        # leaves the sharded parameters on the module.
-        state.pre_forward(params_on_modules=tensors is None)
-        out = run(tensors, args, kwargs)
-        state.post_forward()
-        return out
-
-    def record_outputs(out) -> None:
+    def _record_outputs(self, out) -> None:
+        cap = self.cap
         if not cap.recorded_output_ptrs and cap.signature is not None:
             flat = tree_flatten(out)[0]
             outputs = [t for t in flat if isinstance(t, torch.Tensor)]
             cap.recorded_output_ptrs = [data_address(t) for t in outputs]
             cap.recorded_outputs = [weakref.ref(t) for t in outputs]
-
-    forward._graph_fsdp_dispatcher = cap
-    return forward

@@ -19,9 +19,9 @@ scope) and its replay Function is ours (torch backend), that Function is the uni
 autograd node: its backward runs the unit's ``pre_backward`` (gather, zeroed ``.grad``)
 before the backward graph and ``post_backward`` (reduce-scatter, reshard) after it, outside
 the graph, where FSDP's registration hooks would have put an identity Function on the inputs
-and a gradient hook on the outputs - two more autograd objects per layer and step. The unit's
-``backward_by_replay`` is set while captured; its eager calls (eval, fallbacks, verification)
-register the handlers in the dispatcher (layerwise.py). TE's replay Function is TE's: there the
+and a gradient hook on the outputs - two more autograd objects per layer and step. While
+captured the unit's handlers are handed to the replay (``FSDPState.hand_handlers_to_replay``);
+its eager calls (eval, fallbacks, verification) register them in the dispatcher (layerwise.py). TE's replay Function is TE's: there the
 hooks stay.
 
 [Note: capture and replay order] All forward graphs are captured first, in execution order,
@@ -336,8 +336,7 @@ class CapturedCallable:
         self.zeroes_grads_of = None
         self.chained = ()
         if self.unit_state is not None:
-            self.unit_state.backward_by_replay = False
-            self.unit_state.take_forward_back()
+            self.unit_state.take_handlers_back()
             self.unit_state = None
 
     # ------------------------------------------------------------------ eager pieces
@@ -562,7 +561,7 @@ def capture_torch(
     Each callable's capture-time hooks run around every warmup and capture step, outside
     the capture, on the capture stream - TE's contract, so both backends share FSDP's side.
     ``cuda_graph``: ``torch.cuda.graph`` or a context with its signature (a model whose
-    addresses offload keeps: address_keeping.capture_context).
+    addresses offload keeps: address_keeping.graph_capture).
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -41,8 +41,8 @@ with every group marked stale (``dirty``, as an optimizer step marks it eagerly)
 first gather of each group casts inside the graph and clears the mark, and later gathers of
 the same step (other microbatches; the backward of ZeRO-1/2, whose weights stay gathered)
 copy nothing, as in the eager step. (``FullIterationGraphs`` forces the copy at every gather,
-``force_refresh``: its optimizer runs between replays, outside its graphs.) A ZeRO-3 gather
-always casts its shard ([Note: copy-in all-gather]).
+``refreshing_weights`` of capture_context.py: its optimizer runs between replays, outside its
+graphs.) A ZeRO-3 gather always casts its shard ([Note: copy-in all-gather]).
 
 [Note: main gradients in the step graph's pool] ``FullIterationGraphs`` pins the main
 gradients (its graphs write them, the eager optimizer reads them after the replay). Here

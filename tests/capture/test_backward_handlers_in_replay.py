@@ -1,8 +1,9 @@
 """The eager side of [Note: backward handlers in the replay] (capture/torch_backend.py), on gloo.
 
-While a whole-layer torch graph is captured its unit's ``backward_by_replay`` is set: FSDP's
-registration hooks stand aside and the runner's dispatcher (``capture/layerwise.py``
-``_dispatcher``, the layer's ``forward`` once a ``LayerwiseGraphs`` targets it) registers
+While a whole-layer torch graph is captured its unit's handlers belong to the replay
+(``FSDPState.hand_handlers_to_replay``): FSDP's registration hooks stand aside and the
+runner's ``Dispatcher`` (``capture/layerwise.py``, the layer's ``forward`` once a
+``LayerwiseGraphs`` targets it) registers
 the handlers for every eager call (``FSDPState.forward_with_backward_handlers``); with the
 hooks handed to the dispatcher ([Note: forward handlers in the dispatcher], state.py) it
 runs ``pre_forward`` and ``post_forward`` too. Here a real ``LayerwiseGraphs`` installs its
@@ -39,12 +40,13 @@ def _runner_dispatching(model: nn.Module, forward_handlers: bool):
     targets = [c.module for c in graphs.caps]  # every unit below the root: whole units
     assert all(any(layer is t for t in targets) for layer in transformer_layers(model))
     for cap in graphs.caps:
-        assert cap.module.forward._graph_fsdp_dispatcher is cap  # the runner's dispatcher
+        assert isinstance(cap.module.forward, runner.Dispatcher)  # the runner's dispatcher
+        assert cap.module.forward.cap is cap
         assert not cap.captured
         cap.unit_state = cap.module._fsdp_state
-        cap.unit_state.backward_by_replay = True
+        handed = cap.unit_state.hand_handlers_to_replay(forward=forward_handlers)
+        assert cap.unit_state.backward_by_replay and handed == forward_handlers
         if forward_handlers:
-            assert cap.unit_state.hand_forward_to_dispatcher()
             assert not cap.module._forward_pre_hooks and not cap.module._forward_hooks
     return graphs
 
@@ -117,15 +119,15 @@ def _hand_over(rank: int, world: int) -> dict:
     first, second = transformer_layers(model)[:2]
     s1, s2 = first._fsdp_state, second._fsdp_state
     handles = s1._handles
-    out = {"handed": s1.hand_forward_to_dispatcher()}
+    out = {"handed": s1.hand_handlers_to_replay()}
     out["hooks_while_handed"] = len(first._forward_pre_hooks) + len(first._forward_hooks)
-    s1.take_forward_back()
+    s1.take_handlers_back()
     out["hooks_after"] = len(first._forward_pre_hooks) + len(first._forward_hooks)
-    out["flag_after"] = s1.forward_by_dispatcher
+    out["flag_after"] = s1.forward_by_dispatcher or s1.backward_by_replay
     out["new_handles"] = s1._handles is not handles
     # A module with a hook of its own keeps FSDP's hooks where they are.
     second.register_forward_hook(lambda m, a, o: None)
-    out["handed_with_user_hook"] = s2.hand_forward_to_dispatcher()
+    out["handed_with_user_hook"] = s2.hand_handlers_to_replay()
     out["hooks_with_user_hook"] = len(second._forward_pre_hooks) + len(second._forward_hooks)
     return out
 

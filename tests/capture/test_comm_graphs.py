@@ -164,15 +164,16 @@ def _train(rank: int, world: int, graphs: bool, pin: bool, mixed: bool, comm=Non
         micro = 1 + step % 2 if mixed else 1
         root = model._fsdp_state.root
         if graphs and step == 1:  # after an eager step, as a layerwise runner lends them
-            for state in root.states:
-                for group in state.groups:
-                    group.comm_graphs = comm_graphs
-                    # Every buffer in place (what the GPU's caching allocator gives a steady
-                    # loop; CPU allocations move): keys repeat, replays must match them.
-                    group.pin_main_grad = pin
-                    group.ensure_main_grad()
+            root.capture.lend_comm_graphs(comm_graphs)
+            # Every buffer in place (what the GPU's caching allocator gives a steady loop;
+            # CPU allocations move): keys repeat, replays must match them.
             if pin:
+                root.capture.pin_main_grads()
                 root.allocator.pin_roles(("param", "grad", "grad_comm", "rs_out"))
+            else:
+                for state in root.states:
+                    for group in state.groups:
+                        group.ensure_main_grad()
         for m in range(micro):
             model.set_requires_gradient_sync(m == micro - 1)
             x, y = synthetic_batch(

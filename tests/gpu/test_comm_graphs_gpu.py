@@ -70,11 +70,8 @@ def _train(rank: int, lend: bool, accumulate: bool) -> dict:
         root = model._fsdp_state.root  # set by the first forward (lazy init)
         if lend and step == 1:  # after an eager step, as a layerwise runner lends them
             root.allocator.pin_roles(("param", "grad", "grad_comm", "rs_out"))
-            for state in root.states:
-                for group in state.groups:
-                    group.comm_graphs = comm
-                    group.pin_main_grad = True
-                    group.ensure_main_grad()
+            root.capture.lend_comm_graphs(comm)
+            root.capture.pin_main_grads()
         micro = 2 if accumulate else 1
         total = torch.zeros((), device=device)
         for m in range(micro):
@@ -89,9 +86,7 @@ def _train(rank: int, lend: bool, accumulate: bool) -> dict:
     torch.cuda.synchronize()
     report = comm.report()
     captures = sum(comm.captures.values())
-    for state in root.states:
-        for group in state.groups:
-            group.comm_graphs = None
+    root.capture.take_comm_graphs_back()
     comm.reset()
     return {
         "losses": losses,

@@ -161,12 +161,11 @@ def _real_unit(rank: int, world: int) -> dict:
     out["targets"] = [(b.__self__ is state, b.__name__) for b in bound]
     # Run them as TE would around one capture, twice (warmup iterations), with the
     # reduction skipped as during capture.
-    state.root.capturing = True
-    for _ in range(2):
-        for key in CAPTURE_KEYS:
-            for fn in hooks[key].values():
-                fn(unit)
-    state.root.capturing = False
+    with state.root.capture.layerwise_capture():
+        for _ in range(2):
+            for key in CAPTURE_KEYS:
+                for fn in hooks[key].values():
+                    fn(unit)
     out["state_after"] = state.training_state == TrainingState.IDLE
     restore_module_hooks(saved)
     out["restored"] = _snapshot(unit) == before

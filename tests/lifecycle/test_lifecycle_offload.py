@@ -168,7 +168,7 @@ def _two_chunks(rank: int, world_size: int) -> dict:
             for g in s.groups:
                 ok &= not g.stale()
                 for ref, offset in zip(g.params, g.layout.offsets):
-                    got = g._persistent_full[offset : offset + ref.shape.numel()]
+                    got = g.persistent_full[offset : offset + ref.shape.numel()]
                     ok &= torch.equal(got.view(ref.shape), full[ref.fqn])
         result.append(ok)
     return {"synced": result}

@@ -1,0 +1,87 @@
+"""What the CUDA-graph tools are doing with one root's units, in the one place the core reads it.
+
+[Note: capture context] FSDP's core (state.py, param_group.py, reduce.py) does not know which
+tool captures it. A root owns one ``CaptureContext`` (``RootContext.capture``, shared by
+every group under it as ``group.capture``); a capture tool (capture/) switches the core's
+behaviour only through it and through the public methods of states and groups, and the core
+only reads it:
+
+- ``capturing_layers`` (``layerwise_capture()``): layerwise warmup and capture run FSDP's
+  handlers around each callable, but the gradients they see are the capture's: each unit's
+  post-backward frees its unsharded gradients instead of reducing them, and the final
+  callback exposes no sharded ``.grad``. The once-per-backward guards are cleared after it
+  (``reset_backward_guards``).
+- ``refresh_weights`` (``refreshing_weights()``): a full-iteration capture records the main ->
+  compute weight copy at every gather (the optimizer updates the main weights between
+  replays, outside the graph), and its verification's eager run does the same.
+- ``comm_graphs`` (``lend_comm_graphs``): a layerwise runner's communication graphs, through
+  which every group gathers and reduces (capture/comm_graphs.py [Note: communication graphs]).
+- ``pin_main_grads()``: a graph writes the main gradients at their address, so their storage
+  is never released between steps (param_group.py [Note: releasable main grads]).
+
+Per unit, a replay that runs the unit's handlers itself takes them with the state's
+``hand_handlers_to_replay``/``take_handlers_back`` (state.py [Note: forward handlers in the
+dispatcher]). Every switch is restored in ``finally`` (a failed capture leaves eager FSDP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from graph_fsdp.state import FSDPState
+
+
+class CommGraphRunner(Protocol):
+    """What a group asks of the communication graphs a capture tool lends (comm_graphs.py)."""
+
+    def run(self, key: Hashable, owner: Hashable, fn: Callable[[], None]) -> None:
+        """Run the kernels ``fn`` queues on the current stream, as a graph when it can."""
+
+
+class CaptureContext:
+    """The capture switches of one root's units ([Note: capture context])."""
+
+    def __init__(self, states: Sequence[FSDPState] = ()) -> None:
+        self._states = states
+        self.capturing_layers = False
+        """A layerwise warmup/capture runs: post-backward frees the gradients unreduced."""
+        self.refresh_weights = False
+        """Every gather casts the main weights (a full-iteration capture records the copy)."""
+        self.comm_graphs: CommGraphRunner | None = None
+        """The communication graphs lent to every group; None: every collective eager."""
+
+    @contextmanager
+    def layerwise_capture(self) -> Iterator[None]:
+        self.capturing_layers = True
+        try:
+            yield
+        finally:
+            self.capturing_layers = False
+
+    @contextmanager
+    def refreshing_weights(self) -> Iterator[None]:
+        self.refresh_weights = True
+        try:
+            yield
+        finally:
+            self.refresh_weights = False
+
+    def lend_comm_graphs(self, graphs: CommGraphRunner) -> None:
+        self.comm_graphs = graphs
+
+    def take_comm_graphs_back(self) -> None:
+        self.comm_graphs = None
+
+    def pin_main_grads(self) -> None:
+        """Give every group's main gradients their bytes and keep them from now on."""
+        for state in self._states:
+            for group in state.groups:
+                group.pin_main_grad()
+
+    def reset_backward_guards(self) -> None:
+        """Let every unit's backward handlers run again (after a capture ran them)."""
+        for state in self._states:
+            state.reset_backward_guards()
