@@ -77,7 +77,7 @@ def spawn_cases(cases: Mapping[str, tuple], world_size: int = 2, **spawn_kwargs)
     tests that read them, so every other case's test still passes or fails on its own.
     ``spawn_kwargs`` go to :func:`graph_fsdp.launch.spawn`.
     """
-    return CaseResults(dict(cases), spawn(_run_cases, world_size, dict(cases), **spawn_kwargs))
+    return CaseResults(cases, spawn(_run_cases, world_size, dict(cases), **spawn_kwargs))
 
 
 def _run_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, tuple]:
@@ -96,17 +96,17 @@ def _run_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str,
 class CaseResults(Mapping):
     """Per-case results of :func:`spawn_cases`: ``results[label]`` is the list of every rank's
     return value, or raises an ``AssertionError`` with the case's tracebacks (or names the
-    case that failed before it) when a rank did not finish it."""
+    case that failed before it) when a rank did not finish it. ``a | b`` holds the cases of
+    both (groups of different world sizes, say)."""
 
-    def __init__(self, cases: dict[str, tuple], per_rank: list[dict[str, tuple]]) -> None:
-        self._labels = list(cases)
-        self._per_rank = per_rank
+    def __init__(self, cases: Mapping[str, tuple], per_rank: list[dict[str, tuple]]) -> None:
+        self._groups = {label: per_rank for label in cases}  # the group each case ran in
 
     def __getitem__(self, label: str) -> list:
-        if label not in self._labels:
-            raise KeyError(f"no case {label!r}; the cases are {self._labels}")
+        if label not in self._groups:
+            raise KeyError(f"no case {label!r}; the cases are {list(self._groups)}")
         problems = []
-        for rank, outcomes in enumerate(self._per_rank):
+        for rank, outcomes in enumerate(self._groups[label]):
             if label not in outcomes:
                 failed = next(k for k, (status, _) in outcomes.items() if status == "error")
                 problems.append(f"rank {rank} did not run it: case {failed!r} failed before it")
@@ -114,10 +114,15 @@ class CaseResults(Mapping):
                 problems.append(f"rank {rank} failed:\n{outcomes[label][1]}")
         if problems:
             raise AssertionError(f"case {label!r}: " + "\n".join(problems))
-        return [outcomes[label][1] for outcomes in self._per_rank]
+        return [outcomes[label][1] for outcomes in self._groups[label]]
+
+    def __or__(self, other: CaseResults) -> CaseResults:
+        both = CaseResults({}, [])
+        both._groups = {**self._groups, **other._groups}
+        return both
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._labels)
+        return iter(self._groups)
 
     def __len__(self) -> int:
-        return len(self._labels)
+        return len(self._groups)
