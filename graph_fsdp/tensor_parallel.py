@@ -51,6 +51,14 @@ TP_ATTR = "_graph_fsdp_tp"
 plain (Megatron) parameter, by ``fully_shard`` on the sharded parameter."""
 
 
+def data_address(t: torch.Tensor) -> int:
+    """The address of ``t``'s bytes: a DTensor's local tensor's (``DTensor.data_ptr()`` is 0
+    for every DTensor, so comparing it would take any two DTensors for one buffer - a graph
+    replay would then skip copying a new input into its static one)."""
+    local = getattr(t, "_local_tensor", None)
+    return (t if local is None else local).data_ptr()
+
+
 @dataclass(frozen=True, eq=False)
 class TPSpec:
     """Where one rank's local tensor of a tensor-parallel parameter lies in the global one."""

@@ -1,4 +1,5 @@
-"""Test helpers: GPU skip markers and the CLI's refusal message.
+"""Test helpers: many checks in one spawned process group, GPU skip markers and the CLI's
+refusal message.
 
 Processes are started by :func:`graph_fsdp.launch.spawn`; HuggingFace decoders are built by
 :mod:`graph_fsdp.models.hf`. Nothing in the package imports this module.
@@ -7,12 +8,14 @@ Processes are started by :func:`graph_fsdp.launch.spawn`; HuggingFace decoders a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import torch
 
 from graph_fsdp.cli.main import main
+from graph_fsdp.launch import spawn
 
 GPU_TEST_WORLD = int(os.environ.get("GRAPH_FSDP_GPU_TEST_WORLD", "2"))
 """Ranks (one GPU each) the multi-GPU tests spawn: 2, or 1 for a single-GPU smoke run
@@ -61,3 +64,65 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude=()) -> tuple[object, in
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(kept.values())
+
+
+def spawn_cases(cases: Mapping[str, tuple], world_size: int = 2, **spawn_kwargs) -> CaseResults:
+    """Run every case in one spawned group of ``world_size`` ranks; each case's results by label.
+
+    ``cases`` maps a label to ``(fn, *args)``; every rank runs ``fn(rank, world_size, *args)``
+    for each case in turn (FSDP2's ``run_subtests``: starting a group costs each rank an
+    import of torch, seconds of CPU, while a tiny model's case costs a fraction of that).
+    Each case starts from a fresh process's RNG state. A case that raises stops its rank:
+    its traceback, and the cases left unrun, are reported by :class:`CaseResults` to the
+    tests that read them, so every other case's test still passes or fails on its own.
+    ``spawn_kwargs`` go to :func:`graph_fsdp.launch.spawn`.
+    """
+    return CaseResults(cases, spawn(_run_cases, world_size, dict(cases), **spawn_kwargs))
+
+
+def _run_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict[str, tuple]:
+    seed = torch.initial_seed()
+    out: dict[str, tuple] = {}
+    for label, (fn, *args) in cases.items():
+        torch.manual_seed(seed)
+        try:
+            out[label] = ("ok", fn(rank, world_size, *args))
+        except Exception:  # noqa: BLE001 (reported to the case's test; the rank stops)
+            out[label] = ("error", traceback.format_exc())
+            break
+    return out
+
+
+class CaseResults(Mapping):
+    """Per-case results of :func:`spawn_cases`: ``results[label]`` is the list of every rank's
+    return value, or raises an ``AssertionError`` with the case's tracebacks (or names the
+    case that failed before it) when a rank did not finish it. ``a | b`` holds the cases of
+    both (groups of different world sizes, say)."""
+
+    def __init__(self, cases: Mapping[str, tuple], per_rank: list[dict[str, tuple]]) -> None:
+        self._groups = {label: per_rank for label in cases}  # the group each case ran in
+
+    def __getitem__(self, label: str) -> list:
+        if label not in self._groups:
+            raise KeyError(f"no case {label!r}; the cases are {list(self._groups)}")
+        problems = []
+        for rank, outcomes in enumerate(self._groups[label]):
+            if label not in outcomes:
+                failed = next(k for k, (status, _) in outcomes.items() if status == "error")
+                problems.append(f"rank {rank} did not run it: case {failed!r} failed before it")
+            elif outcomes[label][0] == "error":
+                problems.append(f"rank {rank} failed:\n{outcomes[label][1]}")
+        if problems:
+            raise AssertionError(f"case {label!r}: " + "\n".join(problems))
+        return [outcomes[label][1] for outcomes in self._groups[label]]
+
+    def __or__(self, other: CaseResults) -> CaseResults:
+        both = CaseResults({}, [])
+        both._groups = {**self._groups, **other._groups}
+        return both
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)

@@ -96,6 +96,7 @@ from graph_fsdp.capture.verify import (
 )
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.state import collect_states
+from graph_fsdp.tensor_parallel import data_address
 
 
 def same_step_fn(a: StepFn, b: StepFn) -> bool:
@@ -332,7 +333,7 @@ class FullIterationGraphs(RunnerLifecycle):
         tensors = pos.signature.tensors_of(args, kwargs)
         with nvtx_range(f"graph_fsdp/replay/full_iteration/{micro}"):
             for static, x in zip(pos.static_inputs, tensors):
-                if static.data_ptr() != x.data_ptr():
+                if data_address(static) != data_address(x):
                     static.copy_(x)
             pos.graph.replay()
             self.replays += 1

@@ -68,6 +68,7 @@ from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_ste
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
 from graph_fsdp.state import FSDPState, collect_states, in_backward
+from graph_fsdp.tensor_parallel import data_address
 
 
 class LayerwiseGraphs(RunnerLifecycle):
@@ -458,7 +459,7 @@ class Dispatcher:
             cap.signature = CallSignature(args, kwargs, what=cap.name)
             cap.signature.keep_sources(
                 {
-                    t.data_ptr()
+                    data_address(t)
                     for c in graphs.caps
                     for ref in c.recorded_outputs
                     if (t := ref()) is not None
@@ -475,7 +476,7 @@ class Dispatcher:
         if tensors is not None:  # torch_backend.py [Note: chained static buffers]
             static = cap.static_inputs
             for j, _ in cap.chained:
-                if tensors[j].data_ptr() != static[j].data_ptr():
+                if data_address(tensors[j]) != data_address(static[j]):
                     tensors, unchained = None, j
                     break
         if tensors is None:
@@ -505,5 +506,5 @@ class Dispatcher:
         if not cap.recorded_output_ptrs and cap.signature is not None:
             flat = tree_flatten(out)[0]
             outputs = [t for t in flat if isinstance(t, torch.Tensor)]
-            cap.recorded_output_ptrs = [t.data_ptr() for t in outputs]
+            cap.recorded_output_ptrs = [data_address(t) for t in outputs]
             cap.recorded_outputs = [weakref.ref(t) for t in outputs]

@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, ModuleTracker
 from graph_fsdp.capture.scopes import GraphConfigError, Target
 from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.tensor_parallel import data_address
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 
@@ -67,7 +68,7 @@ class CallSignature:
         self.consts = [None if isinstance(x, torch.Tensor) else x for x in flat]
         self.metas = [_meta(flat[i]) for i in self.tensor_index]
         self.samples = [flat[i].detach().clone() for i in self.tensor_index]
-        self.sample_ptrs: list[int | None] = [flat[i].data_ptr() for i in self.tensor_index]
+        self.sample_ptrs: list[int | None] = [data_address(flat[i]) for i in self.tensor_index]
         """The recorded call's tensor addresses: which were another callable's outputs
         ([Note: chained static buffers]); None where ``keep_sources`` found no live output
         there."""
@@ -435,7 +436,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cap: CapturedCallable, *inputs: torch.Tensor):
         for static, x in zip(cap.static_inputs, inputs):
-            if static.data_ptr() != x.data_ptr():
+            if data_address(static) != data_address(x):
                 static.copy_(x)
         cap.fwd_graph.replay()
         ctx.cap = cap
@@ -464,7 +465,7 @@ def _replay_backward(ctx, *grads: torch.Tensor | None):
                 continue
             if g is None:
                 static.zero_()
-            elif g.data_ptr() != static.data_ptr():
+            elif data_address(g) != data_address(static):
                 static.copy_(g)
         cap.bwd_graph.replay()
     if state is not None:

@@ -91,6 +91,7 @@ from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.grad_norm import clip_grads_, global_grad_norm
 from graph_fsdp.state import collect_states
+from graph_fsdp.tensor_parallel import data_address
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -419,7 +420,7 @@ class WholeStepGraph(RunnerLifecycle):
         with nvtx_range("graph_fsdp/replay/whole_step"):
             for statics, given in zip(rec.static_inputs, tensors):
                 for static, x in zip(statics, given):
-                    if static.data_ptr() != x.data_ptr():
+                    if data_address(static) != data_address(x):
                         static.copy_(x)
             rec.graph.replay()
         self.replays += 1

@@ -213,7 +213,8 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
                 "moe_token_dispatcher_type='alltoall' creates a CUDA stream: use a CUDA device, "
                 "or moe_token_dispatcher_type='allgather' on CPU"
             )
-    megatron_ep.check_model_ep(cfg, "build_gpt")
+    if megatron_tp.check_model(cfg) == 1:  # TP > 1: over Megatron's data-parallel group
+        megatron_ep.check_model_ep(cfg, "build_gpt")
     torch.manual_seed(cfg.seed)
     # Built before Megatron's CUDA RNG tracker exists, so TransformerEngine's attention gets
     # no tracker to fork in every forward: the default tracker's fork sets the CUDA

@@ -30,6 +30,7 @@ def _run(script: Path, out: Path, *chunks: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_chunk_logs_name_the_commit_and_an_empty_chunk_fails(tmp_path: Path) -> None:
     # The bench chunk on a CPU: every test skips (no GPU), pytest exits 0.
     proc = _run(SCRIPT, tmp_path / "a", "bench")

@@ -15,11 +15,12 @@ handlers. The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py).
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -96,8 +97,21 @@ def _three(rank: int, world: int) -> list[dict]:
     ]
 
 
-def test_dispatcher_registered_handlers_train_like_the_hooks():
-    for hooks, *dispatched in spawn(_three, 2):
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every check of this file in one spawned group."""
+    return spawn_cases(
+        {
+            "three": (_three,),
+            "hand_over": (_hand_over,),
+            "replay_handlers": (_sharded_through_replay_handlers,),
+        },
+        2,
+    )
+
+
+def test_dispatcher_registered_handlers_train_like_the_hooks(two_ranks):
+    for hooks, *dispatched in two_ranks["three"]:
         for d in dispatched:  # backward handlers only, forward ones too
             assert d["losses"] == hooks["losses"]
             assert all(torch.equal(d["params"][n], v) for n, v in hooks["params"].items())
@@ -132,8 +146,8 @@ def _hand_over(rank: int, world: int) -> dict:
     return out
 
 
-def test_forward_hooks_come_off_only_when_they_are_fsdps_alone():
-    for r in spawn(_hand_over, 2):
+def test_forward_hooks_come_off_only_when_they_are_fsdps_alone(two_ranks):
+    for r in two_ranks["hand_over"]:
         assert r["handed"] and r["hooks_while_handed"] == 0
         assert r["hooks_after"] == 4 and not r["flag_after"] and r["new_handles"]
         assert not r["handed_with_user_hook"] and r["hooks_with_user_hook"] == 5
@@ -169,8 +183,8 @@ def _sharded_through_replay_handlers(rank: int, world: int) -> dict:
     }
 
 
-def test_replay_handlers_leave_the_sharded_parameters_on_the_module():
-    for r in spawn(_sharded_through_replay_handlers, 2):
+def test_replay_handlers_leave_the_sharded_parameters_on_the_module(two_ranks):
+    for r in two_ranks["replay_handlers"]:
         assert r == {
             "during": True,
             "gathered": True,

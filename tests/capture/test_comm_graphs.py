@@ -21,8 +21,8 @@ from torch.utils._pytree import tree_flatten
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.capture.comm_graphs import MAX_CAPTURES, CommGraphs
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.testing import spawn_cases
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 
@@ -145,9 +145,18 @@ def _sound_keys(run):
 def _train(rank: int, world: int, graphs: bool, pin: bool, mixed: bool, comm=None):
     """Six steps; ``mixed``: one or two microbatches (no_sync accumulation) and gradients
     kept or set to None by the optimizer, changing from step to step."""
-    if graphs:  # this spawned process only
-        CommGraphs._capture = _kernel_graph
-        CommGraphs.run = _sound_keys(CommGraphs.run)
+    if not graphs:
+        return _train_steps(rank, False, pin, mixed, comm)
+    capture, run = CommGraphs._capture, CommGraphs.run
+    CommGraphs._capture = _kernel_graph
+    CommGraphs.run = _sound_keys(run)
+    try:
+        return _train_steps(rank, True, pin, mixed, comm)
+    finally:
+        CommGraphs._capture, CommGraphs.run = capture, run
+
+
+def _train_steps(rank: int, graphs: bool, pin: bool, mixed: bool, comm) -> dict:
     torch.manual_seed(0)
     model = build_model(TINY, device="cpu")
     # fp32 reduction by default (a cast kernel before it); ``comm`` bf16: the gradients as
@@ -196,14 +205,28 @@ def _train(rank: int, world: int, graphs: bool, pin: bool, mixed: bool, comm=Non
     }
 
 
-@pytest.mark.parametrize(
-    "mixed,comm",
-    [(False, None), (True, None), (True, torch.bfloat16)],
-    ids=["plain", "no_sync+accumulate", "no_sync+accumulate, bf16 reduction"],
-)
-def test_replayed_gathers_and_reductions_train_bit_identically(mixed, comm) -> None:
-    eager = spawn(_train, 2, False, True, mixed, comm)
-    replayed = spawn(_train, 2, True, True, mixed, comm)
+PINNED = {
+    "plain": (False, None),
+    "no_sync+accumulate": (True, None),
+    "no_sync+accumulate, bf16 reduction": (True, torch.bfloat16),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every training of this file, eager and replayed, in one spawned group."""
+    cases = {}
+    for label, (mixed, comm) in PINNED.items():
+        cases[f"eager:{label}"] = (_train, False, True, mixed, comm)
+        cases[f"replayed:{label}"] = (_train, True, True, mixed, comm)
+    cases["eager:moving"] = (_train, False, False, False)
+    cases["replayed:moving"] = (_train, True, False, False)
+    return spawn_cases(cases, 2)
+
+
+@pytest.mark.parametrize("label", list(PINNED))
+def test_replayed_gathers_and_reductions_train_bit_identically(two_ranks, label) -> None:
+    eager, replayed = two_ranks[f"eager:{label}"], two_ranks[f"replayed:{label}"]
     for e, r in zip(eager, replayed):
         assert e["losses"] == r["losses"]
         assert all(torch.equal(a, b) for a, b in zip(e["params"], r["params"]))
@@ -219,11 +242,10 @@ def test_replayed_gathers_and_reductions_train_bit_identically(mixed, comm) -> N
         assert len(gathers) == r["groups"] and set(gathers) == {1}, r["captures"]
 
 
-def test_buffers_that_keep_moving_stop_being_captured() -> None:
+def test_buffers_that_keep_moving_stop_being_captured(two_ranks) -> None:
     # Without pinned slots the weight slots are re-made after every forward (new bytes, new
     # addresses): each new address is a capture, up to MAX_CAPTURES a group, then eager.
-    eager = spawn(_train, 2, False, False, False)
-    replayed = spawn(_train, 2, True, False, False)
+    eager, replayed = two_ranks["eager:moving"], two_ranks["replayed:moving"]
     for e, r in zip(eager, replayed):
         assert e["losses"] == r["losses"]
         assert all(torch.equal(a, b) for a, b in zip(e["params"], r["params"]))

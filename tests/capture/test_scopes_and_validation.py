@@ -10,8 +10,8 @@ import torch
 from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
 from graph_fsdp.capture.torch_backend import CallSignature
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -118,31 +118,43 @@ def _run_expecting_error(rank: int, world: int, cfg: TrainConfig) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(
-    "overrides, match",
-    [
-        (dict(cuda_graph_impl="torch"), "needs static|must be static"),
-        (
-            dict(cuda_graph_impl="torch", allocator="double_buffer", persist_on_alloc_fail=True),
-            "CUDA graphs need a CUDA device, but the model is on cpu",
+INVALID = [
+    (dict(cuda_graph_impl="torch"), "needs static|must be static"),
+    (
+        dict(cuda_graph_impl="torch", allocator="double_buffer", persist_on_alloc_fail=True),
+        "CUDA graphs need a CUDA device, but the model is on cpu",
+    ),
+    (dict(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"]), "full_iteration"),
+    (dict(cuda_graph_impl="torch", recompute=True), "recompute=True"),
+    (dict(cuda_graph_impl="graph"), "cuda_graph_impl='graph'"),
+    (
+        dict(
+            cuda_graph_impl="torch",
+            allocator="double_buffer",
+            persist_on_alloc_fail=True,
+            cuda_graph_warmup_steps=0,
         ),
-        (dict(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"]), "full_iteration"),
-        (dict(cuda_graph_impl="torch", recompute=True), "recompute=True"),
-        (dict(cuda_graph_impl="graph"), "cuda_graph_impl='graph'"),
-        (
-            dict(
-                cuda_graph_impl="torch",
-                allocator="double_buffer",
-                persist_on_alloc_fail=True,
-                cuda_graph_warmup_steps=0,
-            ),
-            "cuda_graph_warmup_steps=0 must be >= 1",
-        ),
-    ],
-)
-def test_train_run_rejects_invalid_graph_configs(overrides, match):
-    cfg = dataclasses.replace(TrainConfig(model=TINY, steps=1), **overrides)
-    (msg, _) = spawn(_run_expecting_error, 2, cfg)
+        "cuda_graph_warmup_steps=0 must be >= 1",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def invalid_runs():
+    """Every invalid configuration's run, in one spawned group."""
+    cases = {
+        repr(overrides): (
+            _run_expecting_error,
+            dataclasses.replace(TrainConfig(model=TINY, steps=1), **overrides),
+        )
+        for overrides, _ in INVALID
+    }
+    return spawn_cases(cases, 2)
+
+
+@pytest.mark.parametrize("overrides, match", INVALID)
+def test_train_run_rejects_invalid_graph_configs(invalid_runs, overrides, match):
+    (msg, _) = invalid_runs[repr(overrides)]
     assert pytest.importorskip("re").search(match, msg), msg
 
 

@@ -8,6 +8,7 @@ graphs, so it runs here on real process groups; the GPU tests replay the same lo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ import torch
 from graph_fsdp.capture import FullIterationGraphs, GraphConfigError
 from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -136,8 +137,17 @@ def _step_api_worker(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def step_results():
-    return spawn(_step_api_worker, 2)
+def two_ranks():
+    """Both workers of this file in one spawned group (the HuggingFace one if installed)."""
+    cases = {"step_api": (_step_api_worker,)}
+    if importlib.util.find_spec("transformers") is not None:
+        cases["huggingface"] = (_hf_worker,)
+    return spawn_cases(cases, 2)
+
+
+@pytest.fixture(scope="module")
+def step_results(two_ranks):
+    return two_ranks["step_api"]
 
 
 def test_step_api_matches_the_plain_eager_loop(step_results):
@@ -257,9 +267,9 @@ def _hf_worker(rank: int, world: int) -> dict:
     }
 
 
-def test_huggingface_llama_under_fully_shard_eager_step_api():
+def test_huggingface_llama_under_fully_shard_eager_step_api(two_ranks):
     pytest.importorskip("transformers")
-    r = spawn(_hf_worker, 2)[0]
+    r = two_ranks["huggingface"][0]
     assert r["targets"] == [
         "model.layers.0.self_attn",
         "model.layers.0.mlp",

@@ -25,9 +25,9 @@ from graph_fsdp.capture.verify import (
     verify_step,
 )
 from graph_fsdp.data import batch_for
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
 from graph_fsdp.state import collect_states
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
@@ -248,8 +248,14 @@ def _verify_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_verify_step_restores_state_and_names_the_first_module_on_gloo():
-    r = spawn(_verify_worker, 2)[0]
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Both gloo checks of this file in one spawned group."""
+    return spawn_cases({"verify": (_verify_worker,), "capture_like": (_capture_like_worker,)}, 2)
+
+
+def test_verify_step_restores_state_and_names_the_first_module_on_gloo(two_ranks):
+    r = two_ranks["verify"][0]
     for micro in range(2):
         identical, text, same_loss = r[f"identical_{micro}"]
         assert identical and same_loss, text
@@ -420,8 +426,8 @@ def _capture_like_worker(rank: int, world: int) -> dict:
     return {"identical": results, "grads_equal": same}
 
 
-def test_verification_around_a_capture_keeps_the_accumulation_right():
-    r = spawn(_capture_like_worker, 2)[0]
+def test_verification_around_a_capture_keeps_the_accumulation_right(two_ranks):
+    r = two_ranks["capture_like"][0]
     assert r["identical"] == [True, True]
     assert r["grads_equal"], "micro 1 must add micro 0's no_sync accumulation"
 

@@ -28,6 +28,7 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_train_writes_one_record_per_step_and_resumes_across_strategies(tmp_path) -> None:
     log, ckpt = tmp_path / "logs" / "steps.jsonl", tmp_path / "ckpt"
     out = _ok(
@@ -144,6 +145,7 @@ def test_train_under_torchrun_runs_ranks_in_process(tmp_path) -> None:
     assert len(_records(log)) == 2
 
 
+@pytest.mark.slow
 def test_compare_strategies_identical_then_injected_difference(tmp_path) -> None:
     verdicts = tmp_path / "compare.json"
     out = _ok(

@@ -47,6 +47,7 @@ def test_hsdp_flags_rejected(capsys: pytest.CaptureFixture, argv, expected) -> N
         assert fragment in err, (fragment, err)
 
 
+@pytest.mark.slow
 def test_train_hsdp_then_resume_on_a_1d_mesh(tmp_path) -> None:
     ckpt, log = tmp_path / "ckpt", tmp_path / "steps.jsonl"
     hsdp = ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"]

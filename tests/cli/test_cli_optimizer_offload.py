@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from _cli_helpers import TINY, run_cli
 
 
@@ -12,6 +13,7 @@ def _losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_offloaded_optimizer_trains_like_the_device_one_and_resumes(tmp_path) -> None:
     base = ["train", *TINY, "--lr", "1e-2", "--deterministic"]
     plain_log, off_log, resumed_log = (tmp_path / f"{n}.jsonl" for n in ("plain", "off", "res"))

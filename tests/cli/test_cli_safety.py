@@ -170,6 +170,7 @@ def _stderr_lines(proc) -> list[str]:
     return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("train:")]
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     """A checkpoint file corrupted inside (its size intact: only the ranks can tell): the
     launcher prints which rank failed, how, and the log holding every rank's traceback."""
@@ -307,6 +308,7 @@ def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
     checkpoint.check_save_target(str(ck), require_meta=True)  # ck.tmp is ours: accepted
 
 
+@pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(saved, tmp_path) -> None:
     """Rank 0 killed while the new checkpoint replaces the old one (the old one moved aside,
     the new one not yet in place): the run fails in one line, and the previous checkpoint

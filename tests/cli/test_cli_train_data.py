@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from _cli_helpers import TINY, run_cli
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 MODEL = GPTConfig(
@@ -35,14 +35,22 @@ def test_train_run_learns_the_token_file_and_resumes_on_the_same_batches(
     cfg = TrainConfig(
         model=MODEL, micro_batch_size=2, lr=1e-2, data_path=token_file, eval_interval=2
     )
-    full = spawn(run, 2, replace(cfg, steps=6, save_path=ckpt, save_at=3))[0]
-    synthetic = spawn(run, 2, replace(cfg, steps=6, data_path=None))[0]
+    # One spawned group: the saving run, a synthetic-data run, the resume from the checkpoint.
+    runs = spawn_cases(
+        {
+            "full": (run, replace(cfg, steps=6, save_path=ckpt, save_at=3)),
+            "synthetic": (run, replace(cfg, steps=6, data_path=None)),
+            "resumed": (run, replace(cfg, steps=3, load_path=ckpt, start_step=3)),
+        },
+        2,
+    )
+    full, synthetic = runs["full"][0], runs["synthetic"][0]
     # The file's deterministic successor is learned; uniform synthetic tokens are not.
     assert full["losses"][-1] < full["losses"][0] - 1.0
     assert full["losses"][-1] < synthetic["losses"][-1] - 1.0
     assert len(full["eval_losses"]) == 3
     # Resume at step 3 from the checkpoint: the same batches, so bit-identical losses.
-    resumed = spawn(run, 2, replace(cfg, steps=3, load_path=ckpt, start_step=3))[0]
+    resumed = runs["resumed"][0]
     assert resumed["losses"] == full["losses"][3:]
     assert resumed["eval_losses"] == full["eval_losses"][1:]  # after steps 3+1 and 5+1
     for name, value in full["params"].items():
@@ -52,6 +60,7 @@ def test_train_run_learns_the_token_file_and_resumes_on_the_same_batches(
     assert reference["losses"] == pytest.approx(full["losses"][:2], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_graph_fsdp_train_data_path_reaches_train_run(tmp_path, token_file) -> None:
     log = tmp_path / "steps.jsonl"
     flags = ["train", *TINY, "--train-iters", "4", "--lr", "1e-2", "--deterministic"]
@@ -70,7 +79,8 @@ def test_graph_fsdp_train_data_path_reaches_train_run(tmp_path, token_file) -> N
         deterministic=True,
         return_params=False,
     )
-    direct = spawn(run, 2, cfg)[0]["losses"]
+    runs = spawn_cases({"direct": (run, cfg), "synthetic": (run, replace(cfg, data_path=None))}, 2)
+    direct = runs["direct"][0]["losses"]
     assert cli_losses == pytest.approx(direct, rel=1e-5)
-    synthetic = spawn(run, 2, replace(cfg, data_path=None))[0]["losses"]
+    synthetic = runs["synthetic"][0]["losses"]
     assert cli_losses[-1] < synthetic[-1] - 0.5

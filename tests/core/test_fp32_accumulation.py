@@ -11,38 +11,51 @@ import pytest
 import torch
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 BASE = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True, lr=1e-2)
 
 
-def _both(cfg: TrainConfig, world: int) -> tuple[dict, dict]:
-    plain = spawn(run, world, cfg)[0]
-    accum = spawn(run, world, dataclasses.replace(cfg, reduce_scatter_fp32_accumulation=True))[0]
-    return plain, accum
+TWO_RANK_CONFIGS = {
+    "default": BASE,
+    # ZeRO-2, static buffers, and accumulated microbatches (fp32: the plain reduce-scatter
+    # for them, the all-to-all for the last one's bf16 gradients).
+    "zero2_static_accum": dataclasses.replace(
+        BASE,
+        strategy="optim_grads",
+        grad_accum=2,
+        allocator="double_buffer",
+        persist_on_alloc_fail=True,
+    ),
+}
+FOUR_RANKS = dataclasses.replace(BASE, steps=2)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {},
-        # ZeRO-2, static buffers, and accumulated microbatches (fp32: the plain reduce-scatter
-        # for them, the all-to-all for the last one's bf16 gradients).
-        {
-            "strategy": "optim_grads",
-            "grad_accum": 2,
-            "allocator": "double_buffer",
-            "persist_on_alloc_fail": True,
-        },
-    ],
-)
-def test_two_ranks_are_bit_identical_to_the_fp32_reduce_scatter(overrides):
+def _both(configs: dict[str, TrainConfig]) -> dict[str, tuple]:
+    """Each config trained plainly and with fp32 accumulation: ``(run, cfg)`` cases."""
+    cases = {}
+    for label, cfg in configs.items():
+        cases[f"{label}:plain"] = (run, cfg)
+        accum = dataclasses.replace(cfg, reduce_scatter_fp32_accumulation=True)
+        cases[f"{label}:fp32_accumulation"] = (run, accum)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every 2-rank check of this file in one spawned group."""
+    return spawn_cases({**_both(TWO_RANK_CONFIGS), "grad_comm_bytes": (_grad_comm_bytes,)}, 2)
+
+
+@pytest.mark.parametrize("config", list(TWO_RANK_CONFIGS))
+def test_two_ranks_are_bit_identical_to_the_fp32_reduce_scatter(two_ranks, config):
     """Both schemes sum the same bf16 values in fp32; with 2 ranks the one addition a + b
     has no order, so losses and weights match the default bit for bit."""
-    plain, accum = _both(dataclasses.replace(BASE, **overrides), 2)
+    plain = two_ranks[f"{config}:plain"][0]
+    accum = two_ranks[f"{config}:fp32_accumulation"][0]
     assert plain["losses"] == accum["losses"]
     for name, value in plain["params"].items():
         assert torch.equal(value, accum["params"][name]), name
@@ -51,9 +64,9 @@ def test_two_ranks_are_bit_identical_to_the_fp32_reduce_scatter(overrides):
 def test_four_ranks_sum_in_fp32_in_another_order():
     """4 ranks: only the order of the fp32 additions differs from gloo's reduce-scatter, and
     both stay next to the fp32 single-process reference."""
-    cfg = dataclasses.replace(BASE, steps=2)
-    plain, accum = _both(cfg, 4)
-    ref = run(0, 4, dataclasses.replace(cfg, mode="reference"))
+    four = spawn_cases(_both({"default": FOUR_RANKS}), 4)
+    plain, accum = four["default:plain"][0], four["default:fp32_accumulation"][0]
+    ref = run(0, 4, dataclasses.replace(FOUR_RANKS, mode="reference"))
     for res in (plain, accum):
         assert max(abs(a - b) for a, b in zip(res["losses"], ref["losses"])) < 1e-2
     for name, value in plain["params"].items():
@@ -85,11 +98,11 @@ def _grad_comm_bytes(rank: int, world: int) -> dict:
     return out
 
 
-def test_the_unsharded_comm_buffer_is_bf16_and_unsharded_gradients_are_refused():
+def test_the_unsharded_comm_buffer_is_bf16_and_unsharded_gradients_are_refused(two_ranks):
     """The all-to-all reads the bf16 gradients and writes a bf16 buffer: the fp32 copy of
     the unsharded gradients that feeds the plain reduce-scatter is gone (half the bytes).
     Strategies that all-reduce full gradients are refused."""
-    out = spawn(_grad_comm_bytes, 2)[0]
+    out = two_ranks["grad_comm_bytes"][0]
     assert out[False] > 0 and out[True] * 2 == out[False], out
     for strategy in ("no_shard", "optim"):
         assert (

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from graph_fsdp import checkpoint as ckpt
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.testing import CaseResults, spawn_cases
 from graph_fsdp.train import TrainConfig, run, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -20,10 +20,9 @@ EVAL_STEP = 10**6
 """Data position of the batch used to check the compute weights after a load."""
 
 
-def test_resume_is_bit_identical(tmp_path):
-    path = str(tmp_path / "ckpt")
-    full = spawn(run, 2, TrainConfig(model=TINY, steps=4, save_path=path, save_at=2))
-    resumed = spawn(run, 2, TrainConfig(model=TINY, steps=2, load_path=path, start_step=2))
+def test_resume_is_bit_identical(spawned):
+    _, results = spawned
+    full, resumed = results["resume:full"], results["resume:resumed"]
     assert resumed[0]["losses"] == full[0]["losses"][2:]
     for name, value in full[0]["params"].items():
         assert (resumed[0]["params"][name] == value).all(), name
@@ -104,28 +103,59 @@ def _load(rank: int, world_size: int, cfg: TrainConfig, path: str, start_step: i
     return out
 
 
-@pytest.mark.parametrize(
-    ("save_world", "save_strategy", "load_world", "load_strategy"),
-    [
-        (2, "optim_grads_params", 4, "optim_grads"),  # 2 -> 4 ranks, ZeRO-3 -> ZeRO-2
-        (4, "optim_grads_params", 2, "optim"),  # 4 -> 2 ranks, ZeRO-3 -> ZeRO-1
-    ],
-)
+MOVES = [
+    (2, "optim_grads_params", 4, "optim_grads"),  # 2 -> 4 ranks, ZeRO-3 -> ZeRO-2
+    (4, "optim_grads_params", 2, "optim"),  # 4 -> 2 ranks, ZeRO-3 -> ZeRO-1
+]
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> tuple[dict, CaseResults]:
+    """Three spawned groups, in the order the checkpoints need: 2 ranks (the resume, the
+    2-rank save), 4 ranks (its load, the 4-rank save), 2 ranks (that one's load)."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    resume = str(root / "resume")
+    paths = {move: str(root / "-".join(map(str, move))) for move in MOVES}
+    saves: dict[int, dict] = {2: {}, 4: {}}
+    loads: dict[int, dict] = {2: {}, 4: {}}
+    for move in MOVES:
+        save_world, save_strategy, load_world, load_strategy = move
+        save_cfg = TrainConfig(model=TINY, strategy=save_strategy)
+        # lr/weight_decay deliberately differ from the checkpoint's: load restores them.
+        load_cfg = TrainConfig(model=TINY, strategy=load_strategy, lr=0.0, weight_decay=0.0)
+        saves[save_world][f"save:{move}"] = (_train_and_save, save_cfg, 2, paths[move])
+        loads[load_world][f"load:{move}"] = (_load, load_cfg, paths[move], 2)
+    first = spawn_cases(
+        {
+            "resume:full": (run, TrainConfig(model=TINY, steps=4, save_path=resume, save_at=2)),
+            "resume:resumed": (
+                run,
+                TrainConfig(model=TINY, steps=2, load_path=resume, start_step=2),
+            ),
+            **saves[2],
+        },
+        2,
+    )
+    four = spawn_cases({**loads[4], **saves[4]}, 4)
+    last = spawn_cases(loads[2], 2)
+    return paths, first | four | last
+
+
+@pytest.mark.parametrize(("save_world", "save_strategy", "load_world", "load_strategy"), MOVES)
 def test_load_onto_other_world_size_and_strategy(
-    tmp_path, save_world, save_strategy, load_world, load_strategy
+    spawned, save_world, save_strategy, load_world, load_strategy
 ):
-    path = str(tmp_path / "ckpt")
-    saved = spawn(
-        _train_and_save, save_world, TrainConfig(model=TINY, strategy=save_strategy), 2, path
-    )[0]
+    move = (save_world, save_strategy, load_world, load_strategy)
+    paths, results = spawned
+    path = paths[move]
+    saved = results[f"save:{move}"][0]
     # The checkpoint holds parameters split across the saving ranks (several DCP chunks).
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     assert any(
         len(md.chunks) > 1 for key, md in metadata.items() if key.startswith(("model.", "optim."))
     )
 
-    cfg = TrainConfig(model=TINY, strategy=load_strategy, lr=0.0, weight_decay=0.0)
-    loaded = spawn(_load, load_world, cfg, path, 2)
+    loaded = results[f"load:{move}"]
     for result in loaded:  # every rank gathers the same full state
         assert result["hparams"] == saved["hparams"]
         assert result["params"].keys() == saved["params"].keys()

@@ -2,7 +2,8 @@
 
 Four ranks as a 2x2 mesh and the degenerate 1x4 / 4x1 meshes, every strategy, with the
 optimizer sharded over the shard dimension only or over both (``optim_over_replicas``). All
-cases train in one spawn of 4 processes (each spawn costs seconds; a case costs ~0.5 s).
+cases train in one spawned group of 4 processes, the error checks after them (each spawn
+costs seconds; a case costs ~0.5 s).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graph_fsdp import fully_shard
 from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
+from graph_fsdp.testing import CaseResults, spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -82,10 +83,17 @@ def _train_all(rank: int, world: int, cases: dict[str, TrainConfig]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    per_rank = spawn(_train_all, 4, {**CASES, **EXTRA})
+def four_ranks() -> CaseResults:
+    """The trainings, then the error and meta-init checks, in one spawned group."""
+    return spawn_cases(
+        {"train": (_train_all, {**CASES, **EXTRA}), "errors": (_errors_and_meta_init,)}, 4
+    )
+
+
+@pytest.fixture(scope="module")
+def results(four_ranks) -> dict:
     return {
-        "ranks": per_rank,
+        "ranks": four_ranks["train"],
         "reference": run(0, 4, dataclasses.replace(BASE, mode="reference")),
         "reference_accum": run(0, 4, dataclasses.replace(ACCUM, mode="reference")),
     }
@@ -253,8 +261,8 @@ def _grad_norms(rank: int, mesh) -> dict:
     return norms
 
 
-def test_clear_errors_meta_init_and_grad_norm_over_both_dims():
-    results = spawn(_errors_and_meta_init, 4)
+def test_clear_errors_meta_init_and_grad_norm_over_both_dims(four_ranks):
+    results = four_ranks["errors"]
     expected = {
         "3d": ["got a 3-D mesh", "2-D (replicate, shard)"],
         "replicate_1": ["replicate size 1", "use a 1-D mesh"],

@@ -7,12 +7,14 @@ import gc
 import types
 import weakref
 
+import pytest
 import torch
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
 from graph_fsdp.state import collect_states
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -55,9 +57,31 @@ def _grad_lifecycle(rank: int, world: int, strategy: str) -> dict:
     return out
 
 
-def test_main_grads_released_between_steps_and_kept_while_readable():
+BF16 = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every 2-rank check of this file in one spawned group."""
+    return spawn_cases(
+        {
+            **{f"lifecycle:{s}": (_grad_lifecycle, s) for s in ("optim_grads_params", "no_shard")},
+            "bf16:first": (run, BF16),
+            "bf16:second": (run, BF16),
+            "slots:dynamic": (_slots_at_the_backward_peak, "dynamic"),
+            "slots:double_buffer": (_slots_at_the_backward_peak, "double_buffer"),
+            "slots:double_buffer+pinned": (_slots_at_the_backward_peak, "double_buffer", True),
+            "garbage_in_slots": (_grads_with_garbage_in_slots,),
+            "dropped_model": (_dropped_model_is_collected,),
+            "one_rank_reduction": (_one_rank_reduction,),
+        },
+        2,
+    )
+
+
+def test_main_grads_released_between_steps_and_kept_while_readable(two_ranks):
     for strategy in ("optim_grads_params", "no_shard"):
-        for res in spawn(_grad_lifecycle, 2, strategy):
+        for res in two_ranks[f"lifecycle:{strategy}"]:
             assert "compute_shard" not in res["persistent_roles"]
             assert res["after_backward"] > 0
             assert res["accumulated"], strategy
@@ -67,13 +91,12 @@ def test_main_grads_released_between_steps_and_kept_while_readable():
             assert res["grads_back"] and all(res["grads_back"])
 
 
-def test_bf16_copy_in_gather_matches_reference_bitwise_across_runs():
+def test_bf16_copy_in_gather_matches_reference_bitwise_across_runs(two_ranks):
     # bf16 compute weights cast straight into the gather buffer: two identical runs agree
     # bit for bit and the unsharded mixed-precision reference agrees to bf16 tolerance.
-    cfg = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True)
-    a, b = spawn(run, 2, cfg), spawn(run, 2, cfg)
+    a, b = two_ranks["bf16:first"], two_ranks["bf16:second"]
     assert a[0]["losses"] == b[0]["losses"]
-    ref = run(0, 2, TrainConfig(**{**cfg.__dict__, "mode": "reference"}))
+    ref = run(0, 2, TrainConfig(**{**BF16.__dict__, "mode": "reference"}))
     assert max(abs(x - y) for x, y in zip(a[0]["losses"], ref["losses"])) < 2e-2
 
 
@@ -137,9 +160,9 @@ def _slots_at_the_backward_peak(
     return out
 
 
-def test_backward_peak_holds_no_idle_weight_slots_or_reduction_buffers():
-    dyn = spawn(_slots_at_the_backward_peak, 2, "dynamic")
-    for res, ref in zip(spawn(_slots_at_the_backward_peak, 2, "double_buffer"), dyn):
+def test_backward_peak_holds_no_idle_weight_slots_or_reduction_buffers(two_ranks):
+    dyn = two_ranks["slots:dynamic"]
+    for res, ref in zip(two_ranks["slots:double_buffer"], dyn):
         assert res["losses"] == ref["losses"] and not ref["after_forward"]
         assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"]))
         after, start = res["after_forward"], res["backward_start"]
@@ -153,7 +176,7 @@ def test_backward_peak_holds_no_idle_weight_slots_or_reduction_buffers():
         # After backward no slot holds bytes, the root's weights included (FSDP2 frees them
         # after backward too): the optimizer step, a small model's peak, finds none.
         assert not any(res["after_backward"].values()), res["after_backward"]
-    for res, ref in zip(spawn(_slots_at_the_backward_peak, 2, "double_buffer", True), dyn):
+    for res, ref in zip(two_ranks["slots:double_buffer+pinned"], dyn):
         assert res["losses"] == ref["losses"]
         assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"]))
         assert res["backward_start"]["grad"] > 0  # the preset views graphs write into
@@ -209,8 +232,8 @@ def _grads_with_garbage_in_slots(rank: int, world: int) -> dict:
         Slot.materialise = materialise
 
 
-def test_collected_gradients_zero_what_autograd_did_not_cover():
-    results = spawn(_grads_with_garbage_in_slots, 2)
+def test_collected_gradients_zero_what_autograd_did_not_cover(two_ranks):
+    results = two_ranks["garbage_in_slots"]
     full = results[0]["full"]
     assert full[-1].abs().sum() == 0 and full[-2].abs().sum() == 0  # model.c: no gradient
     for step in range(2):
@@ -261,8 +284,8 @@ def _dropped_model_is_collected(rank: int, world: int) -> dict:
     return {"graph_kept": graph_kept, "alive": sum(r() is not None for r in refs)}
 
 
-def test_dropped_model_is_collected_while_a_module_kept_a_forward_tensor():
-    for res in spawn(_dropped_model_is_collected, 2):
+def test_dropped_model_is_collected_while_a_module_kept_a_forward_tensor(two_ranks):
+    for res in two_ranks["dropped_model"]:
         assert res["graph_kept"]
         assert res["alive"] == 0, res
 
@@ -290,11 +313,11 @@ def _one_rank_reduction(rank: int, world: int) -> dict:
     return {"grad_comm": peak.get("grad_comm", 0), "same_as_unsharded": same}
 
 
-def test_one_rank_casts_gradients_straight_into_main_grads():
+def test_one_rank_casts_gradients_straight_into_main_grads(two_ranks):
     """One data-parallel rank: the reduction is the identity (param_group.py
     ``_reduces_nothing``): no fp32 reduction buffer, and the main gradients are exactly the
     bf16 gradients cast to fp32. Two ranks use the buffer (what the check tells apart)."""
     (one,) = spawn(_one_rank_reduction, 1)
     assert one["grad_comm"] == 0 and one["same_as_unsharded"], one
-    two = spawn(_one_rank_reduction, 2)
+    two = two_ranks["one_rank_reduction"]
     assert all(r["grad_comm"] > 0 for r in two), two

@@ -9,6 +9,7 @@ import torch
 
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -40,66 +41,85 @@ def reference_for(cfg: TrainConfig, world: int) -> dict:
     return run(0, world, dataclasses.replace(cfg, mode="reference"))
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
-def test_strategies_match_reference(strategy):
-    cfg = TrainConfig(model=TINY, strategy=strategy, steps=3)
-    assert_matches_reference(spawn(run, 2, cfg), reference_for(cfg, 2))
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+CONFIGS: dict[str, TrainConfig] = {
+    **{f"strategy:{s}": TrainConfig(model=TINY, strategy=s, steps=3) for s in STRATEGIES},
+    **{
+        f"clip:{s}": TrainConfig(model=TINY, strategy=s, steps=3, clip_grad=0.05)
+        for s in ("optim_grads_params", "no_shard")
+    },
+    "no_sync": TrainConfig(model=TINY, strategy="optim_grads_params", steps=2, grad_accum=3),
+    **{
+        f"recompute:{s}": TrainConfig(model=TINY, strategy=s, steps=3, recompute=True)
+        for s in ("optim", "optim_grads_params")
+    },
+    "moe_eval": TrainConfig(model=MOE, strategy="optim_grads_params", steps=4, eval_interval=2),
+}
+STATIC_BASE = TrainConfig(
+    model=MOE,
+    strategy="optim_grads_params",
+    steps=5,
+    eval_interval=2,
+    grad_accum=2,
+    persist_on_alloc_fail=False,
+)
+ALLOCATORS = ["dynamic", "double_buffer", "trace_pool"]
+UNEVEN_CFG = TrainConfig(model=UNEVEN, strategy="optim_grads_params", steps=3, fused_optimizer=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every 2-rank training of this file in one spawned group."""
+    cases = {label: (run, cfg) for label, cfg in CONFIGS.items()}
+    cases.update(
+        {f"allocator:{a}": (run, dataclasses.replace(STATIC_BASE, allocator=a)) for a in ALLOCATORS}
+    )
+    return spawn_cases(cases, 2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_strategies_match_reference(two_ranks, strategy):
+    label = f"strategy:{strategy}"
+    assert_matches_reference(two_ranks[label], reference_for(CONFIGS[label], 2))
 
 
 def test_uneven_and_empty_shards_with_fused_adamw_four_ranks():
-    cfg = TrainConfig(model=UNEVEN, strategy="optim_grads_params", steps=3, fused_optimizer=True)
-    assert_matches_reference(spawn(run, 4, cfg), reference_for(cfg, 4))
+    assert_matches_reference(spawn(run, 4, UNEVEN_CFG), reference_for(UNEVEN_CFG, 4))
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
-def test_clip_grad_clips_by_the_global_norm_as_the_reference(strategy):
+def test_clip_grad_clips_by_the_global_norm_as_the_reference(two_ranks, strategy):
     """TrainConfig.clip_grad (``--clip-grad``): the norm of the whole gradient over every
     rank's shards (grad_norm.py), as the unsharded reference clips; small enough to clip."""
-    cfg = TrainConfig(model=TINY, strategy=strategy, steps=3, clip_grad=0.05)
+    cfg = CONFIGS[f"clip:{strategy}"]
     ref = reference_for(cfg, 2)
     unclipped = reference_for(dataclasses.replace(cfg, clip_grad=0.0), 2)
     moved = max((ref["params"][k] - v).abs().max().item() for k, v in unclipped["params"].items())
     assert moved > 1e-4  # it clips (AdamW's steps change little: its updates are normalised)
-    assert_matches_reference(spawn(run, 2, cfg), ref)
+    assert_matches_reference(two_ranks[f"clip:{strategy}"], ref)
 
 
-def test_no_sync_accumulation_equals_large_batch():
-    cfg = TrainConfig(model=TINY, strategy="optim_grads_params", steps=2, grad_accum=3)
-    assert_matches_reference(spawn(run, 2, cfg), reference_for(cfg, 2))
+def test_no_sync_accumulation_equals_large_batch(two_ranks):
+    assert_matches_reference(two_ranks["no_sync"], reference_for(CONFIGS["no_sync"], 2))
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_activation_recompute(strategy):
-    cfg = TrainConfig(model=TINY, strategy=strategy, steps=3, recompute=True)
-    assert_matches_reference(spawn(run, 2, cfg), reference_for(cfg, 2))
+def test_activation_recompute(two_ranks, strategy):
+    label = f"recompute:{strategy}"
+    assert_matches_reference(two_ranks[label], reference_for(CONFIGS[label], 2))
 
 
-def test_moe_model_with_eval_passes():
-    cfg = TrainConfig(model=MOE, strategy="optim_grads_params", steps=4, eval_interval=2)
-    results = spawn(run, 2, cfg)
-    assert_matches_reference(results, reference_for(cfg, 2))
+def test_moe_model_with_eval_passes(two_ranks):
+    results = two_ranks["moe_eval"]
+    assert_matches_reference(results, reference_for(CONFIGS["moe_eval"], 2))
     assert len(results[0]["eval_losses"]) == 2
 
 
-def _runs(rank: int, world: int, cfgs: list[TrainConfig]) -> list[dict]:
-    return [run(rank, world, cfg) for cfg in cfgs]  # one launch for several trainings
-
-
-def test_static_allocators_bit_identical_to_dynamic():
-    base = TrainConfig(
-        model=MOE,
-        strategy="optim_grads_params",
-        steps=5,
-        eval_interval=2,
-        grad_accum=2,
-        persist_on_alloc_fail=False,
-    )
-    allocators = ["double_buffer", "trace_pool"]
-    cfgs = [base] + [dataclasses.replace(base, allocator=a) for a in allocators]
-    per_rank = spawn(_runs, 2, cfgs)
-    for rank_runs in per_rank:
-        dynamic = rank_runs[0]
-        for allocator, static in zip(allocators, rank_runs[1:]):
+def test_static_allocators_bit_identical_to_dynamic(two_ranks):
+    runs = {a: two_ranks[f"allocator:{a}"] for a in ALLOCATORS}
+    for rank, dynamic in enumerate(runs["dynamic"]):
+        for allocator in ALLOCATORS[1:]:
+            static = runs[allocator][rank]
             assert dynamic["losses"] == static["losses"], allocator
             for name in dynamic["params"]:
                 assert torch.equal(dynamic["params"][name], static["params"][name]), (

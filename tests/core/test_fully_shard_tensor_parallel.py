@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from graph_fsdp import checkpoint as ckpt
 from graph_fsdp import fully_shard
@@ -543,3 +543,28 @@ def test_flat_boxes_and_runs_cover_a_range_once():
                 pos += box.numel()
             whole = torch.cat(got) if got else torch.empty(0, dtype=torch.int64)
             assert torch.equal(whole, torch.arange(start, stop)), (start, stop)
+
+
+def _dtensor_addresses(rank: int, world: int) -> dict:
+    from graph_fsdp.capture.torch_backend import CallSignature  # noqa: PLC0415
+    from graph_fsdp.tensor_parallel import data_address  # noqa: PLC0415
+
+    mesh = init_device_mesh("cpu", (world,))
+    a, b = (DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]) for _ in range(2))
+    sig = CallSignature((a,), {})
+    return {
+        "address": (data_address(a), data_address(b)),
+        "local": (a.to_local().data_ptr(), b.to_local().data_ptr()),
+        "plain": data_address(a.to_local()) == a.to_local().data_ptr(),
+        "recorded": sig.sample_ptrs[0] == a.to_local().data_ptr(),
+    }
+
+
+def test_graphed_inputs_of_dtensors_are_told_apart_by_their_local_bytes():
+    """A graph replay copies a new input into its static one unless both are one buffer. For
+    DTensors ``data_ptr()`` is 0 (every DTensor "was" the static input: a module fed a
+    sequence-parallel norm's DTensor output replayed on the captured input), so the capture
+    code compares ``tensor_parallel.data_address``: the local tensor's bytes."""
+    res = spawn(_dtensor_addresses, 1)[0]
+    assert res["address"] == res["local"] and res["address"][0] != res["address"][1]
+    assert res["plain"] and res["recorded"]

@@ -14,7 +14,7 @@ from torch import nn
 import graph_fsdp
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.launch import spawn
+from graph_fsdp.testing import spawn_cases
 
 VOCAB, HIDDEN, STEPS, MAX_NORM = 32, 16, 3, 0.05
 
@@ -72,9 +72,18 @@ def _sharded(rank: int, world: int, strategy: str, norm_type: float) -> tuple:
     return norms, {k: v.clone() for k, v in full_state_dict(model).items()}, routed, same
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim", "no_shard"])
-def test_torch_clip_grad_norm_clips_by_the_global_norm(strategy):
-    results = spawn(_sharded_all, 2, strategy)  # every norm type in one launch
+STRATEGIES = ["optim_grads_params", "optim", "no_shard"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every strategy and norm type in one spawned group."""
+    return spawn_cases({s: (_sharded_all, s) for s in STRATEGIES}, 2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_torch_clip_grad_norm_clips_by_the_global_norm(two_ranks, strategy):
+    results = two_ranks[strategy]
     for norm_type in NORM_TYPES:
         ref = _model()
         ref_norms = _train(ref, 2, None, norm_type)

@@ -13,7 +13,7 @@ from torch import nn
 
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.launch import spawn
+from graph_fsdp.testing import spawn_cases
 
 VOCAB, HIDDEN, LAYERS, STEPS = 32, 16, 2, 3
 
@@ -69,11 +69,25 @@ def _sharded(rank: int, world: int) -> tuple[list[float], dict]:
     return losses, full_state_dict(model)
 
 
-def test_tied_embedding_and_output_layer_in_one_unit_match_the_reference():
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every 2-rank check of this file in one spawned group."""
+    return spawn_cases(
+        {
+            "tied_in_one_unit": (_sharded,),
+            "refusals": (_refusals,),
+            "early_optimizer": (_early_optimizer,),
+            "load_full": (_load_full,),
+        },
+        2,
+    )
+
+
+def test_tied_embedding_and_output_layer_in_one_unit_match_the_reference(two_ranks):
     torch.manual_seed(0)
     ref_losses, ref = _train(TiedLM(), 2, None)
     assert ref.lm_head.weight is ref.embed.weight
-    results = spawn(_sharded, 2)
+    results = two_ranks["tied_in_one_unit"]
     mean = [sum(step) / len(step) for step in zip(*(losses for losses, _ in results))]
     assert mean == pytest.approx(ref_losses, abs=1e-5)
     for _, params in results:
@@ -102,8 +116,8 @@ def _refusals(rank: int, world: int) -> list[str]:
     return out
 
 
-def test_tied_parameters_across_units_are_refused_with_both_names_and_the_fix():
-    messages = spawn(_refusals, 2)[0]
+def test_tied_parameters_across_units_are_refused_with_both_names_and_the_fix(two_ranks):
+    messages = two_ranks["refusals"][0]
     head_first, embed_after_head, embed_first, head_after_embed = messages
     assert "embed.weight of TiedLM is the same tensor as lm_head.weight (tied" in head_first
     assert "lm_head.weight of TiedLM is the same tensor as embed.weight (tied" in embed_first
@@ -126,8 +140,8 @@ def _early_optimizer(rank: int, world: int) -> str:
     return str(err.value)
 
 
-def test_an_optimizer_created_before_fully_shard_is_refused_at_its_step():
-    msg = spawn(_early_optimizer, 2)[0]
+def test_an_optimizer_created_before_fully_shard_is_refused_at_its_step(two_ranks):
+    msg = two_ranks["early_optimizer"][0]
     assert "AdamW holds 7 parameter(s) that fully_shard replaced by sharded ones" in msg
     assert "embed.weight of TiedLM" in msg and "0.weight of Sequential" in msg
     assert "Create the optimizer after fully_shard" in msg
@@ -149,12 +163,12 @@ def _load_full(rank: int, world: int) -> tuple[list[float], dict, dict]:
     return losses, loaded, full_state_dict(model)
 
 
-def test_a_full_state_dict_loads_into_the_sharded_model():
+def test_a_full_state_dict_loads_into_the_sharded_model(two_ranks):
     torch.manual_seed(1)
     ref = TiedLM()
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
     ref_losses, ref = _train(ref, 2, None)
-    results = spawn(_load_full, 2)
+    results = two_ranks["load_full"]
     mean = [sum(step) / len(step) for step in zip(*(losses for losses, _, _ in results))]
     assert mean == pytest.approx(ref_losses, abs=1e-5)
     for _, loaded, trained in results:

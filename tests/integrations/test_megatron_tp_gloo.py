@@ -261,6 +261,11 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     _megatron_on_cpu()
     out: dict = {}
     _state(2)
+    try:  # the public builder (the local spec's torch norms: no sequence parallelism on CPU)
+        gm.build_gpt(gm.MCoreGPTConfig(**TP_CFG, tensor_model_parallel_size=2), "cpu")
+        out["build_gpt at TP 2"] = "built"
+    except ValueError as err:
+        out["build_gpt at TP 2"] = str(err)
     for sp in (False, True):
         cfg = gm.MCoreGPTConfig(**TP_CFG, tensor_model_parallel_size=2, sequence_parallel=sp)
         for clip in (1e9, 0.5):
@@ -359,6 +364,13 @@ def test_checkpoints_move_between_tp_sizes(results):
             assert sorted(res[path]) == sorted(saved)
             for name, value in saved.items():
                 assert torch.equal(res[path][name], value), (path, name)
+
+
+@needs_megatron
+def test_build_gpt_builds_tensor_parallel_models(results):
+    """gm.build_gpt at TP 2: Megatron's data-parallel group is half the world, which the EP
+    check (dense parameters over the whole world) must not refuse."""
+    assert [res["build_gpt at TP 2"] for res in results] == ["built"] * 4
 
 
 @needs_megatron

@@ -15,6 +15,7 @@ from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.checkpoint import CheckpointError
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -155,3 +156,42 @@ def test_spawn_retries_when_its_port_was_taken(monkeypatch):
         taken.close()
     assert not ports, "the first launch used the taken port"
     assert time.monotonic() - start < 60, "the failed launch was not cut short"
+
+
+def _pid_and_world(rank: int, world_size: int) -> tuple[int, int]:
+    return os.getpid(), _world(rank, world_size)
+
+
+def _first_random(rank: int, world_size: int) -> float:
+    return torch.rand(1).item()
+
+
+def _fails_on(rank: int, world_size: int, bad_rank: int) -> int:
+    if rank == bad_rank:
+        raise ValueError("this case fails on purpose")
+    return rank
+
+
+def test_spawn_cases_runs_every_case_in_one_group_and_reports_each():
+    results = spawn_cases(
+        {
+            "first": (_pid_and_world,),
+            "rng_a": (_first_random,),
+            "rng_b": (_first_random,),
+            "again": (_pid_and_world,),
+            "broken": (_fails_on, 1),
+            "after": (_fails_on, -1),
+        },
+        2,
+    )
+    assert list(results) == ["first", "rng_a", "rng_b", "again", "broken", "after"]
+    assert results["first"] == results["again"], "the cases ran in different processes"
+    assert [world for _, world in results["first"]] == [2, 2]
+    assert results["rng_a"] == results["rng_b"], "a case did not start from a fresh RNG state"
+    with pytest.raises(AssertionError, match="(?s)case 'broken': rank 1 failed:.*on purpose"):
+        results["broken"]
+    # Rank 0 ran on (no collective waited for rank 1), rank 1 stopped at its failure.
+    with pytest.raises(AssertionError, match="rank 1 did not run it: case 'broken' failed"):
+        results["after"]
+    with pytest.raises(KeyError, match="no case 'missing'"):
+        results["missing"]

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from graph_fsdp import iter_full_params, synchronize_param_gather
 from graph_fsdp.capture import FullIterationGraphs
 from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
 from graph_fsdp.state import collect_states
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -105,9 +105,29 @@ def _round_trip(rank: int, world_size: int, strategy: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
-def test_offload_onload_round_trip_is_bit_identical(strategy):
-    for result in spawn(_round_trip, 2, strategy):
+STRATEGIES = ["optim_grads_params", "optim"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Every check of this file in one spawned group; the shutdown guard's last, as it
+    destroys the process group."""
+    return spawn_cases(
+        {
+            **{f"round_trip:{s}": (_round_trip, s) for s in STRATEGIES},
+            "suspend_on_offload": (_suspend_on_offload,),
+            "export": (_export,),
+            "two_chunks": (_two_chunks,),
+            "collectable": (_collectable,),
+            "shutdown_guard": (_guard,),
+        },
+        2,
+    )
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_offload_onload_round_trip_is_bit_identical(two_ranks, strategy):
+    for result in two_ranks[f"round_trip:{strategy}"]:
         assert result["losses"] == result["ref_losses"]
         assert result["same_params"] and result["same_opt"]
         for cycle in result["freed"]:
@@ -212,21 +232,21 @@ def _suspend_on_offload(rank: int, world_size: int) -> dict:
     }
 
 
-def test_offload_suspends_the_models_graph_runners():
-    for result in spawn(_suspend_on_offload, 2):
+def test_offload_suspends_the_models_graph_runners(two_ranks):
+    for result in two_ranks["suspend_on_offload"]:
         assert result["registered"]
         assert result["steps_seen"] == (0, 1)
 
 
-def test_export_sync_and_collect():
-    for result in spawn(_export, 2):
+def test_export_sync_and_collect(two_ranks):
+    for result in two_ranks["export"]:
         assert result["initial_equal"], "export before training differs from the unsharded model"
         assert result["trained_equal"] and result["changed"] and result["bf16_equal"]
         assert result["offloaded_equal"]
         assert "between training steps" in result["message"]
-    for result in spawn(_two_chunks, 2):
+    for result in two_ranks["two_chunks"]:
         assert result["synced"] == [True, True]
-    for result in spawn(_collectable, 2):
+    for result in two_ranks["collectable"]:
         assert result["collected"], "a fully_shard-ed model stays alive after del + gc"
 
 
@@ -269,8 +289,8 @@ def _guard(rank: int, world_size: int) -> dict:
     }
 
 
-def test_destroy_process_group_closes_live_runners():
-    for result in spawn(_guard, 2):
+def test_destroy_process_group_closes_live_runners(two_ranks):
+    for result in two_ranks["shutdown_guard"]:
         assert result["wrapped_once"] and result["signature"] and result["live"]
         assert result["scoped"] == (True, 1)
         assert result["closed_by_destroy"] == (True, 1)

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp import checkpoint as ckpt
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
 from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config, offloaded_bytes
-from graph_fsdp.train import TrainConfig, shard_model
+from graph_fsdp.testing import CaseResults, spawn_cases
+from graph_fsdp.train import TrainConfig, run, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 CPU = torch.device("cpu")
@@ -91,9 +91,13 @@ def _versus_plain(rank: int, world_size: int, fraction: float) -> dict:
     }
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.0])
-def test_offloaded_optimizer_equals_plain_bit_for_bit(fraction):
-    for r in spawn(_versus_plain, 2, fraction):
+FRACTIONS = [1.0, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_offloaded_optimizer_equals_plain_bit_for_bit(spawned, fraction):
+    _, results = spawned
+    for r in results[f"versus_plain:{fraction}"]:
         assert r["losses"][0] == r["losses"][1]
         assert r["params"] and r["state"]
         if fraction == 1.0:
@@ -134,14 +138,55 @@ def _load_both(rank: int, world_size: int, fractions: list, path: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("save_world", "save_fraction", "load_world"), [(2, 0.5, 4), (4, None, 2)])
+MOVES = [(2, 0.5, 4), (4, None, 2)]
+LOAD_FRACTIONS = [None, 1.0, 0.3]  # plain, all offloaded, another split
+RUN = TrainConfig(model=TINY, steps=3)
+
+
+def _refused(rank: int, world_size: int, cfg: TrainConfig) -> str | None:
+    try:
+        run(rank, world_size, cfg)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> tuple[dict, CaseResults]:
+    """Three spawned groups, in the order the checkpoints need: 2 ranks (every 2-rank check,
+    the 2-rank save), 4 ranks (its load, the 4-rank save), 2 ranks (that one's load)."""
+    root = tmp_path_factory.mktemp("optim_offload")
+    paths = {move: str(root / "-".join(map(str, move))) for move in MOVES}
+    saves: dict[int, dict] = {2: {}, 4: {}}
+    loads: dict[int, dict] = {2: {}, 4: {}}
+    for move in MOVES:
+        save_world, save_fraction, load_world = move
+        saves[save_world][f"save:{move}"] = (_save, save_fraction, paths[move])
+        loads[load_world][f"load:{move}"] = (_load_both, LOAD_FRACTIONS, paths[move])
+    offloaded = dataclasses.replace(RUN, optimizer_offload_fraction=0.5)
+    first = spawn_cases(
+        {
+            **{f"versus_plain:{f}": (_versus_plain, f) for f in FRACTIONS},
+            "run:plain": (run, RUN),
+            "run:offloaded": (run, offloaded),
+            "run:offloaded+recompute": (_refused, dataclasses.replace(offloaded, recompute=True)),
+            **saves[2],
+        },
+        2,
+    )
+    four = spawn_cases({**loads[4], **saves[4]}, 4)
+    last = spawn_cases(loads[2], 2)
+    return paths, first | four | last
+
+
+@pytest.mark.parametrize(("save_world", "save_fraction", "load_world"), MOVES)
 def test_checkpoint_round_trip_with_and_without_offload(
-    tmp_path, save_world, save_fraction, load_world
+    spawned, save_world, save_fraction, load_world
 ):
-    path = str(tmp_path / "ckpt")
-    saved = spawn(_save, save_world, save_fraction, path)[0]
-    fractions = [None, 1.0, 0.3]  # plain, all offloaded, another split
-    loaded = spawn(_load_both, load_world, fractions, path)
+    move = (save_world, save_fraction, load_world)
+    _, results = spawned
+    saved = results[f"save:{move}"][0]
+    loaded = results[f"load:{move}"]
     for rank_result in loaded:
         for variant in rank_result:
             assert _equal(variant["params"], saved["params"])
@@ -165,16 +210,13 @@ def test_offload_config_rule():
         CPUOffloadOptimizer([torch.zeros(2, requires_grad=True)], offload_fraction=1.5)
 
 
-def test_train_run_with_optimizer_offload_matches_and_checks_recompute():
-    from graph_fsdp.train import run
-
-    base = TrainConfig(model=TINY, steps=3)
-    plain = spawn(run, 2, base)[0]
-    offloaded = spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5))[0]
+def test_train_run_with_optimizer_offload_matches_and_checks_recompute(spawned):
+    _, results = spawned
+    plain, offloaded = results["run:plain"][0], results["run:offloaded"][0]
     assert offloaded["losses"] == plain["losses"]
     assert all(torch.equal(offloaded["params"][k], v) for k, v in plain["params"].items())
-    with pytest.raises(RuntimeError, match="activation recompute"):
-        spawn(run, 2, dataclasses.replace(base, optimizer_offload_fraction=0.5, recompute=True))
+    for message in results["run:offloaded+recompute"]:
+        assert message is not None and "activation recompute" in message, message
 
 
 def test_cpu_kwargs_reach_only_the_cpu_buckets_and_survive_lr_changes():

@@ -334,6 +334,7 @@ def test_keep_addresses_needs_a_static_allocator():
 
 
 # ---------------------------------------------------------------------- the example
+@pytest.mark.slow
 def test_rl_loop_example_runs_on_cpu():
     """examples/rl_loop.py end to end on CPU (gloo, the full_iteration runner's eager mode, the
     recapture fallback): its JSON lines, and losses equal to the run without offload."""
