@@ -18,8 +18,8 @@ from graph_fsdp.bench.verdicts import (
     graph_verdict,
     memory_fields,
 )
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import spawn_cases
 from graph_fsdp.train import TrainConfig
 
 MiB = 2**20
@@ -192,9 +192,20 @@ def _launch(rank: int, world: int, fallbacks_on_rank1: int) -> dict | None:
     return bench_runner.bench_worker(rank, world, bench_runner.BenchJob(spec=spec))
 
 
-@pytest.mark.parametrize("fallbacks_on_rank1", [0, 2])
-def test_a_graphed_row_that_did_not_replay_is_failed_with_no_time(fallbacks_on_rank1) -> None:
-    out = spawn(_launch, 2, fallbacks_on_rank1)[0]
+FALLBACKS = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """Both launches in one spawned group."""
+    return spawn_cases({f"fallbacks:{n}": (_launch, n) for n in FALLBACKS}, 2)
+
+
+@pytest.mark.parametrize("fallbacks_on_rank1", FALLBACKS)
+def test_a_graphed_row_that_did_not_replay_is_failed_with_no_time(
+    launches, fallbacks_on_rank1
+) -> None:
+    out = launches[f"fallbacks:{fallbacks_on_rank1}"][0]
     rows = {r["name"]: r for r in out["rows"]}
     replayed, none, eager = (
         rows["claims graphs"],
