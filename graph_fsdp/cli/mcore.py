@@ -23,7 +23,6 @@ import sys
 from dataclasses import replace
 from statistics import median
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.bench.megatron import (
     MCORE_ROWS,
     MCoreBenchJob,
@@ -35,15 +34,18 @@ from graph_fsdp.bench.megatron import (
 from graph_fsdp.bench.provenance import code_version
 from graph_fsdp.bench.report import gpu_tag
 from graph_fsdp.bench.runner import DEFAULT_ROWS
-from graph_fsdp.capture.scopes import GraphConfigError, check_static_buffers
+from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.cli.options import (
     allocator_of,
+    buffer_policy_of,
     check_clip_grad,
     check_graph_environment,
     check_positive,
     grad_accumulation,
+    graph_policy,
     scope_sets_from,
 )
 from graph_fsdp.cli.train_options import (
@@ -210,32 +212,18 @@ def mcore_config(args: argparse.Namespace):
 def check_graph_set(
     args: argparse.Namespace, model, impl: str, scopes: list[str], *, flag: str, steps: int
 ) -> None:
-    """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
-    steps to capture, and what full_iteration excludes."""
+    """One graphed run's flags: its GraphPolicy's rules (capture/policy.py: static buffers,
+    enough steps to capture), Megatron's scopes for this model, and what full_iteration
+    excludes."""
     if impl == "none":
         return
+    policy = graph_policy(args, impl, scopes)
     try:
         check_mcore_scopes(model, scopes)
-        check_static_buffers(
-            BufferPolicy(
-                allocator=allocator_of(args),
-                persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-            ),
-            scopes,
-            flag=flag,
-        )
+        policy.check_buffers(buffer_policy_of(args), flag=flag)
+        policy.check_steps(steps, given=f"--train-iters {args.train_iters}")
     except GraphConfigError as err:
         raise CLIError(str(err)) from err
-    if steps <= args.cuda_graph_warmup_steps:
-        raise CLIError(
-            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
-            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
-        )
-    if "full_iteration" in scopes and allocator_of(args) == "dynamic":
-        raise CLIError(
-            f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
-            "addresses: add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
-        )
     if args.use_megatron_schedule and "full_iteration" in scopes:
         raise CLIError(
             f"--use-megatron-schedule with {flag} full_iteration: the full-iteration "
@@ -442,7 +430,7 @@ def build_bench_job(args: argparse.Namespace):
     steps = args.warmup_iters + args.train_iters
     for impl in impls if graphed else []:
         for scopes in scope_sets or [[]]:
-            row_impl = "torch" if "full_iteration" in scopes else impl
+            row_impl = capture_impl(impl, scopes)
             check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
     if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
         raise CLIError(

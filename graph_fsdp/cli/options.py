@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from graph_fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
+from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     MOE_SCOPES,
@@ -24,7 +25,6 @@ from graph_fsdp.capture.scopes import (
     GraphConfigError,
     check_static_buffers,
     parse_scope_modules,
-    scope_label,
 )
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
@@ -498,18 +498,42 @@ def allocator_of(args: argparse.Namespace) -> str:
     return allocator
 
 
-def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
-    """Layerwise graphs replay fixed addresses: FSDP's buffers must never move.
+def graph_policy(
+    args: argparse.Namespace,
+    impl: str,
+    scopes: list[str],
+    scope_modules: dict[str, list[str]] | None = None,
+) -> GraphPolicy:
+    """The GraphPolicy of one graphed run of the flags (its own rules raise as CLIError)."""
+    try:
+        return GraphPolicy(
+            impl=impl,
+            scopes=tuple(scopes),
+            warmup_steps=args.cuda_graph_warmup_steps,
+            comm_graphs=getattr(args, "cuda_graph_comm", True),
+            scope_modules=scope_modules or {},
+        )
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
 
-    The rule (and its message) is the engine's :func:`graph_fsdp.capture.scopes.
-    check_static_buffers`, applied to the BufferPolicy the flags build.
-    """
-    policy = BufferPolicy(
+
+def buffer_policy_of(args: argparse.Namespace) -> BufferPolicy:
+    """The BufferPolicy of --fsdp-buffer / --fsdp-double-buffer and the persist flag."""
+    return BufferPolicy(
         allocator=allocator_of(args),
         persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
     )
+
+
+def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
+    """Graphs replay fixed addresses: FSDP's buffers must never move.
+
+    The rule (and its message) is the engine's :func:`graph_fsdp.capture.scopes.
+    check_static_buffers` (GraphPolicy.check_buffers), applied to the BufferPolicy the flags
+    build.
+    """
     try:
-        check_static_buffers(policy, scopes, flag=flag)
+        check_static_buffers(buffer_policy_of(args), scopes, flag=flag)
     except GraphConfigError as err:
         raise CLIError(str(err)) from err
 
@@ -665,24 +689,23 @@ def resolve(
             "--cuda-graph-scope-modules is given but --cuda-graph-impl is none, so nothing would "
             "be captured: add --cuda-graph-impl te (or torch), or drop --cuda-graph-scope-modules"
         )
+    policies = []
     for scopes in graph_scope_sets:
         check_scopes(scopes, model, flag=scope_flag, scope_modules=scope_modules)
-        if impl != "none" and args.recompute_activations and "full_iteration" not in scopes:
-            raise CLIError(
-                f"--recompute-activations re-runs layer forwards inside backward, which layerwise "
-                f"CUDA graphs ({scope_flag} {scope_label(scopes)}) do not capture: drop "
-                "--recompute-activations, or use --cuda-graph-impl none"
+        policy = graph_policy(args, capture_impl(impl, scopes), scopes, scope_modules)
+        try:
+            policy.check_recompute(args.recompute_activations, flag=scope_flag)
+            policy.check_steps(
+                graph_steps or args.train_iters, given=f"--train-iters {args.train_iters}"
             )
-    if impl != "none" and (graph_steps or args.train_iters) <= args.cuda_graph_warmup_steps:
-        raise CLIError(
-            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
-            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
-        )
+        except GraphConfigError as err:
+            raise CLIError(str(err)) from err
+        policies.append(policy)
     if not (graphs_optional and plan.device != "cuda"):
         # A machine that cannot run graphs at all is said before advice on buffer flags.
         check_graph_environment(impl, plan, cpu_hint)
-    for scopes in graph_scope_sets if impl != "none" else []:
-        check_graph_buffers(args, scopes, flag=scope_flag)
+    for policy in policies:
+        check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
     cfg = TrainConfig(
@@ -706,7 +729,7 @@ def resolve(
         eval_interval=args.eval_interval,
         device=plan.device,
         return_params=False,
-        cuda_graph_impl=impl,
+        cuda_graph_impl=policies[0].impl if len(policies) == 1 else impl,
         cuda_graph_scope=list(graph_scope_sets[0]) if len(graph_scope_sets) == 1 else [],
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         cuda_graph_scope_modules=scope_modules,
