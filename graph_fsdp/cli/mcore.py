@@ -43,6 +43,7 @@ from graph_fsdp.cli.options import (
     buffer_policy_of,
     check_clip_grad,
     check_graph_environment,
+    check_moe_flags,
     check_positive,
     grad_accumulation,
     graph_policy,
@@ -58,7 +59,12 @@ from graph_fsdp.cli.train_options import (
     write_checkpoint_meta,
 )
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
-from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS, MCoreGPTConfig, check_mcore_scopes
+from graph_fsdp.integrations.megatron import (
+    ATTENTION_BACKENDS,
+    MOE_EXPERTS_IMPLS,
+    MCoreGPTConfig,
+    check_mcore_scopes,
+)
 from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
 from graph_fsdp.launch import launch
 
@@ -84,6 +90,17 @@ def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
         help="Megatron-Core MoE: inner size of the shared expert (unset: none).",
     )
     g.add_argument(
+        "--moe-experts-impl",
+        choices=MOE_EXPERTS_IMPLS,
+        default="megatron",
+        help="Megatron-Core MoE experts: megatron - the layer spec's experts and token "
+        "dispatcher (dropless, they copy the token counts to the host, so only attn / "
+        "moe_router [moe_preprocess] capture; with --moe-expert-capacity-factor and "
+        "--moe-pad-expert-input-to-capacity they capture whole); grouped_mm - graph_fsdp's "
+        "dropless experts with device token counts (torch._grouped_mm, bf16 on sm90+; "
+        "--expert-model-parallel-size 1), captured whole.",
+    )
+    g.add_argument(
         "--use-megatron-schedule",
         action="store_true",
         help="Megatron-Core models: run each step through get_forward_backward_func().",
@@ -107,6 +124,7 @@ def reject_mcore_only_flags(args: argparse.Namespace) -> None:
             ("--use-megatron-schedule", args.use_megatron_schedule),
             ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size),
             ("--attention-backend", args.attention_backend != "auto"),
+            ("--moe-experts-impl", args.moe_experts_impl != "megatron"),
         )
         if value
     ]
@@ -174,11 +192,19 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
         )
 
 
-def mcore_config(args: argparse.Namespace):
-    """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure)."""
+def mcore_config(args: argparse.Namespace, world_size: int | None = None):
+    """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure);
+    ``world_size``: the ranks the run has (the expert-parallel size must divide them)."""
     experts = args.num_experts
     if args.model == "mcore-moe" and experts is None:
         experts = 4
+    if world_size is not None:
+        check_moe_flags(args, experts, world_size)
+    if args.moe_experts_impl != "megatron" and not experts:
+        raise CLIError(
+            f"--moe-experts-impl {args.moe_experts_impl} needs an MoE model: add --num-experts N "
+            "or use --model mcore-moe"
+        )
     if args.model == "mcore-gpt" and args.moe_shared_expert_intermediate_size and not experts:
         raise CLIError(
             "--moe-shared-expert-intermediate-size needs an MoE model: add --num-experts N or "
@@ -200,6 +226,10 @@ def mcore_config(args: argparse.Namespace):
             num_experts=experts,
             moe_router_topk=args.moe_router_topk,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+            moe_experts_impl=args.moe_experts_impl if experts else "megatron",
+            expert_model_parallel_size=args.expert_model_parallel_size,
             transformer_impl=args.transformer_impl,
             bf16=args.bf16,
             seed=args.seed,
@@ -207,6 +237,26 @@ def mcore_config(args: argparse.Namespace):
         )
     except ValueError as err:
         raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
+
+
+def moe_label(model) -> str:
+    """The MoE settings of a Megatron-Core GPT in words (reports and summaries)."""
+    if not model.num_experts:
+        return "dense"
+    parts = [f"{model.num_experts} experts top-{model.moe_router_topk}"]
+    if model.moe_shared_expert_intermediate_size:
+        parts.append(f"shared expert {model.moe_shared_expert_intermediate_size}")
+    factor = model.moe_expert_capacity_factor
+    if factor is None:
+        experts = "grouped_mm" if model.moe_experts_impl == "grouped_mm" else "Megatron's"
+        parts.append(f"dropless ({experts} experts)")
+    elif model.moe_pad_expert_input_to_capacity:
+        parts.append(f"drop-padding (capacity factor {factor:g})")
+    else:
+        parts.append(f"capacity factor {factor:g} (dropping, unpadded)")
+    if model.expert_model_parallel_size > 1:
+        parts.append(f"expert parallel {model.expert_model_parallel_size}")
+    return ", ".join(parts)
 
 
 def check_graph_set(
@@ -308,7 +358,7 @@ def train_main(args: argparse.Namespace) -> int:
     """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
     validate_bridge_flags(args)
     plan = resolve_plan(args.device, args.nproc)
-    model = mcore_config(args)
+    model = mcore_config(args, plan.world_size)
     impl = args.cuda_graph_impl
     scopes = list(args.cuda_graph_scope or [])
     if args.cuda_graph_scope is not None and impl == "none":
@@ -363,7 +413,7 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
     peak = out.get("peak_memory_bytes")
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
-        f"{cfg.strategy}, {graphs_label(cfg)}",
+        f"{cfg.strategy}, {graphs_label(cfg)}; {moe_label(cfg.model)}",
         f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
         f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
         *input_lines(cfg),
@@ -418,7 +468,7 @@ def build_bench_job(args: argparse.Namespace):
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     plan = resolve_plan(args.device, args.nproc)
-    model = mcore_config(args)
+    model = mcore_config(args, plan.world_size)
     reject_unwired_flags(args)
     scope_sets, flag = scope_sets_from(args)
     impls, rows = _bench_impls(args), _bench_rows(args)
@@ -452,16 +502,7 @@ def build_bench_job(args: argparse.Namespace):
     job = MCoreBenchJob(
         base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
     )
-    moe = (
-        f"{model.num_experts} experts top-{model.moe_router_topk}"
-        + (
-            f", shared expert {model.moe_shared_expert_intermediate_size}"
-            if model.moe_shared_expert_intermediate_size
-            else ""
-        )
-        if model.num_experts
-        else "dense"
-    )
+    moe = moe_label(model)
     setup = (
         f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
         f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "

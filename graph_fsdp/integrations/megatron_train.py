@@ -85,7 +85,10 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
         # warn_only: Megatron's unfused MoE permutation has ops without a deterministic CUDA
         # kernel; they warn instead of failing (eager and graphed runs use the same kernels).
         torch.use_deterministic_algorithms(True, warn_only=True)
-    gm.init_parallel_state(tensor_model_parallel_size=cfg.model.tensor_model_parallel_size)
+    gm.init_parallel_state(
+        expert_model_parallel_size=cfg.model.expert_model_parallel_size,
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+    )
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
