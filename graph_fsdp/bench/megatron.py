@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-import traceback
 from dataclasses import dataclass, replace
 from statistics import median
 
@@ -34,15 +32,9 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.bench.report import code_line, memory_notes
-from graph_fsdp.bench.verdicts import (
-    MEMORY_KEYS,
-    CudaCounters,
-    RowMemory,
-    create_workspaces,
-    graph_label,
-    graph_verdict,
-    memory_fields,
-)
+from graph_fsdp.bench.runner import measure_row
+from graph_fsdp.bench.verdicts import CudaCounters, create_workspaces, graph_label, graph_verdict
+from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.integrations.megatron_train import run
 
 MCORE_ROWS = ("graph_fsdp", "graph_fsdp_graphed", "megatron_fsdp")
@@ -71,7 +63,7 @@ def plan_rows(
             if impl == "none":
                 continue
             for scopes in scope_sets:
-                row_impl = "torch" if "full_iteration" in scopes else impl
+                row_impl = capture_impl(impl, scopes)
                 name = f"graph_fsdp {row_impl} [{' '.join(scopes) or 'layer'}]"
                 if all(name != r[0] for r in out):
                     out.append((name, row_impl, tuple(scopes)))
@@ -107,40 +99,26 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
             why = "megatron_fsdp needs" if kind == "megatron_fsdp" else "CUDA graphs need"
             results.append({"name": name, "status": "skipped", "reason": f"{why} a CUDA device"})
             continue
-        status, reason, raw = "ok", None, None
-        memory = RowMemory.start(counters) if cuda else None
-        try:
-            raw = run(rank, world_size, _row_config(job, kind, scopes))
-        except ImportError as err:  # megatron_fsdp not installed
-            status, reason = "skipped", str(err).splitlines()[0]
-        except Exception as err:  # noqa: BLE001 - one failing row must not hide the others
-            status, reason = "failed", f"{type(err).__name__}: {err}".splitlines()[0]
-            print(f"[rank {rank}] row {name!r} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        memory = memory.stop(counters).values() if cuda else [0] * len(MEMORY_KEYS)
-        graphs, graph_failure = _row_verdict(kind, raw, job.base.steps - job.warmup)
-        flags = torch.tensor(
-            [*memory, status == "failed", graph_failure is not None],
-            dtype=torch.float64,
-            device=device,
+        measured = measure_row(
+            rank,
+            world_size,
+            device,
+            counters,
+            name,
+            lambda kind=kind, scopes=scopes: run(rank, world_size, _row_config(job, kind, scopes)),
+            lambda raw, kind=kind: _row_verdict(kind, raw, job.base.steps - job.warmup),
+            skips=(ImportError,),  # megatron_fsdp not installed
         )
-        if world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # keeps the ranks in lockstep too
-        *memory, failed, graph_failed = flags.tolist()
-        if rank != 0:
+        if measured is None:
             continue
-        out = {"name": name, **graphs, **(memory_fields(memory) if cuda else {})}
-        if status == "ok" and failed:
-            status, reason = "failed", "failed on another rank (see its traceback)"
-        elif status == "ok" and graph_failed:
-            status = "failed"
-            reason = graph_failure or "its graphs did not replay on another rank"
-        if status != "ok":
-            results.append({**out, "status": status, "reason": reason})
+        if measured.status != "ok":
+            results.append({**measured.out, "status": measured.status, "reason": measured.reason})
             continue
+        raw = measured.raw
         timed = raw["times"][job.warmup :]
         results.append(
             {
-                **out,
+                **measured.out,
                 "status": "ok",
                 "median_step_ms": median(timed) * 1e3,
                 "min_step_ms": min(timed) * 1e3,

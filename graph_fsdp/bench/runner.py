@@ -40,6 +40,7 @@ from graph_fsdp.bench.verdicts import (
     graph_verdict,
     memory_fields,
 )
+from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.models import model_flops_per_token
 
 ROWS = (
@@ -101,8 +102,7 @@ def plan_rows(job: BenchJob) -> list[Row]:
         planned = set()
         for impl in job.graph_impls:
             for scopes in job.scope_sets or [[]]:
-                # full_iteration is always captured with torch.cuda graphs (collectives in it).
-                row_impl = "torch" if "full_iteration" in scopes else impl
+                row_impl = capture_impl(impl, scopes)
                 name = f"graph_fsdp {row_impl} [{' '.join(scopes) or 'layer'}]"
                 if name in planned:
                     continue
@@ -222,24 +222,66 @@ def _agree(values: list[float], device: torch.device, world_size: int) -> list[f
     return t.tolist()
 
 
-def _run_row(rank: int, world_size: int, row: Row) -> tuple[dict | None, str, str | None]:
-    """(raw numbers, status, reason) of one row on this rank."""
+@dataclass
+class Measured:
+    """One row as rank 0 reports it: status, reason, this rank's raw numbers, and the fields
+    every row has (name, graph fields, its own peak memory)."""
+
+    status: str
+    reason: str | None
+    raw: dict | None
+    out: dict
+
+
+def measure_row(
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    counters: CudaCounters | None,
+    name: str,
+    call: Callable[[], dict | None],
+    verdict: Callable[[dict | None], tuple[dict, str | None]],
+    skips: tuple[type[BaseException], ...] = (Skip,),
+) -> Measured | None:
+    """Run one row on this rank (``call``) with its memory measured around it; ``skips``
+    mark it skipped, any other exception failed (one failing row must not hide the others);
+    ``verdict(raw)`` gives a row that ran its graph fields and why its graphs fail. The ranks agree
+    on memory (max) and failures; rank 0 gets the outcome, the others None."""
+    memory = RowMemory.start(counters) if counters is not None else None
+    raw, status, reason = None, "ok", None
     try:
-        return row.runner(rank, world_size, row.spec), "ok", None
-    except Skip as err:
-        return None, "skipped", str(err)
+        raw = call()
+    except skips as err:
+        status, reason = "skipped", str(err).splitlines()[0] if str(err) else type(err).__name__
     except Exception as err:  # noqa: BLE001 - one failing row must not hide the others
         print(
-            f"[rank {rank}] bench row {row.name!r} failed:\n{traceback.format_exc()}",
-            file=sys.stderr,
+            f"[rank {rank}] bench row {name!r} failed:\n{traceback.format_exc()}", file=sys.stderr
         )
-        return None, "failed", f"{type(err).__name__}: {err}".splitlines()[0]
+        status, reason = "failed", f"{type(err).__name__}: {err}".splitlines()[0]
+    memory = memory.stop(counters).values() if memory is not None else [0] * len(MEMORY_KEYS)
+    graphs, graph_failure = verdict(raw) if status == "ok" else ({}, None)
+    *memory, failed, graph_failed = _agree(
+        [*memory, status == "failed", graph_failure is not None], device, world_size
+    )
+    if rank != 0:
+        return None
+    out = {"name": name, **graphs}
+    if counters is not None:
+        out.update(memory_fields(memory))
+    if failed and status == "ok":
+        status, reason = "failed", "failed on another rank (see its traceback)"
+    elif graph_failed and status == "ok":
+        status = "failed"
+        reason = graph_failure or "its graphs did not replay on another rank"
+    if status != "ok":
+        print(f"bench: {name}: {status} ({reason})", file=sys.stderr)
+    return Measured(status=status, reason=reason, raw=raw, out=out)
 
 
-def _graph_check(row: Row, raw: dict | None, status: str) -> tuple[dict, str | None]:
+def _graph_check(row: Row, raw: dict | None) -> tuple[dict, str | None]:
     """A graphed row's graph fields and why it fails ([Note: graphed rows must replay]); a
     rank that did not run the row (1-GPU rows: only rank 0) has nothing to check."""
-    if not row.graphed or status != "ok" or raw is None:
+    if not row.graphed or raw is None:
         return {}, None
     return graph_verdict(
         raw.get("graphs"),
@@ -267,28 +309,22 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
                 }
             )
             continue
-        memory = RowMemory.start(counters) if cuda else None
-        raw, status, reason = _run_row(rank, world_size, row)
-        memory = memory.stop(counters).values() if cuda else [0] * len(MEMORY_KEYS)
-        graphs, graph_failure = _graph_check(row, raw, status)
-        *memory, failed, graph_failed = _agree(
-            [*memory, status == "failed", graph_failure is not None], device, world_size
+        measured = measure_row(
+            rank,
+            world_size,
+            device,
+            counters,
+            row.name,
+            lambda row=row: row.runner(rank, world_size, row.spec),
+            lambda raw, row=row: _graph_check(row, raw),
         )
-        if rank != 0:
+        if measured is None:
             continue
-        out = {"name": row.name, "baseline": row.baseline, **graphs}
-        if cuda:
-            out.update(memory_fields(memory))
-        if failed and status == "ok":
-            status, reason = "failed", "failed on another rank (see its traceback)"
-        elif graph_failed and status == "ok":
-            status = "failed"
-            reason = graph_failure or "its graphs did not replay on another rank"
-        if status != "ok":
-            results.append({**out, "status": status, "reason": reason})
-            print(f"bench: {row.name}: {status} ({reason})", file=sys.stderr)
+        out = {**measured.out, "baseline": row.baseline}
+        if measured.status != "ok":
+            results.append({**out, "status": measured.status, "reason": measured.reason})
             continue
-        result = {**row_result(row, world_size, raw), **out}
+        result = {**row_result(row, world_size, measured.raw), **out}
         results.append(result)
         print(
             f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "

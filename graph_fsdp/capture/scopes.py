@@ -135,8 +135,16 @@ def check_scopes(
 def check_static_buffers(
     policy: BufferPolicy, scopes: list[str] | tuple[str, ...], *, flag: str = "--cuda-graph-scope"
 ) -> None:
-    """Layerwise graphs replay fixed addresses: FSDP's unsharded buffers must never move."""
+    """Graphs replay fixed addresses: FSDP's unsharded buffers must never move. Layerwise
+    graphs also need a persistent buffer for a request no slot can serve (their eager hooks
+    run between replays); full_iteration replays the hand-offs inside its graph."""
     if "full_iteration" in scopes:
+        if policy.allocator == "dynamic":
+            raise GraphConfigError(
+                f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed addresses: set "
+                "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
+                "allocator='trace_pool' (--fsdp-buffer trace_pool)"
+            )
         return
     missing = []
     if policy.allocator == "dynamic":

@@ -138,12 +138,6 @@ def check_capturable(
     if not graphs:
         return root
     check_static_buffers(root.buffer_policy, scopes)
-    if "full_iteration" in scopes and root.buffer_policy.allocator == "dynamic":
-        raise GraphConfigError(
-            "full_iteration replays FSDP's buffer hand-offs at fixed addresses: set "
-            "BufferPolicy(allocator='double_buffer') (--fsdp-double-buffer) or "
-            "allocator='trace_pool' (--fsdp-buffer trace_pool)"
-        )
     device = next(model.parameters()).device
     if device.type != "cuda":
         raise GraphConfigError(

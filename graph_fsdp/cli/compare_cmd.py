@@ -34,6 +34,7 @@ import torch
 from graph_fsdp.api import STRATEGIES
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.verdicts import graph_verdict
+from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
@@ -271,7 +272,14 @@ def main(args: argparse.Namespace) -> int:
         runs = [replace(base, lr=lr)]
     else:
         runs = [
-            replace(base, lr=lr, cuda_graph_scope=s, cuda_graph_verify=True) for s in scope_sets
+            replace(
+                base,
+                lr=lr,
+                cuda_graph_impl=capture_impl(args.cuda_graph_impl, s),
+                cuda_graph_scope=s,
+                cuda_graph_verify=True,
+            )
+            for s in scope_sets
         ]
     verdicts = launch(res.plan, compare_worker, reference, runs)
     if verdicts is None:

@@ -23,7 +23,6 @@ import sys
 from dataclasses import replace
 from statistics import median
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.bench.megatron import (
     MCORE_ROWS,
     MCoreBenchJob,
@@ -35,15 +34,19 @@ from graph_fsdp.bench.megatron import (
 from graph_fsdp.bench.provenance import code_version
 from graph_fsdp.bench.report import gpu_tag
 from graph_fsdp.bench.runner import DEFAULT_ROWS
-from graph_fsdp.capture.scopes import GraphConfigError, check_static_buffers
+from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.cli.options import (
     allocator_of,
+    buffer_policy_of,
     check_clip_grad,
     check_graph_environment,
+    check_moe_flags,
     check_positive,
     grad_accumulation,
+    graph_policy,
     scope_sets_from,
 )
 from graph_fsdp.cli.train_options import (
@@ -56,7 +59,12 @@ from graph_fsdp.cli.train_options import (
     write_checkpoint_meta,
 )
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
-from graph_fsdp.integrations.megatron import ATTENTION_BACKENDS, MCoreGPTConfig, check_mcore_scopes
+from graph_fsdp.integrations.megatron import (
+    ATTENTION_BACKENDS,
+    MOE_EXPERTS_IMPLS,
+    MCoreGPTConfig,
+    check_mcore_scopes,
+)
 from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
 from graph_fsdp.launch import launch
 
@@ -82,6 +90,17 @@ def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
         help="Megatron-Core MoE: inner size of the shared expert (unset: none).",
     )
     g.add_argument(
+        "--moe-experts-impl",
+        choices=MOE_EXPERTS_IMPLS,
+        default="megatron",
+        help="Megatron-Core MoE experts: megatron - the layer spec's experts and token "
+        "dispatcher (dropless, they copy the token counts to the host, so only attn / "
+        "moe_router [moe_preprocess] capture; with --moe-expert-capacity-factor and "
+        "--moe-pad-expert-input-to-capacity they capture whole); grouped_mm - graph_fsdp's "
+        "dropless experts with device token counts (torch._grouped_mm, bf16 on sm90+; "
+        "--expert-model-parallel-size 1), captured whole.",
+    )
+    g.add_argument(
         "--use-megatron-schedule",
         action="store_true",
         help="Megatron-Core models: run each step through get_forward_backward_func().",
@@ -105,6 +124,7 @@ def reject_mcore_only_flags(args: argparse.Namespace) -> None:
             ("--use-megatron-schedule", args.use_megatron_schedule),
             ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size),
             ("--attention-backend", args.attention_backend != "auto"),
+            ("--moe-experts-impl", args.moe_experts_impl != "megatron"),
         )
         if value
     ]
@@ -172,11 +192,19 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
         )
 
 
-def mcore_config(args: argparse.Namespace):
-    """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure)."""
+def mcore_config(args: argparse.Namespace, world_size: int | None = None):
+    """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure);
+    ``world_size``: the ranks the run has (the expert-parallel size must divide them)."""
     experts = args.num_experts
     if args.model == "mcore-moe" and experts is None:
         experts = 4
+    if world_size is not None:
+        check_moe_flags(args, experts, world_size)
+    if args.moe_experts_impl != "megatron" and not experts:
+        raise CLIError(
+            f"--moe-experts-impl {args.moe_experts_impl} needs an MoE model: add --num-experts N "
+            "or use --model mcore-moe"
+        )
     if args.model == "mcore-gpt" and args.moe_shared_expert_intermediate_size and not experts:
         raise CLIError(
             "--moe-shared-expert-intermediate-size needs an MoE model: add --num-experts N or "
@@ -198,6 +226,10 @@ def mcore_config(args: argparse.Namespace):
             num_experts=experts,
             moe_router_topk=args.moe_router_topk,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+            moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+            moe_experts_impl=args.moe_experts_impl if experts else "megatron",
+            expert_model_parallel_size=args.expert_model_parallel_size,
             transformer_impl=args.transformer_impl,
             bf16=args.bf16,
             seed=args.seed,
@@ -207,35 +239,41 @@ def mcore_config(args: argparse.Namespace):
         raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
 
 
+def moe_label(model) -> str:
+    """The MoE settings of a Megatron-Core GPT in words (reports and summaries)."""
+    if not model.num_experts:
+        return "dense"
+    parts = [f"{model.num_experts} experts top-{model.moe_router_topk}"]
+    if model.moe_shared_expert_intermediate_size:
+        parts.append(f"shared expert {model.moe_shared_expert_intermediate_size}")
+    factor = model.moe_expert_capacity_factor
+    if factor is None:
+        experts = "grouped_mm" if model.moe_experts_impl == "grouped_mm" else "Megatron's"
+        parts.append(f"dropless ({experts} experts)")
+    elif model.moe_pad_expert_input_to_capacity:
+        parts.append(f"drop-padding (capacity factor {factor:g})")
+    else:
+        parts.append(f"capacity factor {factor:g} (dropping, unpadded)")
+    if model.expert_model_parallel_size > 1:
+        parts.append(f"expert parallel {model.expert_model_parallel_size}")
+    return ", ".join(parts)
+
+
 def check_graph_set(
     args: argparse.Namespace, model, impl: str, scopes: list[str], *, flag: str, steps: int
 ) -> None:
-    """One graphed run's flags: Megatron's scopes for this model, static buffers, enough
-    steps to capture, and what full_iteration excludes."""
+    """One graphed run's flags: its GraphPolicy's rules (capture/policy.py: static buffers,
+    enough steps to capture), Megatron's scopes for this model, and what full_iteration
+    excludes."""
     if impl == "none":
         return
+    policy = graph_policy(args, impl, scopes)
     try:
         check_mcore_scopes(model, scopes)
-        check_static_buffers(
-            BufferPolicy(
-                allocator=allocator_of(args),
-                persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-            ),
-            scopes,
-            flag=flag,
-        )
+        policy.check_buffers(buffer_policy_of(args), flag=flag)
+        policy.check_steps(steps, given=f"--train-iters {args.train_iters}")
     except GraphConfigError as err:
         raise CLIError(str(err)) from err
-    if steps <= args.cuda_graph_warmup_steps:
-        raise CLIError(
-            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
-            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
-        )
-    if "full_iteration" in scopes and allocator_of(args) == "dynamic":
-        raise CLIError(
-            f"{flag} full_iteration replays FSDP's buffer hand-offs at fixed "
-            "addresses: add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
-        )
     if args.use_megatron_schedule and "full_iteration" in scopes:
         raise CLIError(
             f"--use-megatron-schedule with {flag} full_iteration: the full-iteration "
@@ -320,7 +358,7 @@ def train_main(args: argparse.Namespace) -> int:
     """``graph-fsdp train`` for ``--model mcore-*`` (validation, launch, summary)."""
     validate_bridge_flags(args)
     plan = resolve_plan(args.device, args.nproc)
-    model = mcore_config(args)
+    model = mcore_config(args, plan.world_size)
     impl = args.cuda_graph_impl
     scopes = list(args.cuda_graph_scope or [])
     if args.cuda_graph_scope is not None and impl == "none":
@@ -375,7 +413,7 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
     peak = out.get("peak_memory_bytes")
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
-        f"{cfg.strategy}, {graphs_label(cfg)}",
+        f"{cfg.strategy}, {graphs_label(cfg)}; {moe_label(cfg.model)}",
         f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
         f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
         *input_lines(cfg),
@@ -430,7 +468,7 @@ def build_bench_job(args: argparse.Namespace):
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     plan = resolve_plan(args.device, args.nproc)
-    model = mcore_config(args)
+    model = mcore_config(args, plan.world_size)
     reject_unwired_flags(args)
     scope_sets, flag = scope_sets_from(args)
     impls, rows = _bench_impls(args), _bench_rows(args)
@@ -442,7 +480,7 @@ def build_bench_job(args: argparse.Namespace):
     steps = args.warmup_iters + args.train_iters
     for impl in impls if graphed else []:
         for scopes in scope_sets or [[]]:
-            row_impl = "torch" if "full_iteration" in scopes else impl
+            row_impl = capture_impl(impl, scopes)
             check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
     if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
         raise CLIError(
@@ -464,16 +502,7 @@ def build_bench_job(args: argparse.Namespace):
     job = MCoreBenchJob(
         base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
     )
-    moe = (
-        f"{model.num_experts} experts top-{model.moe_router_topk}"
-        + (
-            f", shared expert {model.moe_shared_expert_intermediate_size}"
-            if model.moe_shared_expert_intermediate_size
-            else ""
-        )
-        if model.num_experts
-        else "dense"
-    )
+    moe = moe_label(model)
     setup = (
         f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
         f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "

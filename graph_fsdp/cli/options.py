@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import get_args
 
 from graph_fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
+from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     MOE_SCOPES,
@@ -24,7 +25,6 @@ from graph_fsdp.capture.scopes import (
     GraphConfigError,
     check_static_buffers,
     parse_scope_modules,
-    scope_label,
 )
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
@@ -78,6 +78,31 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="Layer i is MoE when i %% freq == 0 (1: every layer; 2: alternate).",
+    )
+    g.add_argument(
+        "--moe-expert-capacity-factor",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="MoE: each expert takes ceil(tokens x topk / experts x FACTOR) token copies, the "
+        "rest are dropped (> 0). Megatron-Core models: unset = dropless (Megatron's default); "
+        "graph_fsdp's GPT always has a capacity (default 1.0).",
+    )
+    g.add_argument(
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
+        help="MoE drop-padding: pad every expert's input to its capacity (static expert "
+        "shapes, so Megatron-Core's experts capture whole); needs "
+        "--moe-expert-capacity-factor. graph_fsdp's GPT always pads.",
+    )
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="MoE expert parallelism: the experts are partitioned over groups of N consecutive "
+        "ranks and sharded over the expert-data-parallel group (world / N ranks); the other "
+        "parameters over every rank. N must divide the number of ranks and --num-experts.",
     )
     g.add_argument(
         "--transformer-impl",
@@ -322,6 +347,52 @@ def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_size: int) -> None:
+    """The MoE flags every model family shares (Megatron's spellings): the capacity, drop-
+    padding and expert parallelism against the experts and the number of ranks."""
+    factor, pad = args.moe_expert_capacity_factor, args.moe_pad_expert_input_to_capacity
+    ep = args.expert_model_parallel_size
+    given = [
+        flag
+        for flag, value in (
+            ("--moe-expert-capacity-factor", factor is not None),
+            ("--moe-pad-expert-input-to-capacity", pad),
+            ("--expert-model-parallel-size", ep != 1),
+        )
+        if value
+    ]
+    if given and num_experts is None:
+        raise CLIError(
+            f"{', '.join(given)} need(s) an MoE model, but this model is dense: add "
+            "--num-experts N (N >= 2) or drop them"
+        )
+    if factor is not None and not factor > 0:  # NaN fails too
+        raise CLIError(
+            f"--moe-expert-capacity-factor {factor} must be > 0 (e.g. 1.0: each expert takes "
+            "its fair share of the tokens); leave it unset for dropless Megatron-Core MoE"
+        )
+    if pad and factor is None:
+        raise CLIError(
+            "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity, which "
+            "--moe-expert-capacity-factor sets: add --moe-expert-capacity-factor 1.0 (or drop "
+            "the pad flag)"
+        )
+    if ep < 1:
+        raise CLIError(f"--expert-model-parallel-size {ep} must be >= 1 (1: no expert parallelism)")
+    if world_size % ep:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise CLIError(
+            f"--expert-model-parallel-size {ep} does not divide the {world_size} ranks (the "
+            f"expert-data-parallel size is ranks / EP); use one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+    if num_experts is not None and num_experts % ep:
+        raise CLIError(
+            f"--expert-model-parallel-size {ep} does not divide --num-experts {num_experts}: "
+            "each EP rank holds num_experts / EP experts; use an EP that divides it"
+        )
+
+
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The GPTConfig of the flags; its errors are re-worded to name the flags."""
     if args.num_attention_heads and args.hidden_size % args.num_attention_heads != 0:
@@ -348,6 +419,11 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
             num_experts=args.num_experts,
             moe_router_topk=args.moe_router_topk,
             moe_layer_freq=args.moe_layer_freq,
+            **(
+                {"moe_capacity_factor": args.moe_expert_capacity_factor}
+                if args.moe_expert_capacity_factor is not None
+                else {}
+            ),
             seed=args.seed,
             transformer_impl=args.transformer_impl,
         )
@@ -498,18 +574,42 @@ def allocator_of(args: argparse.Namespace) -> str:
     return allocator
 
 
-def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
-    """Layerwise graphs replay fixed addresses: FSDP's buffers must never move.
+def graph_policy(
+    args: argparse.Namespace,
+    impl: str,
+    scopes: list[str],
+    scope_modules: dict[str, list[str]] | None = None,
+) -> GraphPolicy:
+    """The GraphPolicy of one graphed run of the flags (its own rules raise as CLIError)."""
+    try:
+        return GraphPolicy(
+            impl=impl,
+            scopes=tuple(scopes),
+            warmup_steps=args.cuda_graph_warmup_steps,
+            comm_graphs=getattr(args, "cuda_graph_comm", True),
+            scope_modules=scope_modules or {},
+        )
+    except GraphConfigError as err:
+        raise CLIError(str(err)) from err
 
-    The rule (and its message) is the engine's :func:`graph_fsdp.capture.scopes.
-    check_static_buffers`, applied to the BufferPolicy the flags build.
-    """
-    policy = BufferPolicy(
+
+def buffer_policy_of(args: argparse.Namespace) -> BufferPolicy:
+    """The BufferPolicy of --fsdp-buffer / --fsdp-double-buffer and the persist flag."""
+    return BufferPolicy(
         allocator=allocator_of(args),
         persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
     )
+
+
+def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
+    """Graphs replay fixed addresses: FSDP's buffers must never move.
+
+    The rule (and its message) is the engine's :func:`graph_fsdp.capture.scopes.
+    check_static_buffers` (GraphPolicy.check_buffers), applied to the BufferPolicy the flags
+    build.
+    """
     try:
-        check_static_buffers(policy, scopes, flag=flag)
+        check_static_buffers(buffer_policy_of(args), scopes, flag=flag)
     except GraphConfigError as err:
         raise CLIError(str(err)) from err
 
@@ -645,6 +745,7 @@ def resolve(
         raise CLIError(f"--eval-interval {args.eval_interval} must be >= 0 (0: never)")
     if args.cuda_graph_warmup_steps < 0:
         raise CLIError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps} must be >= 0")
+    check_moe_flags(args, args.num_experts, plan.world_size)
     model = model_config(args)
     grad_accum = grad_accumulation(args, plan.world_size)
     mesh_shape, optim_over_replicas = hsdp_mesh(args, plan.world_size)
@@ -665,24 +766,23 @@ def resolve(
             "--cuda-graph-scope-modules is given but --cuda-graph-impl is none, so nothing would "
             "be captured: add --cuda-graph-impl te (or torch), or drop --cuda-graph-scope-modules"
         )
+    policies = []
     for scopes in graph_scope_sets:
         check_scopes(scopes, model, flag=scope_flag, scope_modules=scope_modules)
-        if impl != "none" and args.recompute_activations and "full_iteration" not in scopes:
-            raise CLIError(
-                f"--recompute-activations re-runs layer forwards inside backward, which layerwise "
-                f"CUDA graphs ({scope_flag} {scope_label(scopes)}) do not capture: drop "
-                "--recompute-activations, or use --cuda-graph-impl none"
+        policy = graph_policy(args, capture_impl(impl, scopes), scopes, scope_modules)
+        try:
+            policy.check_recompute(args.recompute_activations, flag=scope_flag)
+            policy.check_steps(
+                graph_steps or args.train_iters, given=f"--train-iters {args.train_iters}"
             )
-    if impl != "none" and (graph_steps or args.train_iters) <= args.cuda_graph_warmup_steps:
-        raise CLIError(
-            f"--train-iters {args.train_iters} must exceed --cuda-graph-warmup-steps "
-            f"{args.cuda_graph_warmup_steps}, or no step ever runs graphed"
-        )
+        except GraphConfigError as err:
+            raise CLIError(str(err)) from err
+        policies.append(policy)
     if not (graphs_optional and plan.device != "cuda"):
         # A machine that cannot run graphs at all is said before advice on buffer flags.
         check_graph_environment(impl, plan, cpu_hint)
-    for scopes in graph_scope_sets if impl != "none" else []:
-        check_graph_buffers(args, scopes, flag=scope_flag)
+    for policy in policies:
+        check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
     cfg = TrainConfig(
@@ -690,6 +790,9 @@ def resolve(
         strategy=args.data_parallel_sharding_strategy,
         mesh_shape=mesh_shape,
         optim_over_replicas=optim_over_replicas,
+        expert_parallel=args.expert_model_parallel_size
+        if args.expert_model_parallel_size > 1
+        else None,
         micro_batch_size=args.micro_batch_size,
         grad_accum=grad_accum,
         steps=args.train_iters,
@@ -706,7 +809,7 @@ def resolve(
         eval_interval=args.eval_interval,
         device=plan.device,
         return_params=False,
-        cuda_graph_impl=impl,
+        cuda_graph_impl=policies[0].impl if len(policies) == 1 else impl,
         cuda_graph_scope=list(graph_scope_sets[0]) if len(graph_scope_sets) == 1 else [],
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         cuda_graph_scope_modules=scope_modules,

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.fully_shard import FSDPModule, fully_shard
 from graph_fsdp.integrations import megatron_ep, megatron_tp
 from graph_fsdp.integrations.megatron_config import ATTENTION_BACKENDS as ATTENTION_BACKENDS
@@ -366,20 +366,19 @@ def make_graphs(
 ):
     """Layerwise or full-iteration CUDA graphs for a sharded Megatron-Core GPT (None: eager);
     ``verify`` checks the first graphed step against an eager run (capture/verify.py)."""
-    if impl == "none":
-        return None
-    from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs  # noqa: PLC0415
+    policy = GraphPolicy(impl=impl, scopes=tuple(scopes), warmup_steps=warmup_steps, verify=verify)
+    return build_graphs(lm, cfg, policy)
 
-    scopes = check_mcore_scopes(cfg, scopes)
-    check_mcore_attention_capture(cfg, impl, scopes)
-    if "full_iteration" in scopes:
-        if impl != "torch":
-            raise GraphConfigError(
-                "--cuda-graph-scope full_iteration is captured with torch.cuda graphs: use "
-                "--cuda-graph-impl torch"
-            )
-        return FullIterationGraphs(lm, warmup_steps=warmup_steps, verify=verify)
+
+def build_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, policy: GraphPolicy):
+    """``policy``'s runner over a sharded Megatron-Core GPT (None: eager), after the rules of
+    Megatron-Core models: the scopes this model can capture, TE attention under capture, and
+    ``MoELayer.preprocess`` made a module for the moe_preprocess scope."""
+    if not policy.enabled:
+        return None
+    scopes = check_mcore_scopes(cfg, policy.scopes)
+    check_mcore_attention_capture(cfg, policy.impl, scopes)
     if "moe_preprocess" in scopes:
         install_moe_preprocess(lm)
     # The scopes resolve through graph_fsdp's presets (SCOPE_PRESETS' Megatron-Core entries).
-    return LayerwiseGraphs(lm, impl=impl, scopes=scopes, warmup_steps=warmup_steps, verify=verify)
+    return policy.build(lm)

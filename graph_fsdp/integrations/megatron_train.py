@@ -1,15 +1,16 @@
-"""Training loop for Megatron-Core GPTs under graph_fsdp (CLI ``--model mcore-gpt``, tests).
+"""Megatron-Core GPTs under the training loop (graph_fsdp.loop; CLI ``--model mcore-gpt``,
+tests).
 
 ``run(rank, world_size, cfg)`` builds the model (:mod:`graph_fsdp.integrations.megatron`),
 shards it, and trains ``cfg.steps`` AdamW steps on synthetic tokens or a ``data_path`` token
-file (resuming from / saving a DCP checkpoint, graph_fsdp.checkpoint), either with graph_fsdp's
-own microbatch loop (which drives layerwise / full-iteration graphs) or with Megatron's
-``get_forward_backward_func()`` schedule (``use_megatron_schedule``; eager or layerwise
-graphs, which replay inside the model's forward). ``engine="megatron_fsdp"`` trains the same
-model with megatron_fsdp instead (the comparison the GPU tests make). Returns per-step
-losses, eval losses, step times and peak memory (with what was allocated when the run
-started: tests and benchmarks run several models in one process, and a model a run leaves
-behind would count in every later run's peak).
+file (resuming from / saving a DCP checkpoint, graph_fsdp.checkpoint) through the loop every
+model family runs (:class:`MCoreAdapter`): the loop's own microbatches (which drive layerwise /
+full-iteration graphs) or Megatron's ``get_forward_backward_func()`` schedule
+(``use_megatron_schedule``; eager or layerwise graphs, which replay inside the model's
+forward). ``engine="megatron_fsdp"`` trains the same model with megatron_fsdp instead (the
+comparison the GPU tests make). Returns per-step losses, eval losses, step times and peak
+memory (with what was allocated when the run started: tests and benchmarks run several models
+in one process, and a model a run leaves behind would count in every later run's peak).
 """
 
 from __future__ import annotations
@@ -17,81 +18,40 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations import megatron_tp
 from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
+from graph_fsdp.loop import LoopConfig, ModelAdapter, ShardedTrainer, Trainer, run_loop
 from graph_fsdp.train import make_optimizer
 
 
 @dataclass(kw_only=True)
-class MCoreTrainConfig:
+class MCoreTrainConfig(LoopConfig):
+    """A Megatron-Core GPT under the training loop (loop.py); the loop's fields are
+    :class:`~graph_fsdp.loop.LoopConfig`'s (defaults here: micro batch 2, bf16, no full
+    parameters returned)."""
+
     model: gm.MCoreGPTConfig = field(default_factory=gm.MCoreGPTConfig)
     """Model shape."""
     engine: str = "graph_fsdp"
     """graph_fsdp, or megatron_fsdp (comparison runs; eager only)."""
-    strategy: str = "optim_grads_params"
-    """Data-parallel sharding strategy."""
     micro_batch_size: int = 2
     """Sequences per rank per microbatch."""
-    grad_accum: int = 1
-    """Microbatches per step."""
-    steps: int = 10
-    """Optimizer steps."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.01
-    """AdamW weight decay."""
-    clip_grad: float = 0.0
-    """Global gradient-norm clipping before each optimizer step (0: off)."""
     bf16: bool = True
     """bf16 compute weights, fp32 main weights and grads."""
-    allocator: str = "dynamic"
-    """dynamic | double_buffer | trace_pool."""
-    persist_on_alloc_fail: bool = False
-    """Dedicated persistent buffers for unplanned requests."""
-    eval_interval: int = 0
-    """Forward-only eval pass every N steps (0: never)."""
+    return_params: bool = False
+    """Gather full parameters at the end (for parity tests)."""
     use_megatron_schedule: bool = False
     """Run each step through megatron.core's get_forward_backward_func()."""
-    cuda_graph_impl: str = "none"
-    """none | te | torch."""
-    cuda_graph_scope: list[str] = field(default_factory=list)
-    """Megatron scopes ([] = whole layer)."""
-    cuda_graph_warmup_steps: int = 2
-    """Eager steps before capture."""
-    save_path: str | None = None
-    """DCP checkpoint written after ``save_at`` steps (graph_fsdp.checkpoint)."""
-    save_at: int = 0
-    """Step after which to save."""
-    load_path: str | None = None
-    """DCP checkpoint to resume from."""
-    start_step: int = 0
-    """Data position of the first step (for resume)."""
-    data_path: str | None = None
-    """Training data: a flat uint16 token file (graph_fsdp.data, the same batches as
-    ``TrainConfig.data_path``); None = synthetic tokens."""
-    optimizer_offload_fraction: float = 0.0
-    """Share of the local shards whose AdamW state lives and steps on the CPU
-    (graph_fsdp.optim_offload.CPUOffloadOptimizer); 0 keeps it on the device."""
-    fused_optimizer: bool = False
-    """AdamW(fused=True)."""
-    cuda_graph_verify: bool | str = False
-    """Verify the first graphed step against an eager run of it (graph_fsdp.capture.verify):
-    False, True (record, warn on a difference) or "raise"."""
-    deterministic: bool = False
-    """torch.use_deterministic_algorithms(True) plus cuBLAS / TE settings."""
-    log_path: str | None = None
-    """JSON lines, one record per step (rank 0)."""
 
     @property
     def recompute(self) -> bool:
@@ -125,7 +85,10 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
         # warn_only: Megatron's unfused MoE permutation has ops without a deterministic CUDA
         # kernel; they warn instead of failing (eager and graphed runs use the same kernels).
         torch.use_deterministic_algorithms(True, warn_only=True)
-    gm.init_parallel_state(tensor_model_parallel_size=cfg.model.tensor_model_parallel_size)
+    gm.init_parallel_state(
+        expert_model_parallel_size=cfg.model.expert_model_parallel_size,
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+    )
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -153,8 +116,6 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     # graph_fsdp.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
     if cfg.load_path:
-        from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
-
         ckpt.load(cfg.load_path, lm, opt)
     return lm, opt
 
@@ -231,105 +192,101 @@ def release_moe_dispatch_state(model: nn.Module) -> int:
     return dropped
 
 
-def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
-    # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that cannot go.
-    schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
-    if schedule and cfg.cuda_graph_verify:
-        raise ValueError(
-            "cuda_graph_verify checks a step of graph_fsdp's loop (graphs.forward_backward); "
-            "use it without use_megatron_schedule"
-        )
-    if schedule and "full_iteration" in cfg.cuda_graph_scope:
-        raise ValueError(
-            "full_iteration replaces the forward/backward schedule with one graph per "
-            "microbatch; use it without use_megatron_schedule"
-        )
-    device = _setup(cfg)
-    if device.type == "cuda":
-        # A previous run in this process (tests run several) leaves a model and graphs in
-        # reference cycles: collect them so this run's peak memory is its own.
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
-    lm, opt = build_sharded(cfg, device)
-    if cfg.model.is_moe and not cfg.use_megatron_schedule:  # the schedule sets it per microbatch
-        _set_moe_aux_loss_scale(cfg, device)
-    graphs = None
-    if cfg.engine == "graph_fsdp":
-        graphs = gm.make_graphs(
-            lm,
-            cfg.model,
-            impl=cfg.cuda_graph_impl,
-            scopes=cfg.cuda_graph_scope,
-            warmup_steps=cfg.cuda_graph_warmup_steps,
-            verify=cfg.cuda_graph_verify,
-        )
-    losses, eval_losses, times = [], [], []
-    # The TP ranks of a data-parallel rank read the same batches (megatron_tp.py).
-    data_rank, data_world = megatron_tp.data_parallel_rank(rank, world_size)
-    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
-    for step in range(cfg.start_step, cfg.start_step + cfg.steps):
-        if graphs is not None:
-            graphs.before_step()
+class MegatronFSDPTrainer(Trainer):
+    """Megatron-FSDP's placement (``engine="megatron_fsdp"``, the comparison rows): its
+    wrapper reduces every microbatch's gradients; clipping is refused (build_sharded)."""
+
+
+class MCoreAdapter(ModelAdapter):
+    """A Megatron-Core GPT under the loop: Megatron's parallel state, its model sharded by
+    graph_fsdp (or megatron_fsdp), batches per data-parallel rank (the TP ranks of one read
+    the same), graphs through :func:`graph_fsdp.integrations.megatron.build_graphs`, and
+    optionally Megatron's forward/backward schedule for the microbatches."""
+
+    def __init__(self, cfg: MCoreTrainConfig) -> None:
+        self.cfg = cfg
+        self.data_rank, self.data_world = 0, 1
+        self.start_bytes = None
+
+    def setup(self, rank: int, world_size: int) -> torch.device:
+        cfg = self.cfg
+        # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that
+        # cannot go.
+        schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
+        if schedule and cfg.cuda_graph_verify:
+            raise ValueError(
+                "cuda_graph_verify checks a step of graph_fsdp's loop (graphs.forward_backward); "
+                "use it without use_megatron_schedule"
+            )
+        if schedule and "full_iteration" in cfg.cuda_graph_scope:
+            raise ValueError(
+                "full_iteration replaces the forward/backward schedule with one graph per "
+                "microbatch; use it without use_megatron_schedule"
+            )
+        device = _setup(cfg)
         if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        batches = [
-            batch(cfg, step * cfg.grad_accum + m, data_rank, device, world_size=data_world)
+            # A previous run in this process (tests run several) leaves a model and graphs in
+            # reference cycles: collect them so this run's peak memory is its own.
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start_bytes = torch.cuda.memory_allocated(device)
+        # The TP ranks of a data-parallel rank read the same batches (megatron_tp.py).
+        self.data_rank, self.data_world = megatron_tp.data_parallel_rank(rank, world_size)
+        return device
+
+    def build(self, device: torch.device, world_size: int) -> Trainer:
+        cfg = self.cfg
+        lm, opt = build_sharded(cfg, device)
+        if cfg.model.is_moe and not cfg.use_megatron_schedule:  # the schedule sets it itself
+            _set_moe_aux_loss_scale(cfg, device)
+        if cfg.engine == "megatron_fsdp":
+            return MegatronFSDPTrainer(lm, opt, loss_world=world_size)
+        return ShardedTrainer(lm, opt, loss_world=world_size)
+
+    def make_graphs(self, trainer: Trainer):
+        if self.cfg.engine != "graph_fsdp":
+            return None
+        return gm.build_graphs(trainer.model, self.cfg.model, self.cfg.graph_policy)
+
+    def microbatches(self, step: int, device: torch.device):
+        cfg = self.cfg
+        return [
+            [
+                batch(
+                    cfg,
+                    step * cfg.grad_accum + m,
+                    self.data_rank,
+                    device,
+                    world_size=self.data_world,
+                )
+            ]
             for m in range(cfg.grad_accum)
         ]
-        if cfg.use_megatron_schedule:
-            step_loss = _schedule_step(cfg, lm, batches)
-        else:
-            step_loss = torch.zeros((), device=device)
-            for micro, (x, y) in enumerate(batches):
-                last = micro == cfg.grad_accum - 1
-                if cfg.engine == "graph_fsdp":
-                    lm.set_requires_gradient_sync(last)
-                if graphs is not None:
-                    step_loss += graphs.forward_backward(micro, x, y, cfg.grad_accum)
-                else:
-                    step_loss += eager_forward_backward(lm, x, y, cfg.grad_accum)
-        if cfg.clip_grad > 0:  # graph_fsdp's parameters: routed to grad_norm.py
-            torch.nn.utils.clip_grad_norm_(lm.parameters(), cfg.clip_grad)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step_loss = step_loss.detach().float()
-        if world_size > 1:
-            dist.all_reduce(step_loss)
-            step_loss /= world_size
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(step_loss.item())
-        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
-            with torch.no_grad():
-                xe, ye = batch(cfg, step, data_rank, device, eval=True, world_size=data_world)
-                eval_losses.append(lm(xe, ye).float().item())
-        if log is not None:
-            log.write(f'{{"step": {step}, "loss": {losses[-1]!r}, "step_time_s": {times[-1]!r}}}\n')
-            log.flush()
-        if cfg.save_path and step + 1 == cfg.start_step + cfg.save_at:
-            from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
 
-            ckpt.save(cfg.save_path, lm, opt)
-    if log is not None:
-        log.close()
-    result = {"losses": losses, "eval_losses": eval_losses, "times": times}
-    if graphs is not None:
-        result["cuda_graphs"] = graphs.report()
-    if device.type == "cuda":
-        # Allocated misses what graph replays use in their pools; reserved holds the pools.
-        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        result["start_memory_bytes"] = start_bytes
-    # Nothing of this run may outlive it: the graphs and their memory pool go now, and the
-    # dispatchers' last routing with its autograd graph ([Note: MoE dispatchers keep the last
-    # routing]), so the model is freed on return.
-    if graphs is not None:
-        graphs.close()
-    release_moe_dispatch_state(lm)
-    # parallel_state stays initialised: the next run in this process reuses its groups
-    # (re-creating them would build new NCCL communicators every run).
-    return result
+    def eval_batch(self, step: int, device: torch.device):
+        return batch(self.cfg, step, self.data_rank, device, eval=True, world_size=self.data_world)
+
+    def schedule(self, trainer: Trainer):
+        if not self.cfg.use_megatron_schedule:
+            return None
+        return lambda batches: _schedule_step(
+            self.cfg, trainer.model, [b for micro in batches for b in micro]
+        )
+
+    def finish(self, trainer: Trainer, graphs, result: dict) -> None:
+        if self.start_bytes is not None:
+            result["start_memory_bytes"] = self.start_bytes
+        # Nothing of this run may outlive it: the graphs and their memory pool go now, and the
+        # dispatchers' last routing with its autograd graph ([Note: MoE dispatchers keep the
+        # last routing]), so the model is freed on return.
+        if graphs is not None:
+            graphs.close()
+        release_moe_dispatch_state(trainer.model)
+        # parallel_state stays initialised: the next run in this process reuses its groups
+        # (re-creating them would build new NCCL communicators every run).
+
+
+def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
+    """Train ``cfg`` on this rank (graph_fsdp.loop.run_loop over :class:`MCoreAdapter`)."""
+    return run_loop(MCoreAdapter(cfg), rank, world_size)

@@ -191,9 +191,9 @@ def test_te_attention_capture_check_for_the_reference_model(
     def reached(*args, **kwargs):
         raise stop
 
-    # Past the check make_graphs builds the runners, which need a sharded CUDA model.
-    monkeypatch.setattr("graph_fsdp.train.LayerwiseGraphs", reached)
-    monkeypatch.setattr("graph_fsdp.train.FullIterationGraphs", reached)
+    # Past the check the GraphPolicy builds the runners, which need a sharded CUDA model.
+    monkeypatch.setattr("graph_fsdp.capture.policy.LayerwiseGraphs", reached)
+    monkeypatch.setattr("graph_fsdp.capture.policy.FullIterationGraphs", reached)
     if expected is None:
         with pytest.raises(RuntimeError, match="past the attention check"):
             make_graphs(torch.nn.Linear(2, 2), cfg)

@@ -199,6 +199,7 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
             "0",
             "--scopes",
             "full_iteration",
+            "--fsdp-double-buffer",  # full_iteration's static buffers, checked before launch
             "--output-dir",
             str(out_dir),
         )

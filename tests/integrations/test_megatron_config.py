@@ -100,7 +100,15 @@ def test_all_problems_are_reported_at_once() -> None:
 
 
 def test_full_iteration_needs_no_layerwise_buffer_flags() -> None:
-    validate_fsdp_config(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"])
+    """full_iteration needs static buffers (no persist flag): the same rule as the engine's
+    check before a capture (capture/scopes.py check_static_buffers)."""
+    validate_fsdp_config(
+        cuda_graph_impl="torch",
+        cuda_graph_scope=["full_iteration"],
+        buffer_policy=BufferPolicy(allocator="double_buffer"),
+    )
+    with pytest.raises(FSDPConfigError, match="full_iteration replays FSDP's buffer hand-offs"):
+        validate_fsdp_config(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"])
 
 
 # ------------------------------------------------------------------ MCoreGPTConfig and scopes

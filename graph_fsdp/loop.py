@@ -1,0 +1,295 @@
+"""The training loop every model family runs (train.py: graph_fsdp's GPT and the unsharded
+reference; integrations/megatron_train.py: Megatron-Core GPTs)::
+
+    result = run_loop(GPTAdapter(cfg), rank, world_size)
+
+One step: the graph runner's ``before_step`` (a capture is not timed), every microbatch's
+forward+backward (gradient sync on the last only), the gradients to the main weights, clipping
+by the global norm, the optimizer step, then the mean loss and the stop votes in one
+all-reduce (interrupt.py [Note: stopping at a step boundary]), an eval pass every
+``eval_interval`` steps, the step's log record and a scheduled (or interrupted) checkpoint.
+
+What differs between families lives in two small objects:
+
+- the **adapter** (:class:`ModelAdapter`) - how the model is built and sharded, its batches,
+  its graph runner (the config's ``GraphPolicy`` plus the family's own checks), and what the
+  run sets up and releases around the loop;
+- the **trainer** (:class:`Trainer`) - where the weights live and how they are stepped:
+  graph_fsdp's ``fully_shard`` (:class:`ShardedTrainer`), or a placement without it (the
+  unsharded mixed-precision reference in train.py, Megatron-FSDP in megatron_train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from graph_fsdp import checkpoint as ckpt
+from graph_fsdp.capture.policy import GraphPolicy
+from graph_fsdp.capture.step import HostClock, eager_forward_backward
+from graph_fsdp.grad_norm import clip_grad_norm_
+from graph_fsdp.interrupt import mean_loss_and_stop
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(kw_only=True)
+class LoopConfig:
+    """The fields every family's training config has (``TrainConfig``, ``MCoreTrainConfig``)."""
+
+    strategy: str = "optim_grads_params"
+    """Data-parallel sharding strategy."""
+    micro_batch_size: int = 1
+    """Sequences per rank per microbatch."""
+    grad_accum: int = 1
+    """Microbatches per step (no_sync on all but the last)."""
+    steps: int = 10
+    """Optimizer steps."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    clip_grad: float = 0.0
+    """Global gradient-norm clipping before each optimizer step (0: off)."""
+    bf16: bool = False
+    """bf16 compute weights with fp32 main weights and grads."""
+    allocator: str = "dynamic"
+    """dynamic | double_buffer | trace_pool."""
+    persist_on_alloc_fail: bool = False
+    """Dedicated persistent buffers for unplanned requests."""
+    eval_interval: int = 0
+    """Run a forward-only eval pass every N steps (0: never)."""
+    save_path: str | None = None
+    """DCP checkpoint directory written after ``save_at`` steps."""
+    save_at: int = 0
+    """Step after which to save."""
+    save_on_interrupt: bool = False
+    """Save to ``save_path`` when a stop request (SIGINT/SIGTERM, interrupt.py) ends the run
+    early, at the step boundary where it stops."""
+    load_path: str | None = None
+    """DCP checkpoint to resume from before training (steps continue at ``start_step``)."""
+    start_step: int = 0
+    """Data stream position of the first step (for resume)."""
+    data_path: str | None = None
+    """Training data: a flat numpy uint16 token file, read through np.memmap
+    (``np.array(ids, dtype=np.uint16).tofile(path)``); None = synthetic tokens."""
+    fused_optimizer: bool = False
+    """AdamW(fused=True)."""
+    optimizer_offload_fraction: float = 0.0
+    """Share of the local shards (by elements) whose AdamW state lives and steps on the CPU
+    (graph_fsdp.optim_offload); 0 keeps it on the device. Needs recompute off."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms(True) for the whole process (plus cuBLAS and
+    TransformerEngine settings): bit-reproducible eager runs, e.g. flash-attention backward."""
+    log_path: str | None = None
+    """JSON lines: one record per step (rank 0)."""
+    return_params: bool = True
+    """Gather full parameters at the end (for parity tests)."""
+    cuda_graph_impl: str = "none"
+    """none | torch | te: layerwise/full-iteration CUDA graphs (CUDA only)."""
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    """Megatron scopes: [] whole layer, attn, mlp, moe, moe_router, moe_preprocess, full_iteration."""
+    cuda_graph_warmup_steps: int = 2
+    """Eager training steps before capture."""
+    cuda_graph_scope_modules: dict[str, list[str]] = field(default_factory=dict)
+    """Scope -> submodule paths relative to each FSDP unit, replacing that scope's presets
+    or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
+    cuda_graph_comm: bool = True
+    """Layerwise graphs: each unit's gather and reduction kernels replay as CUDA graphs
+    (capture/comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
+    cuda_graph_verify: bool | str = False
+    """Check the first graphed step against an eager run of it from the same state and name
+    the first module whose output differs: False, True (record, warn on a difference) or
+    "raise" (graph-fsdp compare turns it on)."""
+
+    @property
+    def graph_policy(self) -> GraphPolicy:
+        """The run's CUDA graphs as one frozen policy (capture/policy.py)."""
+        return GraphPolicy(
+            impl=self.cuda_graph_impl,
+            scopes=tuple(self.cuda_graph_scope),
+            warmup_steps=self.cuda_graph_warmup_steps,
+            verify=self.cuda_graph_verify,
+            comm_graphs=self.cuda_graph_comm,
+            scope_modules=self.cuda_graph_scope_modules,
+        )
+
+
+class Trainer:
+    """Where the weights live and how a step updates them; this base is graph_fsdp's
+    placement (:class:`ShardedTrainer`) without its gradient-sync switch."""
+
+    batches_per_microbatch = 1
+    """Batches each microbatch runs (the reference runs every rank's)."""
+    checkpoints = True
+    """Writes ``save_path`` checkpoints (the reference does not)."""
+
+    def __init__(self, model: nn.Module, optimizer, *, loss_world: int) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.loss_world = loss_world
+        """Ranks the step's loss is averaged over (1: no collective)."""
+
+    def set_requires_gradient_sync(self, last: bool) -> None:
+        """Gradient reduction on the step's last microbatch only (no_sync accumulation)."""
+
+    def grads_to_main(self) -> None:
+        """Make the gradients the optimizer reads (GradScaler's ``unscale_`` point)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save(self, path: str, meta: dict | None) -> None:
+        ckpt.save(path, self.model, self.optimizer, meta=meta)
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return {k: v.cpu() for k, v in ckpt.full_state_dict(self.model).items()}
+
+
+class ShardedTrainer(Trainer):
+    """graph_fsdp's ``fully_shard``: no_sync accumulation, clipping by the global norm over
+    every rank's shards (grad_norm.py [Note: global gradient norm])."""
+
+    def set_requires_gradient_sync(self, last: bool) -> None:
+        self.model.set_requires_gradient_sync(last)
+
+    def clip_grad_norm_(self, max_norm: float) -> None:
+        clip_grad_norm_(self.model.parameters(), max_norm)
+
+
+class ModelAdapter:
+    """One model family under the loop: subclasses fill in every method that raises."""
+
+    cfg: LoopConfig
+
+    def setup(self, rank: int, world_size: int) -> torch.device:
+        """Process settings and checks before anything is built; the training device."""
+        raise NotImplementedError
+
+    def build(self, device: torch.device, world_size: int) -> Trainer:
+        """The model (sharded, or as the trainer places it), its optimizer, a loaded
+        checkpoint."""
+        raise NotImplementedError
+
+    def make_graphs(self, trainer: Trainer):
+        """The graph runner (None: eager): the config's GraphPolicy after the family's
+        checks."""
+        raise NotImplementedError
+
+    def microbatches(self, step: int, device: torch.device) -> Iterable[Iterable[Batch]]:
+        """Per microbatch of ``step``, the batches it runs (one, or every rank's for the
+        reference); an iterator may build them as they are used."""
+        raise NotImplementedError
+
+    def eval_batch(self, step: int, device: torch.device) -> Batch:
+        raise NotImplementedError
+
+    def schedule(self, trainer: Trainer):
+        """A callable ``(batches) -> loss`` that runs the step's microbatches in place of the
+        loop's own (Megatron's schedule), or None."""
+        return None
+
+    def checkpoint_meta(self, step: int) -> dict | None:
+        return None
+
+    def finish(self, trainer: Trainer, graphs, result: dict) -> None:
+        """After the last step: what the result adds, what the run releases."""
+
+
+def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
+    """Train ``adapter.cfg.steps`` steps; returns per-step losses, times, eval losses, graph
+    reports, peak memory (and the full parameters with ``return_params``)."""
+    cfg = adapter.cfg
+    device = adapter.setup(rank, world_size)
+    trainer = adapter.build(device, world_size)
+    graphs = adapter.make_graphs(trainer)
+    schedule = adapter.schedule(trainer)
+    denom = cfg.grad_accum * trainer.batches_per_microbatch
+    losses, times, eval_losses = [], [], []
+    host = {"step": [], "forward": [], "backward": []}
+    log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
+    saved_at = stopped_at = None
+    for step in range(cfg.start_step, cfg.start_step + cfg.steps):
+        if graphs is not None:
+            graphs.before_step()  # capture (after the warmup steps) is not timed
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        clock = HostClock()
+        batches = adapter.microbatches(step, device)
+        if schedule is not None:
+            step_loss = schedule(batches)
+        else:
+            step_loss = torch.zeros((), device=device)
+            for micro, micro_batches in enumerate(batches):
+                trainer.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+                for x, y in micro_batches:
+                    if graphs is not None:
+                        step_loss += graphs.forward_backward(micro, x, y, denom, clock)
+                    else:
+                        # No live autograd graph is kept (it would pin AccumulateGrad streams).
+                        step_loss += eager_forward_backward(trainer.model, x, y, denom, clock)
+        trainer.grads_to_main()
+        if cfg.clip_grad > 0:
+            trainer.clip_grad_norm_(cfg.clip_grad)
+        trainer.optimizer_step()
+        # The mean loss over the ranks and their stop requests: interrupt.py [Note: stopping at
+        # a step boundary].
+        step_loss, stop_votes = mean_loss_and_stop(step_loss.detach().float(), trainer.loss_world)
+        host["step"].append(time.perf_counter() - t0)  # all of the step issued
+        host["forward"].append(clock.forward)
+        host["backward"].append(clock.backward)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(step_loss.item())
+        stopping = stop_votes.item() > 0
+        if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
+            with torch.no_grad():
+                xe, ye = adapter.eval_batch(step, device)
+                eval_losses.append(trainer.model(xe, ye).float().item())
+        if log is not None:
+            log.write(
+                json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n"
+            )
+            log.flush()
+        scheduled = step + 1 == cfg.start_step + cfg.save_at
+        if (
+            cfg.save_path
+            and trainer.checkpoints
+            and (scheduled or stopping and cfg.save_on_interrupt)
+        ):
+            trainer.save(cfg.save_path, adapter.checkpoint_meta(step + 1))
+            saved_at = step + 1
+        if stopping:
+            stopped_at = step + 1
+            break
+    if log is not None:
+        log.close()
+    result = {
+        "losses": losses,
+        "times": times,
+        "host_times": host,
+        "eval_losses": eval_losses,
+        "config": asdict(cfg),
+        "saved_at": saved_at,
+        "stopped_at": stopped_at,
+    }
+    if cfg.return_params:
+        result["params"] = trainer.full_params()
+    if graphs is not None:
+        result["cuda_graphs"] = graphs.report()
+    if device.type == "cuda":
+        # Allocated misses what graph replays use in their pools; reserved holds the pools.
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    adapter.finish(trainer, graphs, result)
+    return result
