@@ -388,7 +388,7 @@ def train_main(args: argparse.Namespace) -> int:
     data_world = plan.world_size // model.tensor_model_parallel_size  # TP ranks share batches
     grad_accum = grad_accumulation(args, data_world)
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
-    start, save_at, save_iteration = checkpoint_plan(args)
+    start, save_at, _ = checkpoint_plan(args)
     data_path = None
     if args.data_path:
         data_path = check_data_path(
@@ -409,6 +409,7 @@ def train_main(args: argparse.Namespace) -> int:
         start_step=start,
         save_path=os.path.abspath(args.save) if args.save else None,
         save_at=save_at,
+        save_on_interrupt=args.save_on_interrupt,
         load_path=os.path.abspath(args.load) if args.load else None,
         data_path=data_path,
         optimizer_offload_fraction=(
@@ -420,13 +421,13 @@ def train_main(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
         open(args.log_json, "w").close()  # overwritten, like the reference model's log
         cfg = replace(cfg, log_path=os.path.abspath(args.log_json))
-    out = launch(plan, _worker, cfg, args.model, save_iteration)
+    out = launch(plan, _worker, cfg, args.model)
     if out is not None:
-        print(_summary(args, cfg, plan, out, save_iteration))
+        print(_summary(args, cfg, plan, out))
     return 0
 
 
-def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
+def _summary(args, cfg, plan, out: dict) -> str:
     peak = out.get("peak_memory_bytes")
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
@@ -438,17 +439,23 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
     ]
     if cfg.load_path:
         lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
-    if cfg.save_path:
-        lines.append(f"  checkpoint: {args.save} (iteration {save_iteration})")
+    if out.get("stopped_at") is not None:
+        lines.append(f"  stopped after iteration {out['stopped_at']} (a stop signal)")
+    if out.get("saved_at") is not None:
+        lines.append(f"  checkpoint: {args.save} (iteration {out['saved_at']})")
+    elif cfg.save_path:
+        lines.append(f"  checkpoint: none written by this run ({args.save})")
     return "\n".join(lines)
 
 
-def _worker(rank: int, world_size: int, cfg, model: str, save_iteration: int | None) -> dict | None:
+def _worker(rank: int, world_size: int, cfg, model: str) -> dict | None:
     result = run(rank, world_size, cfg)
     if rank != 0:
         return None
-    if cfg.save_path and save_iteration is not None:
-        write_checkpoint_meta(cfg.save_path, save_iteration, model)
+    # The iteration the loop saved at: the scheduled one, or where a stop signal ended the
+    # run (--save-on-interrupt).
+    if result.get("saved_at") is not None:
+        write_checkpoint_meta(cfg.save_path, result["saved_at"], model)
     return result
 
 

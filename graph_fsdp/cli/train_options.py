@@ -113,11 +113,6 @@ def check_train_only_flags(args: argparse.Namespace) -> None:
             "--save-on-interrupt (--exit-signal-handler) saves to --save DIR when a signal "
             "stops the run: add --save DIR"
         )
-    if args.save_on_interrupt and args.model != "gpt":
-        raise CLIError(
-            f"--save-on-interrupt (--exit-signal-handler) is not wired for --model {args.model} "
-            "(its ranks stop when signalled, without saving): drop it"
-        )
     if args.log_json:
         check_output_file("--log-json", args.log_json)
 
