@@ -32,6 +32,7 @@ from torch import nn
 from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.capture.step import HostClock, eager_forward_backward
+from graph_fsdp.capture.whole_step import WholeStepGraph
 from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.interrupt import mean_loss_and_stop
 
@@ -107,6 +108,11 @@ class LoopConfig:
     the first module whose output differs: False, True (record, warn on a difference) or
     "raise" (graph-fsdp compare turns it on)."""
 
+    cuda_graph_optimizer: bool = False
+    """With full_iteration: the whole step in one graph - reductions, clipping, the optimizer
+    step with an Inf/NaN skip on the device, the zeroing (capture/whole_step.py); needs a
+    fused AdamW. With cuda_graph_impl="none": the same step eagerly (its bit-exact twin)."""
+
     @property
     def graph_policy(self) -> GraphPolicy:
         """The run's CUDA graphs as one frozen policy (capture/policy.py)."""
@@ -117,6 +123,7 @@ class LoopConfig:
             verify=self.cuda_graph_verify,
             comm_graphs=self.cuda_graph_comm,
             scope_modules=self.cuda_graph_scope_modules,
+            optimizer=self.cuda_graph_optimizer,
         )
 
 
@@ -129,10 +136,12 @@ class Trainer:
     checkpoints = True
     """Writes ``save_path`` checkpoints (the reference does not)."""
 
-    def __init__(self, model: nn.Module, optimizer, *, loss_world: int) -> None:
+    def __init__(self, model: nn.Module, optimizer, *, loss_world: int, device: torch.device):
         self.model, self.optimizer = model, optimizer
         self.loss_world = loss_world
         """Ranks the step's loss is averaged over (1: no collective)."""
+        self.device = device
+        """Where the step's loss accumulates."""
 
     def set_requires_gradient_sync(self, last: bool) -> None:
         """Gradient reduction on the step's last microbatch only (no_sync accumulation)."""
@@ -213,34 +222,39 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
     graphs = adapter.make_graphs(trainer)
     schedule = adapter.schedule(trainer)
     denom = cfg.grad_accum * trainer.batches_per_microbatch
+    whole_step = None
+    if isinstance(graphs, WholeStepGraph):  # the step's own runner: _whole_step_fn
+        whole_step = graphs.capture(_whole_step_fn(trainer.model, denom))
     losses, times, eval_losses = [], [], []
     host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     saved_at = stopped_at = None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
-        if graphs is not None:
+        if graphs is not None and whole_step is None:
             graphs.before_step()  # capture (after the warmup steps) is not timed
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         clock = HostClock()
         batches = adapter.microbatches(step, device)
-        if schedule is not None:
-            step_loss = schedule(batches)
+        if whole_step is not None:
+            # Microbatches, reductions, clipping, optimizer and zeroing: one call (one replay
+            # once captured, the capture step included in its time).
+            step_loss = whole_step([b for micro in batches for b in micro]).loss
         else:
-            step_loss = torch.zeros((), device=device)
-            for micro, micro_batches in enumerate(batches):
-                trainer.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
-                for x, y in micro_batches:
-                    if graphs is not None:
-                        step_loss += graphs.forward_backward(micro, x, y, denom, clock)
-                    else:
-                        # No live autograd graph is kept (it would pin AccumulateGrad streams).
-                        step_loss += eager_forward_backward(trainer.model, x, y, denom, clock)
-        trainer.grads_to_main()
-        if cfg.clip_grad > 0:
-            trainer.clip_grad_norm_(cfg.clip_grad)
-        trainer.optimizer_step()
+            step_loss = _forward_backward(
+                trainer,
+                batches,
+                micros=cfg.grad_accum,
+                graphs=graphs,
+                schedule=schedule,
+                denom=denom,
+                clock=clock,
+            )
+            trainer.grads_to_main()
+            if cfg.clip_grad > 0:
+                trainer.clip_grad_norm_(cfg.clip_grad)
+            trainer.optimizer_step()
         # The mean loss over the ranks and their stop requests: interrupt.py [Note: stopping at
         # a step boundary].
         step_loss, stop_votes = mean_loss_and_stop(step_loss.detach().float(), trainer.loss_world)
@@ -293,3 +307,39 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     adapter.finish(trainer, graphs, result)
     return result
+
+
+def _forward_backward(
+    trainer: Trainer,
+    batches: Iterable[Iterable[Batch]],
+    *,
+    micros: int,
+    graphs,
+    schedule,
+    denom: int,
+    clock: HostClock,
+) -> torch.Tensor:
+    """Every microbatch's forward+backward (gradient sync on the last only); the summed
+    loss."""
+    if schedule is not None:
+        return schedule(batches)
+    step_loss = torch.zeros((), device=trainer.device)
+    for micro, micro_batches in enumerate(batches):
+        trainer.set_requires_gradient_sync(micro == micros - 1)
+        for x, y in micro_batches:
+            if graphs is not None:
+                step_loss += graphs.forward_backward(micro, x, y, denom, clock)
+            else:
+                # No live autograd graph is kept (it would pin AccumulateGrad streams).
+                step_loss += eager_forward_backward(trainer.model, x, y, denom, clock)
+    return step_loss
+
+
+def _whole_step_fn(model: nn.Module, denom: int):
+    """One microbatch of the whole-step runner: the loop's eager forward+backward (the
+    runner switches gradient sync and calls it with the same function every step)."""
+
+    def microbatch(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return eager_forward_backward(model, x, y, denom)
+
+    return microbatch

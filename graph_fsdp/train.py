@@ -28,6 +28,7 @@ from graph_fsdp.loop import LoopConfig, ModelAdapter, ShardedTrainer, Trainer, r
 from graph_fsdp.models import (
     GPTConfig,
     build_model,
+    parallelize_gpt,
     partition_experts,
     sharding_units,
     transformer_layers,
@@ -53,6 +54,15 @@ class TrainConfig(LoopConfig):
     """MoE models: partition the experts over expert-parallel groups of this many ranks and
     shard them over the expert-data-parallel group (world / this), the other parameters over
     the data-parallel group (graph_fsdp.experts). None: experts are sharded like the rest."""
+    tensor_parallel: int | None = None
+    """Dense models: torch DTensor tensor parallelism over groups of this many consecutive
+    ranks (models/tp_plans.py ``parallelize_gpt``), then ``fully_shard`` of each TP rank's
+    pieces over the data-parallel group (world / this): torchtitan's apply_tp -> apply_fsdp
+    (tensor_parallel.py). The TP ranks of a data-parallel rank read the same batches. None: no
+    TP."""
+    sequence_parallel: bool = False
+    """With tensor_parallel: the activations between the TP blocks (residual stream, norms)
+    split over the sequence."""
     grad_comm_dtype: str | None = None
     """None (fp32) or bf16 reduction."""
     reduce_scatter_fp32_accumulation: bool = False
@@ -81,8 +91,13 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         num_slots=cfg.num_slots,
         persist_on_alloc_fail=cfg.persist_on_alloc_fail,
     )
+    mesh = data_parallel_mesh(cfg)
+    if cfg.tensor_parallel is not None:  # apply_tp, then fully_shard over the other dimension
+        tp_mesh = tensor_parallel_mesh(cfg)
+        parallelize_gpt(model, tp_mesh["tp"], sequence_parallel=cfg.sequence_parallel)
+        mesh = tp_mesh["dp"]
     placement = {
-        "mesh": data_parallel_mesh(cfg),
+        "mesh": mesh,
         "strategy": cfg.strategy,
         "optim_over_replicas": cfg.optim_over_replicas,
     }
@@ -107,9 +122,57 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return fully_shard(model, **placement, mp_policy=mp, buffer_policy=bp)
 
 
+def tensor_parallel_size(cfg: TrainConfig) -> int:
+    return cfg.tensor_parallel or 1
+
+
+def check_tensor_parallel(cfg: TrainConfig, world_size: int) -> None:
+    """TrainConfig.tensor_parallel / sequence_parallel against the rest of the run (the plan
+    checks the model's shape: models/tp_plans.py)."""
+    tp = cfg.tensor_parallel
+    if cfg.sequence_parallel and tp is None:
+        raise ValueError(
+            "TrainConfig.sequence_parallel=True splits the sequence over the TP group, but "
+            "tensor_parallel is None: set tensor_parallel (> 1) or sequence_parallel=False"
+        )
+    if tp is None:
+        return
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(
+            f"TrainConfig.tensor_parallel={tp!r} must be a positive divisor of the world size "
+            f"{world_size} (the data-parallel size is world / tensor_parallel)"
+        )
+    others = {
+        "mesh_shape": cfg.mesh_shape,
+        "expert_parallel": cfg.expert_parallel,
+    }
+    given = {k: v for k, v in others.items() if v is not None}
+    if given:
+        raise ValueError(
+            f"TrainConfig.tensor_parallel={tp} with {given}: a 3-D mesh (HSDP or expert "
+            "parallelism with TP) is not wired in TrainConfig; drop one of them (HSDP + TP: "
+            "fully_shard over a 3-D mesh, docs/tensor_parallel.md)"
+        )
+
+
+def tensor_parallel_mesh(cfg: TrainConfig):
+    """The 2-D ``(dp, tp)`` DeviceMesh of ``cfg.tensor_parallel`` (consecutive ranks form a TP
+    group)."""
+    world = dist.get_world_size()
+    check_tensor_parallel(cfg, world)
+    shape, names = (world // cfg.tensor_parallel, cfg.tensor_parallel), ("dp", "tp")
+    return _cached_mesh(
+        cfg.device, shape, names, lambda: init_device_mesh(cfg.device, shape, mesh_dim_names=names)
+    )
+
+
 def placement_label(cfg: TrainConfig) -> str:
-    """The strategy and, for HSDP, the mesh (and the EP size): for summaries and reports."""
+    """The strategy and, for HSDP, the mesh (and the EP and TP sizes): for summaries and
+    reports."""
     ep = "" if cfg.expert_parallel is None else f", expert parallel {cfg.expert_parallel}"
+    if cfg.tensor_parallel is not None:
+        sp = " with sequence parallel" if cfg.sequence_parallel else ""
+        ep += f", tensor parallel {cfg.tensor_parallel}{sp}"
     if cfg.mesh_shape is None:
         return cfg.strategy + ep
     r, s = cfg.mesh_shape
@@ -157,7 +220,8 @@ class MixedPrecisionReference(Trainer):
     def __init__(self, model: nn.Module, cfg: TrainConfig, world_size: int = 1) -> None:
         self.params = [p for p in model.parameters()]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        super().__init__(model, make_optimizer(self.master, cfg), loss_world=1)
+        device = next(model.parameters()).device
+        super().__init__(model, make_optimizer(self.master, cfg), loss_world=1, device=device)
         # MoE capacity is per microbatch, so concatenating the ranks' batches would route
         # tokens differently: each microbatch runs them one after another.
         self.batches_per_microbatch = world_size
@@ -225,9 +289,10 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **kwargs)
 
 
-def make_graphs(model: nn.Module, cfg: TrainConfig):
+def make_graphs(model: nn.Module, cfg: TrainConfig, optimizer: torch.optim.Optimizer | None = None):
     """The CUDA graph runner ``cfg`` asks for (None for eager runs): its GraphPolicy, after the
-    TransformerEngine attention check of TE-layer models."""
+    TransformerEngine attention check of TE-layer models. The whole-step runner
+    (``cfg.cuda_graph_optimizer``) takes the ``optimizer``."""
     policy = cfg.graph_policy
     if policy.enabled and cfg.model.transformer_impl == "transformer_engine":
         # Before any step; the capture checks every TE attention call again (any model).
@@ -237,7 +302,9 @@ def make_graphs(model: nn.Module, cfg: TrainConfig):
             scopes=list(policy.scopes),
             backend=te_backend.te_attention_backend_from_env(),
         )
-    return policy.build(model, recompute=cfg.recompute)
+    return policy.build(
+        model, recompute=cfg.recompute, optimizer=optimizer, clip_grad=cfg.clip_grad
+    )
 
 
 class GPTAdapter(ModelAdapter):
@@ -247,12 +314,15 @@ class GPTAdapter(ModelAdapter):
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.reference = cfg.mode == "reference"
-        self.rank = 0
-        self.world_size = 1
+        self.data_rank, self.data_world = 0, 1
+        """This rank's place among the data-parallel ranks (the TP ranks of one share it)."""
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
-        self.rank, self.world_size = rank, world_size
+        check_tensor_parallel(cfg, world_size)
+        # The TP ranks of a data-parallel rank read the same batches ((dp, tp) mesh order).
+        tp = tensor_parallel_size(cfg)
+        self.data_rank, self.data_world = rank // tp, world_size // tp
         if cfg.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
@@ -266,28 +336,30 @@ class GPTAdapter(ModelAdapter):
         cfg = self.cfg
         model = build_for(cfg, device)
         if self.reference:
-            return MixedPrecisionReference(model, cfg, world_size)
+            return MixedPrecisionReference(model, cfg, self.data_world)
         shard_model(model, cfg)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
             ckpt.load(cfg.load_path, model, optimizer)
-        return ShardedTrainer(model, optimizer, loss_world=world_size)
+        return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
 
     def make_graphs(self, trainer: Trainer):
-        return None if self.reference else make_graphs(trainer.model, self.cfg)
+        return None if self.reference else make_graphs(trainer.model, self.cfg, trainer.optimizer)
 
     def microbatches(self, step: int, device: torch.device):
         # The reference sees every rank's microbatches as one global batch.
-        ranks = range(self.world_size) if self.reference else [self.rank]
+        ranks = range(self.data_world) if self.reference else [self.data_rank]
         for micro in range(self.cfg.grad_accum):
             yield self._batches(step * self.cfg.grad_accum + micro, ranks, device)
 
     def _batches(self, index: int, ranks, device: torch.device):
         for r in ranks:
-            yield batch_for(self.cfg, index, r, device, world_size=self.world_size)
+            yield batch_for(self.cfg, index, r, device, world_size=self.data_world)
 
     def eval_batch(self, step: int, device: torch.device):
-        return batch_for(self.cfg, step, self.rank, device, eval=True, world_size=self.world_size)
+        return batch_for(
+            self.cfg, step, self.data_rank, device, eval=True, world_size=self.data_world
+        )
 
     def checkpoint_meta(self, step: int) -> dict:
         return {"iteration": step, "model": "gpt"}

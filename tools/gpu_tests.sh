@@ -38,7 +38,7 @@ mkdir -p "$OUT"
 declare -A LIMIT=(
   [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [megatron_ep]=560
-  [megatron_ep4]=560 [bench]=400 [comm_graphs]=300 [whole_step]=420
+  [megatron_ep4]=560 [bench]=400 [comm_graphs]=300 [whole_step]=480
   [tensor_parallel]=560 [rl_offload]=560 [rl_offload_1b]=560
 )
 declare -A ARGS=(

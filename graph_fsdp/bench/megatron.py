@@ -35,6 +35,7 @@ from graph_fsdp.bench.report import code_line, memory_notes
 from graph_fsdp.bench.runner import measure_row
 from graph_fsdp.bench.verdicts import CudaCounters, create_workspaces, graph_label, graph_verdict
 from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.integrations.megatron_train import run
 
 MCORE_ROWS = ("graph_fsdp", "graph_fsdp_graphed", "megatron_fsdp")
@@ -52,9 +53,10 @@ class MCoreBenchJob:
 
 
 def plan_rows(
-    rows: list[str], impls: list[str], scope_sets: list[list[str]]
+    rows: list[str], impls: list[str], scope_sets: list[list[str]], *, optimizer: bool = False
 ) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """``(name, kind, scopes)``: kind is ``none`` (eager), a graph impl, or ``megatron_fsdp``."""
+    """``(name, kind, scopes)``: kind is ``none`` (eager), a graph impl, or ``megatron_fsdp``;
+    ``optimizer``: the full_iteration rows hold the optimizer step (--cuda-graph-optimizer)."""
     out = []
     if "graph_fsdp" in rows:
         out.append(("graph_fsdp eager", "none", ()))
@@ -64,7 +66,7 @@ def plan_rows(
                 continue
             for scopes in scope_sets:
                 row_impl = capture_impl(impl, scopes)
-                name = f"graph_fsdp {row_impl} [{' '.join(scopes) or 'layer'}]"
+                name = f"graph_fsdp {row_impl} [{scope_label(scopes, optimizer)}]"
                 if all(name != r[0] for r in out):
                     out.append((name, row_impl, tuple(scopes)))
     if "megatron_fsdp" in rows:

@@ -41,6 +41,7 @@ from graph_fsdp.bench.verdicts import (
     memory_fields,
 )
 from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.models import model_flops_per_token
 
 ROWS = (
@@ -103,7 +104,7 @@ def plan_rows(job: BenchJob) -> list[Row]:
         for impl in job.graph_impls:
             for scopes in job.scope_sets or [[]]:
                 row_impl = capture_impl(impl, scopes)
-                name = f"graph_fsdp {row_impl} [{' '.join(scopes) or 'layer'}]"
+                name = f"graph_fsdp {row_impl} [{scope_label(scopes, cfg.cuda_graph_optimizer)}]"
                 if name in planned:
                     continue
                 planned.add(name)
@@ -184,7 +185,8 @@ def row_result(row: Row, world_size: int, raw: dict) -> dict:
     gpus = row.world_size or world_size
     times = raw["times"]
     step_s = median(times)
-    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.model.seq_length * gpus
+    data_ranks = gpus // (cfg.tensor_parallel or 1)  # the TP ranks of one share its batches
+    tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.model.seq_length * data_ranks
     tokens_per_s = tokens_per_step / step_s
     return {
         "name": row.name,

@@ -10,8 +10,9 @@ the library (before a runner is built) refuse the same settings with the same wo
    (scopes.py ``check_scopes``), the verify option, full_iteration's backend;
 2. :meth:`GraphPolicy.check_config`: against the rest of the run - FSDP's buffers
    (scopes.py ``check_static_buffers``), activation recompute, steps past the warmup;
-3. :meth:`GraphPolicy.build`: the runner (``LayerwiseGraphs`` / ``FullIterationGraphs``),
-   whose ``check_capturable`` (step.py) checks the sharded model and its device.
+3. :meth:`GraphPolicy.build`: the runner (``LayerwiseGraphs`` / ``FullIterationGraphs`` /
+   the whole-step ``WholeStepGraph``), whose ``check_capturable`` (step.py) checks the
+   sharded model and its device.
 
 Family rules (a TransformerEngine attention check, Megatron-Core's MoE scopes) run before
 :meth:`build`, in the model adapter that knows the family (train.py, megatron_train.py).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from graph_fsdp.api import BufferPolicy
@@ -34,6 +36,7 @@ from graph_fsdp.capture.scopes import (
     scope_label,
 )
 from graph_fsdp.capture.step import check_verify_option
+from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
 
 
 def capture_impl(impl: str, scopes) -> str:
@@ -63,6 +66,11 @@ class GraphPolicy:
     scope_modules: dict[str, list[str]] = field(default_factory=dict)
     """Scope -> submodule paths relative to each FSDP unit (replacing a scope's presets or
     defining a new scope)."""
+    optimizer: bool = False
+    """The whole training step as one graph (whole_step.py ``WholeStepGraph``): every
+    microbatch, the reductions, clipping by the global norm, the optimizer step with an
+    Inf/NaN skip on the device and the zeroing - one replay per step. Needs full_iteration;
+    with ``impl="none"`` the same step runs eagerly (its bit-exact twin)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scopes", tuple(self.scopes))
@@ -71,6 +79,8 @@ class GraphPolicy:
                 f"cuda_graph_impl={self.impl!r}: choose one of {', '.join(GRAPH_IMPLS)} "
                 "(--cuda-graph-impl)"
             )
+        if self.optimizer:
+            self._check_whole_step()
         if not self.enabled:
             return
         check_scopes(self.scopes, scope_modules=self.scope_modules)
@@ -79,6 +89,39 @@ class GraphPolicy:
             raise GraphConfigError(
                 f"cuda_graph_scope full_iteration is captured with torch.cuda graphs, not "
                 f"cuda_graph_impl={self.impl!r}: use --cuda-graph-impl torch"
+            )
+
+    def _check_whole_step(self) -> None:
+        if self.scopes not in ((), ("full_iteration",)) or self.enabled and not self.scopes:
+            raise GraphConfigError(
+                f"--cuda-graph-optimizer (cuda_graph_optimizer=True) puts the optimizer step "
+                f"inside the full_iteration graph, but the scopes are "
+                f"{scope_label(self.scopes)}: use --cuda-graph-scope full_iteration (layerwise "
+                "graphs keep the optimizer eager), or drop --cuda-graph-optimizer"
+            )
+        if self.verify:
+            raise GraphConfigError(
+                "--cuda-graph-verify checks a forward+backward graph against its eager run; "
+                "the whole-step graph (--cuda-graph-optimizer) has no such check: drop one of them"
+            )
+
+    def check_optimizer(self, *, fused: bool, offload_fraction: float = 0.0) -> None:
+        """The optimizer the command line builds (AdamW) against the whole-step graph: its
+        update and Inf/NaN skip need ``AdamW(fused=True)`` on the device (step_optimizer.py
+        [Note: optimizers in the step graph])."""
+        if not self.optimizer:
+            return
+        if offload_fraction > 0:
+            raise GraphConfigError(
+                "--cuda-graph-optimizer captures the optimizer step on the device, but "
+                "--optimizer-cpu-offload steps part of it on the CPU, which no CUDA graph can "
+                "hold: drop one of them"
+            )
+        if not fused:
+            raise GraphConfigError(
+                "--cuda-graph-optimizer needs AdamW(fused=True): the fused kernel reads the "
+                "learning rate from the device and takes the Inf/NaN skip (found_inf); drop "
+                "--no-fused-adamw (or --cuda-graph-optimizer)"
             )
 
     @property
@@ -128,9 +171,31 @@ class GraphPolicy:
                 f"{self.warmup_steps}, or no step ever runs graphed"
             )
 
-    def build(self, model: nn.Module, *, recompute: bool = False):
+    def build(
+        self,
+        model: nn.Module,
+        *,
+        recompute: bool = False,
+        optimizer: torch.optim.Optimizer | None = None,
+        clip_grad: float = 0.0,
+    ):
         """The runner this policy asks for over the ``fully_shard``-ed ``model`` (None when
-        eager); the runner checks the model (step.py ``check_capturable``)."""
+        eager); the runner checks the model (step.py ``check_capturable``). The whole-step
+        runner (``optimizer=True``) takes the ``optimizer`` and clips to ``clip_grad`` (0:
+        off); it checks that the optimizer can run there (step_optimizer.py)."""
+        if self.optimizer:
+            if optimizer is None:
+                raise GraphConfigError(
+                    "GraphPolicy(optimizer=True) steps the optimizer inside its graph: pass "
+                    "build(..., optimizer=the model's optimizer)"
+                )
+            return WholeStepGraph(
+                model,
+                optimizer,
+                policy=StepPolicy(clip_grad=clip_grad if clip_grad > 0 else None),
+                warmup_steps=self.warmup_steps,
+                eager=not self.enabled,
+            )
         if not self.enabled:
             return None
         if self.full_iteration:

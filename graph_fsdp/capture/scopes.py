@@ -88,8 +88,11 @@ class GraphConfigError(ValueError):
     """An invalid CUDA graph configuration; the message names the option to change."""
 
 
-def scope_label(scopes: list[str] | tuple[str, ...]) -> str:
-    return " ".join(scopes) if scopes else "layer"
+def scope_label(scopes: list[str] | tuple[str, ...], optimizer: bool = False) -> str:
+    """Scopes in reports: ``layer`` for the whole layer; ``optimizer``: the full_iteration
+    graph holds the optimizer step too (``+ optimizer``, the whole-step graph)."""
+    label = " ".join(scopes) if scopes else "layer"
+    return f"{label} + optimizer" if optimizer and "full_iteration" in scopes else label
 
 
 def check_scopes(

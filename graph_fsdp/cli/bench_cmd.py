@@ -145,6 +145,29 @@ def reduction_label(cfg) -> str:
     return "fp32 gradient reduction"
 
 
+TP_ROWS = ("graph_fsdp", "graph_fsdp_graphed")
+"""The rows that run --tensor-model-parallel-size (the peers' and baselines' runners train the
+data-parallel model only)."""
+
+
+def tensor_parallel_rows(args: argparse.Namespace) -> list[str]:
+    """--rows under --tensor-model-parallel-size > 1: graph_fsdp's own rows (the default), the
+    others refused."""
+    rows = list(args.rows)
+    tp = args.tensor_model_parallel_size
+    if tp <= 1:
+        return rows
+    if rows == list(DEFAULT_ROWS):
+        return list(TP_ROWS)
+    other = [r for r in rows if r not in TP_ROWS]
+    if other:
+        raise CLIError(
+            f"--rows {' '.join(other)} with --tensor-model-parallel-size {tp}: those rows train "
+            f"the data-parallel model only; choose from {', '.join(TP_ROWS)}"
+        )
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
     if args.clip_grad:
         raise CLIError(
@@ -154,6 +177,7 @@ def main(args: argparse.Namespace) -> int:
     if args.model != "gpt":
         return mcore.bench_main(args)
     mcore.reject_mcore_only_flags(args)
+    args.rows = tensor_parallel_rows(args)
     if args.warmup_iters < 0:
         raise CLIError(f"--warmup-iters {args.warmup_iters} must be >= 0")
     scope_sets, flag = scope_sets_from(args)

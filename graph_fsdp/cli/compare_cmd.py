@@ -30,15 +30,20 @@ import os
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from graph_fsdp.api import STRATEGIES
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.verdicts import graph_verdict
 from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import scope_label
+from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
+from graph_fsdp.integrations.megatron_train import MCoreTrainConfig
+from graph_fsdp.integrations.megatron_train import run as run_mcore
 from graph_fsdp.launch import launch
+from graph_fsdp.loop import LoopConfig
 from graph_fsdp.train import TrainConfig, run
 
 
@@ -75,8 +80,16 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="REL",
         help=argparse.SUPPRESS,
     )
+    mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
     p.set_defaults(handler=main, subparser=p)
     return p
+
+
+def run_any(rank: int, world_size: int, cfg: LoopConfig) -> dict:
+    """The one training loop for either family's config."""
+    if isinstance(cfg, MCoreTrainConfig):
+        return run_mcore(rank, world_size, cfg)
+    return run(rank, world_size, cfg)
 
 
 GRAPH_REPORT_KEY = "cuda_graphs"
@@ -84,9 +97,11 @@ GRAPH_REPORT_KEY = "cuda_graphs"
 
 
 def run_label(cfg: TrainConfig) -> str:
+    whole_step = cfg.cuda_graph_optimizer
     if cfg.cuda_graph_impl == "none":
-        return f"{cfg.strategy} eager"
-    return f"{cfg.strategy} {cfg.cuda_graph_impl} [{scope_label(cfg.cuda_graph_scope)}]"
+        return f"{cfg.strategy} eager{' (whole-step API)' if whole_step else ''}"
+    label = scope_label(cfg.cuda_graph_scope, whole_step)
+    return f"{cfg.strategy} {cfg.cuda_graph_impl} [{label}]"
 
 
 def diff_runs(ref: dict, other: dict, start_step: int = 0) -> dict:
@@ -229,10 +244,10 @@ def compare_worker(
     rank: int, world_size: int, reference: TrainConfig, runs: list[TrainConfig]
 ) -> list[dict] | None:
     """Run the reference, then each compared run; rank 0 returns one verdict per run."""
-    ref = run(rank, world_size, reference)
+    ref = run_any(rank, world_size, reference)
     verdicts = []
     for cfg in runs:
-        other = run(rank, world_size, cfg)
+        other = run_any(rank, world_size, cfg)
         if rank == 0:
             verdict = diff_runs(ref, other, cfg.start_step)
             add_graph_check(verdict, other, cfg)
@@ -240,7 +255,7 @@ def compare_worker(
                 add_verification(verdict, other)
             verdicts.append(verdict)
         del other
-        if cfg.device == "cuda":
+        if torch.cuda.is_available() and dist.get_backend() == "nccl":
             torch.cuda.empty_cache()
     return verdicts if rank == 0 else None
 
@@ -253,14 +268,18 @@ def main(args: argparse.Namespace) -> int:
             "runs (CUDA), or --reference-strategy STRATEGY to compare two eager strategies "
             "(works on CPU)"
         )
-    res = resolve(
-        args,
-        graph_scope_sets=scope_sets,
-        scope_flag=flag,
-        cpu_hint="on CPU, compare two eager strategies instead: --cuda-graph-impl none "
-        "--reference-strategy no_shard",
-    )
-    base = replace(res.cfg, return_params=True)
+    if args.model == "gpt":
+        mcore.reject_mcore_only_flags(args)
+        res = resolve(
+            args,
+            graph_scope_sets=scope_sets,
+            scope_flag=flag,
+            cpu_hint="on CPU, compare two eager strategies instead: --cuda-graph-impl none "
+            "--reference-strategy no_shard",
+        )
+        plan, base = res.plan, replace(res.cfg, return_params=True)
+    else:
+        plan, base = mcore.compare_config(args, scope_sets, flag)
     reference = replace(
         base,
         strategy=args.reference_strategy or base.strategy,
@@ -277,16 +296,17 @@ def main(args: argparse.Namespace) -> int:
                 lr=lr,
                 cuda_graph_impl=capture_impl(args.cuda_graph_impl, s),
                 cuda_graph_scope=s,
-                cuda_graph_verify=True,
+                # The whole-step graph has no per-module check; its eager twin is the reference.
+                cuda_graph_verify=not args.cuda_graph_optimizer,
             )
             for s in scope_sets
         ]
-    verdicts = launch(res.plan, compare_worker, reference, runs)
+    verdicts = launch(plan, compare_worker, reference, runs)
     if verdicts is None:
         return 0
     print(
         f"graph-fsdp compare: reference {run_label(reference)}; {base.steps} steps on "
-        f"{res.plan.describe()}; deterministic algorithms {'on' if base.deterministic else 'off'}"
+        f"{plan.describe()}; deterministic algorithms {'on' if base.deterministic else 'off'}"
         + (
             f"; compared runs' lr scaled by 1+{args.inject_difference:g}"
             if args.inject_difference

@@ -45,6 +45,8 @@ from graph_fsdp.cli.options import (
     check_graph_environment,
     check_moe_flags,
     check_positive,
+    check_tensor_parallel_flags,
+    check_whole_step_flag,
     grad_accumulation,
     graph_policy,
     scope_sets_from,
@@ -199,6 +201,7 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
     if args.model == "mcore-moe" and experts is None:
         experts = 4
     if world_size is not None:
+        check_tensor_parallel_flags(args, world_size)
         check_moe_flags(args, experts, world_size)
     if args.moe_experts_impl != "megatron" and not experts:
         raise CLIError(
@@ -230,6 +233,8 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
             moe_experts_impl=args.moe_experts_impl if experts else "megatron",
             expert_model_parallel_size=args.expert_model_parallel_size,
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            sequence_parallel=args.sequence_parallel,
             transformer_impl=args.transformer_impl,
             bf16=args.bf16,
             seed=args.seed,
@@ -257,6 +262,14 @@ def moe_label(model) -> str:
     if model.expert_model_parallel_size > 1:
         parts.append(f"expert parallel {model.expert_model_parallel_size}")
     return ", ".join(parts)
+
+
+def tp_label(model) -> str:
+    """``, tensor parallel N [with sequence parallel]`` (empty at TP = 1)."""
+    if model.tensor_model_parallel_size == 1:
+        return ""
+    sp = " with sequence parallel" if model.sequence_parallel else ""
+    return f", tensor parallel {model.tensor_model_parallel_size}{sp}"
 
 
 def check_graph_set(
@@ -321,7 +334,7 @@ def base_train_config(args: argparse.Namespace, model, plan, **fields):
         model=model,
         strategy=args.data_parallel_sharding_strategy,
         micro_batch_size=args.micro_batch_size,
-        grad_accum=grad_accumulation(args, plan.world_size),
+        grad_accum=grad_accumulation(args, plan.world_size // model.tensor_model_parallel_size),
         steps=args.train_iters,
         lr=args.lr,
         weight_decay=args.weight_decay,
@@ -334,6 +347,8 @@ def base_train_config(args: argparse.Namespace, model, plan, **fields):
         cuda_graph_impl=args.cuda_graph_impl,
         cuda_graph_scope=list(args.cuda_graph_scope or []),
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
+        cuda_graph_optimizer=args.cuda_graph_optimizer,
+        fused_optimizer=args.cuda_graph_optimizer,  # the whole step's update is AdamW(fused)
         deterministic=args.deterministic,
     )
     return MCoreTrainConfig(**{**base, **fields})
@@ -361,6 +376,7 @@ def train_main(args: argparse.Namespace) -> int:
     model = mcore_config(args, plan.world_size)
     impl = args.cuda_graph_impl
     scopes = list(args.cuda_graph_scope or [])
+    check_whole_step_flag(args, impl)
     if args.cuda_graph_scope is not None and impl == "none":
         raise CLIError(
             "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
@@ -369,16 +385,17 @@ def train_main(args: argparse.Namespace) -> int:
     check_graph_set(args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters)
     reject_unwired_flags(args)
     verify = verify_option(args)
-    grad_accum = grad_accumulation(args, plan.world_size)
+    data_world = plan.world_size // model.tensor_model_parallel_size  # TP ranks share batches
+    grad_accum = grad_accumulation(args, data_world)
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
-    start, save_at, save_iteration = checkpoint_plan(args)
+    start, save_at, _ = checkpoint_plan(args)
     data_path = None
     if args.data_path:
         data_path = check_data_path(
             args,
             seq_length=model.seq_length,
             vocab_size=model.vocab_size,
-            world_size=plan.world_size,
+            world_size=data_world,
             grad_accum=grad_accum,
             start=start,
             steps=args.train_iters - start,
@@ -392,6 +409,7 @@ def train_main(args: argparse.Namespace) -> int:
         start_step=start,
         save_path=os.path.abspath(args.save) if args.save else None,
         save_at=save_at,
+        save_on_interrupt=args.save_on_interrupt,
         load_path=os.path.abspath(args.load) if args.load else None,
         data_path=data_path,
         optimizer_offload_fraction=(
@@ -403,17 +421,17 @@ def train_main(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
         open(args.log_json, "w").close()  # overwritten, like the reference model's log
         cfg = replace(cfg, log_path=os.path.abspath(args.log_json))
-    out = launch(plan, _worker, cfg, args.model, save_iteration)
+    out = launch(plan, _worker, cfg, args.model)
     if out is not None:
-        print(_summary(args, cfg, plan, out, save_iteration))
+        print(_summary(args, cfg, plan, out))
     return 0
 
 
-def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
+def _summary(args, cfg, plan, out: dict) -> str:
     peak = out.get("peak_memory_bytes")
     lines = [
         f"graph-fsdp train --model {args.model}: {len(out['losses'])} steps on {plan.describe()}; "
-        f"{cfg.strategy}, {graphs_label(cfg)}; {moe_label(cfg.model)}",
+        f"{cfg.strategy}, {graphs_label(cfg)}; {moe_label(cfg.model)}{tp_label(cfg.model)}",
         f"  final loss {out['losses'][-1]:.6f} | median step {median(out['times']) * 1e3:.2f} ms"
         f" | peak memory {f'{peak / 2**30:.2f} GiB' if peak else 'n/a (cpu)'}",
         *input_lines(cfg),
@@ -421,18 +439,46 @@ def _summary(args, cfg, plan, out: dict, save_iteration: int | None) -> str:
     ]
     if cfg.load_path:
         lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
-    if cfg.save_path:
-        lines.append(f"  checkpoint: {args.save} (iteration {save_iteration})")
+    if out.get("stopped_at") is not None:
+        lines.append(f"  stopped after iteration {out['stopped_at']} (a stop signal)")
+    if out.get("saved_at") is not None:
+        lines.append(f"  checkpoint: {args.save} (iteration {out['saved_at']})")
+    elif cfg.save_path:
+        lines.append(f"  checkpoint: none written by this run ({args.save})")
     return "\n".join(lines)
 
 
-def _worker(rank: int, world_size: int, cfg, model: str, save_iteration: int | None) -> dict | None:
+def _worker(rank: int, world_size: int, cfg, model: str) -> dict | None:
     result = run(rank, world_size, cfg)
     if rank != 0:
         return None
-    if cfg.save_path and save_iteration is not None:
-        write_checkpoint_meta(cfg.save_path, save_iteration, model)
+    # The iteration the loop saved at: the scheduled one, or where a stop signal ended the
+    # run (--save-on-interrupt).
+    if result.get("saved_at") is not None:
+        write_checkpoint_meta(cfg.save_path, result["saved_at"], model)
     return result
+
+
+def compare_config(args: argparse.Namespace, scope_sets: list[list[str]], flag: str):
+    """``compare --model mcore-*``: the launch plan and the base MCoreTrainConfig of the
+    compared runs (every graphed scope set checked as ``train`` checks its one)."""
+    check_positive(args, "train_iters", "micro_batch_size")
+    plan = resolve_plan(args.device, args.nproc)
+    model = mcore_config(args, plan.world_size)
+    reject_unwired_flags(args)
+    impl = args.cuda_graph_impl
+    check_whole_step_flag(args, impl)
+    if impl != "none" and args.use_megatron_schedule:
+        raise CLIError(
+            "compare verifies each graphed run's first graphed step in graph_fsdp's loop; "
+            "Megatron's schedule runs its own: drop --use-megatron-schedule (or compare eager "
+            "strategies with --cuda-graph-impl none --reference-strategy STRATEGY)"
+        )
+    for scopes in scope_sets if impl != "none" else []:
+        row_impl = capture_impl(impl, scopes)
+        check_graph_set(args, model, row_impl, scopes, flag=flag, steps=args.train_iters)
+    check_mcore_environment(args, model, impl, plan)
+    return plan, base_train_config(args, model, plan, return_params=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,13 +497,20 @@ def _bench_impls(args: argparse.Namespace) -> list[str]:
 
 
 def _bench_rows(args: argparse.Namespace) -> list[str]:
+    tp = args.tensor_model_parallel_size
     if list(args.rows) == list(DEFAULT_ROWS):  # not given: every row this model has
-        return list(MCORE_ROWS)
+        # megatron_fsdp compares data-parallel runs (build_sharded refuses TP for it)
+        return [r for r in MCORE_ROWS if tp == 1 or r != "megatron_fsdp"]
     other = [r for r in args.rows if r not in MCORE_ROWS]
     if other:
         raise CLIError(
             f"--rows {' '.join(other)}: not available for --model {args.model} (they run "
             f"graph_fsdp's own GPT); choose from {', '.join(MCORE_ROWS)}"
+        )
+    if tp > 1 and "megatron_fsdp" in args.rows:
+        raise CLIError(
+            f"--rows megatron_fsdp compares data-parallel runs, not --tensor-model-parallel-size "
+            f"{tp}: drop megatron_fsdp from --rows"
         )
     return list(args.rows)
 
@@ -472,6 +525,7 @@ def build_bench_job(args: argparse.Namespace):
     reject_unwired_flags(args)
     scope_sets, flag = scope_sets_from(args)
     impls, rows = _bench_impls(args), _bench_rows(args)
+    check_whole_step_flag(args, impls[0] if len(impls) == 1 else "torch")
     graphed = "graph_fsdp_graphed" in rows and any(i != "none" for i in impls)
     if scope_sets and not graphed:
         raise CLIError(
@@ -500,13 +554,15 @@ def build_bench_job(args: argparse.Namespace):
         cuda_graph_scope=[],
     )
     job = MCoreBenchJob(
-        base=base, warmup=args.warmup_iters, rows=plan_rows(rows, impls, scope_sets or [[]])
+        base=base,
+        warmup=args.warmup_iters,
+        rows=plan_rows(rows, impls, scope_sets or [[]], optimizer=args.cuda_graph_optimizer),
     )
     moe = moe_label(model)
     setup = (
         f"Megatron-Core GPTModel ({model.transformer_impl} spec): {model.num_layers} layers, "
         f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
-        f"{model.seq_length}, vocab {model.vocab_size}, {moe}. Per GPU: micro batch "
+        f"{model.seq_length}, vocab {model.vocab_size}, {moe}{tp_label(model)}. Per GPU: micro batch "
         f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
         f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
         f"allocator {base.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"

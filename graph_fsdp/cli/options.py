@@ -31,6 +31,7 @@ from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.launch import LaunchPlan
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.models.tp_plans import check_gpt_plan
 from graph_fsdp.train import TrainConfig
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -215,6 +216,22 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "instances). Needs --num-distributed-optimizer-instances > 1.",
     )
     g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Tensor parallelism over groups of N consecutive ranks (dense models), each TP "
+        "rank's pieces sharded over the data-parallel group (world / N ranks). graph_fsdp's "
+        "GPT: torch DTensor TP (parallelize_gpt); Megatron-Core: Megatron's TP. N must divide "
+        "the ranks, the heads and the MLP size (and the vocabulary for Megatron-Core).",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="With --tensor-model-parallel-size > 1: the activations between the TP blocks "
+        "split over the sequence (N must divide --seq-length).",
+    )
+    g.add_argument(
         "--fsdp-buffer",
         choices=BUFFER_ALLOCATORS,
         default=None,
@@ -269,6 +286,17 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         "with no value): the whole layer. moe_preprocess requires moe_router; "
         "full_iteration stands alone (forward+backward of the whole model in one graph per "
         "microbatch, FSDP collectives inside; torch impl, static buffers).",
+    )
+    g.add_argument(
+        "--cuda-graph-optimizer",
+        "--optimizer-cuda-graph",
+        dest="cuda_graph_optimizer",
+        action="store_true",
+        help="With --cuda-graph-scope full_iteration: the whole training step in one graph - "
+        "every microbatch, the reductions, --clip-grad by the global norm, the fused AdamW "
+        "step with an Inf/NaN skip decided on the device, the zeroing: one replay per step "
+        "(Megatron's --optimizer-cuda-graph spelling works too). The learning rate lives on "
+        "the device; eager rows of bench/compare run the same step without graphs.",
     )
     g.add_argument(
         "--cuda-graph-warmup-steps",
@@ -347,6 +375,45 @@ def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def check_divides_ranks(flag: str, value: int, world_size: int, why: str) -> None:
+    """``flag value`` must divide the number of ranks (``why``: what the quotient is)."""
+    if world_size % value:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise CLIError(
+            f"{flag} {value} does not divide the {world_size} ranks (the {why}); use one of "
+            f"{', '.join(map(str, divisors))}"
+        )
+
+
+def check_tensor_parallel_flags(args: argparse.Namespace, world_size: int) -> int:
+    """--tensor-model-parallel-size / --sequence-parallel against the ranks and the other
+    parallelisms (every model family); returns the data-parallel size (ranks / TP)."""
+    tp = args.tensor_model_parallel_size
+    if tp < 1:
+        raise CLIError(f"--tensor-model-parallel-size {tp} must be >= 1 (1: no tensor parallelism)")
+    if args.sequence_parallel and tp == 1:
+        raise CLIError(
+            "--sequence-parallel splits the sequence over the tensor-parallel group, but "
+            "--tensor-model-parallel-size is 1: add --tensor-model-parallel-size N (N > 1) or "
+            "drop --sequence-parallel"
+        )
+    check_divides_ranks(
+        "--tensor-model-parallel-size", tp, world_size, "data-parallel size is ranks / TP"
+    )
+    if tp > 1:
+        for flag, value in (
+            ("--num-distributed-optimizer-instances", args.num_distributed_optimizer_instances),
+            ("--expert-model-parallel-size", args.expert_model_parallel_size),
+        ):
+            if value != 1:
+                raise CLIError(
+                    f"--tensor-model-parallel-size {tp} with {flag} {value}: a 3-D mesh (TP with "
+                    "HSDP or with expert parallelism) is not wired on the command line; drop one "
+                    "of them (HSDP + TP: the library API, docs/tensor_parallel.md)"
+                )
+    return world_size // tp
+
+
 def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_size: int) -> None:
     """The MoE flags every model family shares (Megatron's spellings): the capacity, drop-
     padding and expert parallelism against the experts and the number of ranks."""
@@ -379,13 +446,9 @@ def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_siz
         )
     if ep < 1:
         raise CLIError(f"--expert-model-parallel-size {ep} must be >= 1 (1: no expert parallelism)")
-    if world_size % ep:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise CLIError(
-            f"--expert-model-parallel-size {ep} does not divide the {world_size} ranks (the "
-            f"expert-data-parallel size is ranks / EP); use one of "
-            f"{', '.join(map(str, divisors))}"
-        )
+    check_divides_ranks(
+        "--expert-model-parallel-size", ep, world_size, "expert-data-parallel size is ranks / EP"
+    )
     if num_experts is not None and num_experts % ep:
         raise CLIError(
             f"--expert-model-parallel-size {ep} does not divide --num-experts {num_experts}: "
@@ -580,17 +643,41 @@ def graph_policy(
     scopes: list[str],
     scope_modules: dict[str, list[str]] | None = None,
 ) -> GraphPolicy:
-    """The GraphPolicy of one graphed run of the flags (its own rules raise as CLIError)."""
+    """The GraphPolicy of one graphed run of the flags (its own rules raise as CLIError),
+    with the optimizer the command builds checked against it."""
     try:
-        return GraphPolicy(
+        policy = GraphPolicy(
             impl=impl,
             scopes=tuple(scopes),
             warmup_steps=args.cuda_graph_warmup_steps,
             comm_graphs=getattr(args, "cuda_graph_comm", True),
             scope_modules=scope_modules or {},
+            # train's --cuda-graph-verify, for the rules only (train_options.verify_option
+            # gives the run its value)
+            verify=bool(getattr(args, "cuda_graph_verify", None)),
+            optimizer=args.cuda_graph_optimizer,
+        )
+        policy.check_optimizer(
+            fused=getattr(args, "fused_adamw", True),  # train/compare: fused with the flag
+            offload_fraction=(
+                args.optimizer_offload_fraction
+                if getattr(args, "optimizer_cpu_offload", False)
+                else 0.0
+            ),
         )
     except GraphConfigError as err:
         raise CLIError(str(err)) from err
+    return policy
+
+
+def check_whole_step_flag(args: argparse.Namespace, impl: str) -> None:
+    """--cuda-graph-optimizer extends a full_iteration graph: refused without graphs."""
+    if args.cuda_graph_optimizer and impl == "none":
+        raise CLIError(
+            "--cuda-graph-optimizer puts the optimizer step inside the full_iteration graph, "
+            "but --cuda-graph-impl is none: add --cuda-graph-impl torch --cuda-graph-scope "
+            "full_iteration"
+        )
 
 
 def buffer_policy_of(args: argparse.Namespace) -> BufferPolicy:
@@ -690,7 +777,12 @@ class Resolved:
     def tokens_per_step(self) -> int:
         """Tokens of one optimizer step over all ranks."""
         c = self.cfg
-        return c.micro_batch_size * c.grad_accum * c.model.seq_length * self.plan.world_size
+        return c.micro_batch_size * c.grad_accum * c.model.seq_length * self.data_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different batches (the TP ranks of one read the same)."""
+        return self.plan.world_size // (self.cfg.tensor_parallel or 1)
 
 
 def check_fp32_accumulation(args: argparse.Namespace, mesh_shape) -> bool:
@@ -745,9 +837,16 @@ def resolve(
         raise CLIError(f"--eval-interval {args.eval_interval} must be >= 0 (0: never)")
     if args.cuda_graph_warmup_steps < 0:
         raise CLIError(f"--cuda-graph-warmup-steps {args.cuda_graph_warmup_steps} must be >= 0")
+    dp_size = check_tensor_parallel_flags(args, plan.world_size)
     check_moe_flags(args, args.num_experts, plan.world_size)
     model = model_config(args)
-    grad_accum = grad_accumulation(args, plan.world_size)
+    tp = args.tensor_model_parallel_size
+    if tp > 1:
+        try:
+            check_gpt_plan(model, tp, sequence_parallel=args.sequence_parallel)
+        except ValueError as err:
+            raise CLIError(f"--tensor-model-parallel-size {tp}: {err}") from err
+    grad_accum = grad_accumulation(args, dp_size)
     mesh_shape, optim_over_replicas = hsdp_mesh(args, plan.world_size)
     allocator = allocator_of(args)
     impl = args.cuda_graph_impl
@@ -760,6 +859,7 @@ def resolve(
             f"{scope_flag} is given but --cuda-graph-impl is none, so nothing would be captured: "
             f"add --cuda-graph-impl te (or torch), or drop {scope_flag}"
         )
+    check_whole_step_flag(args, impl)
     scope_modules = scope_modules_of(args)
     if scope_modules and impl == "none":
         raise CLIError(
@@ -793,6 +893,8 @@ def resolve(
         expert_parallel=args.expert_model_parallel_size
         if args.expert_model_parallel_size > 1
         else None,
+        tensor_parallel=tp if tp > 1 else None,
+        sequence_parallel=args.sequence_parallel,
         micro_batch_size=args.micro_batch_size,
         grad_accum=grad_accum,
         steps=args.train_iters,
@@ -814,5 +916,7 @@ def resolve(
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         cuda_graph_scope_modules=scope_modules,
         cuda_graph_comm=args.cuda_graph_comm,
+        cuda_graph_optimizer=args.cuda_graph_optimizer,
+        fused_optimizer=args.cuda_graph_optimizer,  # the whole step's update is AdamW(fused)
     )
     return Resolved(plan=plan, cfg=cfg)

@@ -256,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
             args,
             seq_length=cfg.model.seq_length,
             vocab_size=cfg.model.vocab_size,
-            world_size=res.plan.world_size,
+            world_size=res.data_parallel_size,
             grad_accum=cfg.grad_accum,
             start=start,
             steps=cfg.steps,

@@ -16,6 +16,7 @@ import os
 import sys
 
 from graph_fsdp import checkpoint
+from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import check_optimizer_args, check_positive
 from graph_fsdp.cli.paths import check_output_file, check_save_dir
@@ -112,11 +113,6 @@ def check_train_only_flags(args: argparse.Namespace) -> None:
             "--save-on-interrupt (--exit-signal-handler) saves to --save DIR when a signal "
             "stops the run: add --save DIR"
         )
-    if args.save_on_interrupt and args.model != "gpt":
-        raise CLIError(
-            f"--save-on-interrupt (--exit-signal-handler) is not wired for --model {args.model} "
-            "(its ranks stop when signalled, without saving): drop it"
-        )
     if args.log_json:
         check_output_file("--log-json", args.log_json)
 
@@ -212,9 +208,10 @@ def verification_lines(result: dict) -> list[str]:
 
 def graphs_label(cfg) -> str:
     """How a run's steps execute, for summaries: ``eager`` or ``<impl> graphs [<scopes>]``."""
+    whole_step = cfg.cuda_graph_optimizer
     if cfg.cuda_graph_impl == "none":
-        return "eager"
-    return f"{cfg.cuda_graph_impl} graphs [{' '.join(cfg.cuda_graph_scope) or 'layer'}]"
+        return "eager (whole-step API)" if whole_step else "eager"
+    return f"{cfg.cuda_graph_impl} graphs [{scope_label(cfg.cuda_graph_scope, whole_step)}]"
 
 
 def input_lines(cfg) -> list[str]:

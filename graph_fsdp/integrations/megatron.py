@@ -370,15 +370,23 @@ def make_graphs(
     return build_graphs(lm, cfg, policy)
 
 
-def build_graphs(lm: MCoreLM, cfg: MCoreGPTConfig, policy: GraphPolicy):
+def build_graphs(
+    lm: MCoreLM,
+    cfg: MCoreGPTConfig,
+    policy: GraphPolicy,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    clip_grad: float = 0.0,
+):
     """``policy``'s runner over a sharded Megatron-Core GPT (None: eager), after the rules of
     Megatron-Core models: the scopes this model can capture, TE attention under capture, and
-    ``MoELayer.preprocess`` made a module for the moe_preprocess scope."""
+    ``MoELayer.preprocess`` made a module for the moe_preprocess scope. The whole-step runner
+    (``policy.optimizer``) steps ``optimizer`` and clips to ``clip_grad``."""
     if not policy.enabled:
-        return None
+        return policy.build(lm, optimizer=optimizer, clip_grad=clip_grad)
     scopes = check_mcore_scopes(cfg, policy.scopes)
     check_mcore_attention_capture(cfg, policy.impl, scopes)
     if "moe_preprocess" in scopes:
         install_moe_preprocess(lm)
     # The scopes resolve through graph_fsdp's presets (SCOPE_PRESETS' Megatron-Core entries).
-    return policy.build(lm)
+    return policy.build(lm, optimizer=optimizer, clip_grad=clip_grad)

@@ -241,13 +241,19 @@ class MCoreAdapter(ModelAdapter):
         if cfg.model.is_moe and not cfg.use_megatron_schedule:  # the schedule sets it itself
             _set_moe_aux_loss_scale(cfg, device)
         if cfg.engine == "megatron_fsdp":
-            return MegatronFSDPTrainer(lm, opt, loss_world=world_size)
-        return ShardedTrainer(lm, opt, loss_world=world_size)
+            return MegatronFSDPTrainer(lm, opt, loss_world=world_size, device=device)
+        return ShardedTrainer(lm, opt, loss_world=world_size, device=device)
 
     def make_graphs(self, trainer: Trainer):
         if self.cfg.engine != "graph_fsdp":
             return None
-        return gm.build_graphs(trainer.model, self.cfg.model, self.cfg.graph_policy)
+        return gm.build_graphs(
+            trainer.model,
+            self.cfg.model,
+            self.cfg.graph_policy,
+            optimizer=trainer.optimizer,
+            clip_grad=self.cfg.clip_grad,
+        )
 
     def microbatches(self, step: int, device: torch.device):
         cfg = self.cfg

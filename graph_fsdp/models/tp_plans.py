@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graph_fsdp.models.gpt import GPTModel
+from graph_fsdp.models.gpt import GPTConfig, GPTModel
 
 
 def _styles():
@@ -46,14 +46,10 @@ def _check_divides(what: str, sizes: dict[str, int], tp: int, fix: str) -> None:
         )
 
 
-def parallelize_gpt(model: GPTModel, tp_mesh, *, sequence_parallel: bool = True) -> GPTModel:
-    """Tensor parallelism over the 1-D ``tp_mesh`` for graph_fsdp's dense reference GPT
-    (``transformer_impl='local'``): its parameters become DTensors. Before ``fully_shard``."""
-    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
-
-    Replicate, Shard, Colwise, Rowwise, Sequence, _ = _styles()
-    cfg = model.config
-    tp = tp_mesh.size()
+def check_gpt_plan(cfg: GPTConfig, tp: int, *, sequence_parallel: bool) -> None:
+    """What :func:`parallelize_gpt` needs of the model's shape (the command line checks it
+    before launch): the dense torch layers, and a TP size dividing the heads, the MLP and
+    (sequence parallel) the sequence."""
     if cfg.num_experts is not None or cfg.transformer_impl != "local":
         raise ValueError(
             "parallelize_gpt: the plan covers the dense torch layers (GPTConfig.num_experts=None, "
@@ -70,6 +66,16 @@ def parallelize_gpt(model: GPTModel, tp_mesh, *, sequence_parallel: bool = True)
         tp,
         "pick a TP size that divides them",
     )
+
+
+def parallelize_gpt(model: GPTModel, tp_mesh, *, sequence_parallel: bool = True) -> GPTModel:
+    """Tensor parallelism over the 1-D ``tp_mesh`` for graph_fsdp's dense reference GPT
+    (``transformer_impl='local'``): its parameters become DTensors. Before ``fully_shard``."""
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
+
+    Replicate, Shard, Colwise, Rowwise, Sequence, _ = _styles()
+    cfg = model.config
+    check_gpt_plan(cfg, tp_mesh.size(), sequence_parallel=sequence_parallel)
     between = Shard(1) if sequence_parallel else Replicate()  # activations between blocks
     norm = Sequence() if sequence_parallel else None
     top = {

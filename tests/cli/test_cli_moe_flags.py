@@ -88,7 +88,32 @@ PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capa
             + ["--scopes", "moe_router moe_preprocess"],
             ["moe_preprocess graphs the preprocess", "drop-padding"],
         ),
+        (
+            ["compare", *MCORE_MOE, "--cuda-graph-impl", "torch", *STATIC, "--scopes", "moe"],
+            ["moe: MoE layers with Megatron's dropless", "grouped_mm", "drop-padding"],
+        ),
+        (
+            ["compare", *MCORE_MOE, "--cuda-graph-impl", "torch", *STATIC, *PADDED]
+            + ["--scopes", "moe", "--use-megatron-schedule"],
+            ["drop --use-megatron-schedule"],
+        ),
+        (
+            [
+                "compare",
+                *TINY,
+                "--reference-strategy",
+                "no_shard",
+                "--moe-experts-impl",
+                "grouped_mm",
+            ],
+            ["Megatron-Core model flags, but --model is gpt"],
+        ),
         # Allowed by every rule above: what remains is the environment (no CUDA here).
+        (
+            ["compare", *MCORE_MOE, "--cuda-graph-impl", "torch", *STATIC, *PADDED]
+            + ["--scopes", "", "--scopes", "moe", "--scopes", "full_iteration"],
+            ["needs CUDA"],
+        ),
         (
             ["train", *MCORE_MOE, "--cuda-graph-impl", "torch", *STATIC, *PADDED],
             ["needs CUDA"],

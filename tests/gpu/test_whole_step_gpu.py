@@ -224,6 +224,43 @@ def test_whole_step_graph_is_bit_identical_to_eager_on_two_ranks():
     _check_exact(results, variants)
 
 
+def _loop_worker(rank: int, world: int) -> dict:
+    """The training loop (train.run) with --cuda-graph-optimizer: graphed whole steps against
+    the same loop's eager whole steps (cuda_graph_impl "none"), 4 microbatches, clipping."""
+    from graph_fsdp.train import run
+
+    base = dataclasses.replace(
+        _exact_cfg(4),
+        steps=12,
+        clip_grad=0.5,
+        eval_interval=5,
+        cuda_graph_optimizer=True,
+        cuda_graph_scope=["full_iteration"],
+        cuda_graph_warmup_steps=WARMUP,
+        deterministic=True,
+        fused_optimizer=True,
+    )
+    eager = run(rank, world, base)
+    graphed = run(rank, world, dataclasses.replace(base, cuda_graph_impl="torch"))
+    return {"eager": eager, "graphed": graphed}
+
+
+def test_training_loop_whole_step_is_bit_identical_to_its_eager_twin():
+    """``graph-fsdp train --cuda-graph-scope full_iteration --cuda-graph-optimizer`` runs the
+    loop through WholeStepGraph: every graphed step one replay, losses, eval losses and final
+    weights equal to the eager whole steps bit for bit."""
+    for out in spawn(_loop_worker, WORLD, backend="nccl"):
+        eager, graphed = out["eager"], out["graphed"]
+        report = graphed["cuda_graphs"]
+        assert report["whole_step"] and report["impl"] == "torch", report
+        assert report["captures"] == 1 and report["replays"] == 12 - WARMUP, report
+        assert eager["cuda_graphs"]["replays"] == 0
+        assert graphed["losses"] == eager["losses"]
+        assert graphed["eval_losses"] == eager["eval_losses"]
+        for name, value in eager["params"].items():
+            assert torch.equal(graphed["params"][name], value), name
+
+
 # --------------------------------------------------------------------------------------------
 # Timing: one launch, rows side by side
 # --------------------------------------------------------------------------------------------

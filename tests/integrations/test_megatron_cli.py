@@ -149,8 +149,8 @@ def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> No
     path = token_file(tmp_path, np.arange(100 * 16 + 1) % 128)
     seen = {}
 
-    def fake_launch(plan, fn, cfg, model, save_iteration):
-        seen.update(plan=plan, fn=fn, cfg=cfg, model=model, save_iteration=save_iteration)
+    def fake_launch(plan, fn, cfg, model):
+        seen.update(plan=plan, fn=fn, cfg=cfg, model=model)
         return None  # as on a rank > 0: nothing to print
 
     monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
@@ -158,9 +158,10 @@ def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> No
     argv = [*MCORE, *SHAPE, "--train-iters", "8", "--load", str(ckpt), "--save"]
     argv += [str(tmp_path / "out"), "--save-interval", "4", "--data-path", path]
     argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"]
-    assert main(argv) == 0
+    assert main([*argv, "--save-on-interrupt"]) == 0
     cfg = seen["cfg"]
-    assert (cfg.start_step, cfg.steps, cfg.save_at, seen["save_iteration"]) == (3, 5, 5, 8)
+    assert (cfg.start_step, cfg.steps, cfg.save_at) == (3, 5, 5)  # saves at iteration 8
+    assert cfg.save_on_interrupt  # the loop saves where a stop signal ends the run
     assert cfg.load_path == str(ckpt) and cfg.save_path == str(tmp_path / "out")
     assert cfg.data_path == path and cfg.optimizer_offload_fraction == 0.25
     assert seen["model"] == "mcore-gpt" and seen["fn"] is megatron_cli._worker
@@ -190,7 +191,7 @@ def test_cuda_graph_verify_reaches_the_run_and_its_summary(monkeypatch, capsys, 
     seen = {}
     summary = "layerwise step (microbatch 0), scopes [attn]: graphed != eager: ..."
 
-    def fake_launch(plan, fn, cfg, model, save_iteration):
+    def fake_launch(plan, fn, cfg, model):
         seen["cfg"] = cfg
         report = {"verification": [{"summary": summary}]} if cfg.cuda_graph_verify else {}
         return {"losses": [1.0], "times": [0.1], "cuda_graphs": report}

@@ -1,0 +1,150 @@
+"""HuggingFace decoders (graph_fsdp.models.hf) under the training loop (graph_fsdp.loop)::
+
+    cfg = HFTrainConfig(family="qwen2", steps=10, grad_accum=2, clip_grad=1.0)
+    result = run(rank, world_size, cfg)         # under graph_fsdp.launch.spawn or torchrun
+
+``fully_shard`` per decoder layer, then the root; ``mode="reference"`` trains the unsharded
+model on the global batch through the loop's mixed-precision reference placement (the one
+graph_fsdp's GPT uses). The loss is HuggingFace's own causal-LM loss (``labels`` = the input
+ids, shifted inside the model); the batches are synthetic token ids addressed by (seed, step,
+rank), so every run reads the same data.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from graph_fsdp import checkpoint as ckpt
+from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fully_shard import fully_shard
+from graph_fsdp.loop import LoopConfig, ModelAdapter, ShardedTrainer, Trainer, run_loop
+from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
+from graph_fsdp.train import MixedPrecisionReference, make_optimizer
+
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0}
+"""Config fields some families default to a dropout with (GPT-2, GPTBigCode, OPT): off, so
+that sharded and reference runs compute the same function."""
+
+
+@dataclass(kw_only=True)
+class HFTrainConfig(LoopConfig):
+    """A HuggingFace decoder family at a given size under the loop (random init, no
+    download); the loop's fields are :class:`~graph_fsdp.loop.LoopConfig`'s."""
+
+    family: str = "llama"
+    """A key of graph_fsdp.models.hf.HF_DECODERS."""
+    vocab_size: int = 128
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    seq_length: int = 16
+    seed: int = 1234
+    """Seed of the weights and the synthetic batches."""
+    model_kwargs: dict = field(default_factory=lambda: dict(NO_DROPOUT))
+    """Further config fields of the family (dropout off by default)."""
+    mode: str = "fsdp"
+    """fsdp: graph_fsdp; reference: the unsharded model on the global batch."""
+    device: str = "cpu"
+    """cpu or cuda."""
+
+    @property
+    def recompute(self) -> bool:
+        """Activation recompute is not wired for HuggingFace decoders (make_optimizer reads
+        it to refuse optimizer offload with recompute)."""
+        return False
+
+
+class CausalLM(nn.Module):
+    """The decoder as the loop calls models: ``loss = model(input_ids, labels)``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+class HFAdapter(ModelAdapter):
+    """A HuggingFace decoder under the loop: sharded per decoder layer, or the reference."""
+
+    def __init__(self, cfg: HFTrainConfig) -> None:
+        self.cfg = cfg
+        self.reference = cfg.mode == "reference"
+        self.rank, self.world_size = 0, 1
+
+    def setup(self, rank: int, world_size: int) -> torch.device:
+        cfg = self.cfg
+        self.rank, self.world_size = rank, world_size
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        if cfg.device == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.reset_peak_memory_stats(device)
+            return device
+        return torch.device("cpu")
+
+    def build(self, device: torch.device, world_size: int) -> Trainer:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        lm = hf_decoder(
+            cfg.family,
+            vocab=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            layers=cfg.num_layers,
+            heads=cfg.num_attention_heads,
+            seq=cfg.seq_length,
+            **cfg.model_kwargs,
+        ).to(device)
+        model = CausalLM(lm)
+        if self.reference:
+            return MixedPrecisionReference(model, cfg, world_size)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
+        bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
+        placement = dict(strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+        for layer in hf_decoder_layers(lm):
+            fully_shard(layer, **placement)
+        fully_shard(model, **placement)
+        optimizer = make_optimizer(model.parameters(), cfg)
+        if cfg.load_path:
+            ckpt.load(cfg.load_path, model, optimizer)
+        return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
+
+    def make_graphs(self, trainer: Trainer):
+        if self.reference:
+            return None
+        return self.cfg.graph_policy.build(
+            trainer.model, optimizer=trainer.optimizer, clip_grad=self.cfg.clip_grad
+        )
+
+    def microbatches(self, step: int, device: torch.device):
+        ranks = range(self.world_size) if self.reference else [self.rank]
+        accum = self.cfg.grad_accum
+        return [[self._batch(step * accum + m, r, device) for r in ranks] for m in range(accum)]
+
+    def eval_batch(self, step: int, device: torch.device):
+        return self._batch(step, self.rank, device, eval=True)
+
+    def _batch(self, index: int, rank: int, device: torch.device, *, eval: bool = False):
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(
+            (cfg.seed * 1_000_003 + index * 7919 + rank * 104729 + (1 << 20 if eval else 0)) % 2**63
+        )
+        ids = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=g)
+        ids = ids.to(device)
+        return ids, ids  # HuggingFace shifts the labels inside its loss
+
+    def checkpoint_meta(self, step: int) -> dict:
+        return {"iteration": step, "model": f"hf-{self.cfg.family}"}
+
+
+def run(rank: int, world_size: int, cfg: HFTrainConfig) -> dict:
+    """Train ``cfg`` on this rank (graph_fsdp.loop.run_loop over :class:`HFAdapter`)."""
+    return run_loop(HFAdapter(cfg), rank, world_size)
