@@ -108,8 +108,9 @@ class CaseResults(Mapping):
         problems = []
         for rank, outcomes in enumerate(self._groups[label]):
             if label not in outcomes:
-                failed = next(k for k, (status, _) in outcomes.items() if status == "error")
-                problems.append(f"rank {rank} did not run it: case {failed!r} failed before it")
+                failed = [k for k, (status, _) in outcomes.items() if status == "error"]
+                why = f"case {failed[0]!r} failed before it" if failed else "no failure reported"
+                problems.append(f"rank {rank} did not run it: {why}")
             elif outcomes[label][0] == "error":
                 problems.append(f"rank {rank} failed:\n{outcomes[label][1]}")
         if problems:

@@ -15,7 +15,7 @@ from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.checkpoint import CheckpointError
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import spawn_cases
+from graph_fsdp.testing import CaseResults, spawn_cases
 from graph_fsdp.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -195,3 +195,13 @@ def test_spawn_cases_runs_every_case_in_one_group_and_reports_each():
         results["after"]
     with pytest.raises(KeyError, match="no case 'missing'"):
         results["missing"]
+
+
+def test_case_results_of_two_groups_join_and_keep_their_world_sizes():
+    one = CaseResults({"solo": ()}, [{"solo": ("ok", 1)}])
+    two = CaseResults({"pair": (), "late": ()}, [{"pair": ("ok", 2)}, {"pair": ("ok", 3)}])
+    both = one | two
+    assert list(both) == ["solo", "pair", "late"] and len(both) == 3
+    assert both["solo"] == [1] and both["pair"] == [2, 3]
+    with pytest.raises(AssertionError, match="rank 0 did not run it: no failure reported"):
+        both["late"]
