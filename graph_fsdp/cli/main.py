@@ -23,6 +23,7 @@ import sys
 import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.options import apply_megatron_graph_spellings
 from graph_fsdp.supervision import VERBOSE_ENV, Interrupted, RankFailure
 
 
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # read by the launcher (graph_fsdp/supervision.py)
     try:
+        apply_megatron_graph_spellings(args)
         return args.handler(args)
     except CLIError as err:
         print(f"graph-fsdp {args.command}: error: {err}", file=sys.stderr)

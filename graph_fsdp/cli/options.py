@@ -272,10 +272,21 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("CUDA graphs")
     g.add_argument(
         "--cuda-graph-impl",
-        choices=GRAPH_IMPLS,
+        choices=(*GRAPH_IMPLS, *MEGATRON_IMPLS),
         default="none",
         help="none: eager; te: TransformerEngine make_graphed_callables; "
-        "torch: pure-PyTorch capture. CUDA only.",
+        "torch: pure-PyTorch capture. CUDA only. Megatron-Core 0.19's spellings work too: "
+        "transformer_engine (te), local (torch), full_iteration (torch with "
+        "--cuda-graph-scope full_iteration).",
+    )
+    g.add_argument(
+        "--cuda-graph-modules",
+        nargs="*",
+        default=None,
+        metavar="MODULE",
+        help="Megatron-Core 0.19's spelling of the per-layer scopes: any of "
+        f"{', '.join(s for s in SCOPES if s != 'full_iteration')}; none, or full: the whole "
+        "layer. Instead of --cuda-graph-scope, not with it.",
     )
     g.add_argument(
         "--cuda-graph-scope",
@@ -322,6 +333,45 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         "that scope's presets or defining a new scope, e.g. attn=self_attn "
         "mlp=mlp,feed_forward.",
     )
+
+
+MEGATRON_IMPLS = {"transformer_engine": "te", "local": "torch", "full_iteration": "torch"}
+"""Megatron-Core 0.19's ``cuda_graph_impl`` values -> ours (Megatron's ``local`` is its own
+per-layer capture in PyTorch; here the torch backend captures those layers)."""
+
+
+def apply_megatron_graph_spellings(args: argparse.Namespace) -> None:
+    """Map Megatron-Core 0.19's ``--cuda-graph-impl {transformer_engine,local,full_iteration}``
+    and ``--cuda-graph-modules`` onto ``--cuda-graph-impl``/``--cuda-graph-scope`` in place;
+    a contradiction between the two spellings is a CLIError naming both flags."""
+    impl = getattr(args, "cuda_graph_impl", None)
+    modules = getattr(args, "cuda_graph_modules", None)
+    if impl is None:
+        return
+    if modules is not None:
+        if args.cuda_graph_scope is not None:
+            raise CLIError(
+                f"--cuda-graph-modules {' '.join(modules)} and --cuda-graph-scope "
+                f"{' '.join(args.cuda_graph_scope)} both name what to capture: give one of them"
+            )
+        if "full_iteration" in modules:
+            raise CLIError(
+                "--cuda-graph-modules full_iteration: Megatron-Core spells the whole-iteration "
+                "graph --cuda-graph-impl full_iteration (or use --cuda-graph-scope full_iteration)"
+            )
+        args.cuda_graph_scope = [] if modules in ([], ["full"]) else list(modules)
+    if impl == "full_iteration":
+        scope = args.cuda_graph_scope
+        if scope not in (None, ["full_iteration"]):
+            flag = "--cuda-graph-modules" if modules is not None else "--cuda-graph-scope"
+            raise CLIError(
+                f"--cuda-graph-impl full_iteration captures the whole iteration, so "
+                f"{flag} {' '.join(modules if modules is not None else scope) or '(empty)'} "
+                "has no place beside it: drop it, or use --cuda-graph-impl te|torch for "
+                "per-layer graphs"
+            )
+        args.cuda_graph_scope = ["full_iteration"]
+    args.cuda_graph_impl = MEGATRON_IMPLS.get(impl, impl)
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
