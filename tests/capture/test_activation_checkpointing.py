@@ -1,7 +1,7 @@
 """Layerwise graphs refuse modules that run under activation checkpointing
 (``torch.utils.checkpoint``, HuggingFace ``gradient_checkpointing_enable()``): the recompute in
 backward would run eagerly what the forward replayed. Checked with the real LayerwiseGraphs and
-CUDA faked as in tools/host_overhead.py; the GPU test (tests/gpu/test_third_party_gpu.py) runs
+CUDA faked as in tools/host_overhead.py; the GPU test (tests/core/test_third_party_gpu.py) runs
 a checkpointed HuggingFace Llama."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ runs ``pre_forward`` and ``post_forward`` too. Here a real ``LayerwiseGraphs`` i
 dispatchers on a CPU model (built with the checks an eager runner makes: CPU cannot
 capture), each unit is put in the state its capture leaves it in, and every call takes the
 dispatcher's eager side, which must train exactly like the hooks, with the same order of
-handlers. The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py).
+handlers. The replay side needs a GPU (tests/capture/test_cuda_graphs_gpu.py).
 """
 
 from __future__ import annotations

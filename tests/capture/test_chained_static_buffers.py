@@ -1,7 +1,7 @@
 """Which static buffers the torch backend chains ([Note: chained static buffers],
 capture/torch_backend.py): a callable's recorded input that *was* the previous callable's output
 (same address, shape, stride, dtype) is read in place; anything else keeps its own buffer.
-The replay side needs a GPU (tests/gpu/test_cuda_graphs_gpu.py, bit-exact with eager)."""
+The replay side needs a GPU (tests/capture/test_cuda_graphs_gpu.py, bit-exact with eager)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ What is tested is ours: which calls go through a graph, the keys (a moved buffer
 capture, a group whose buffers keep moving stops being captured), that the Python side
 effects happen outside the captured function, and that training with every gather and
 reduction replayed stays bit-identical to eager. Real CUDA graphs of the same calls replay
-in tests/gpu/test_comm_graphs_gpu.py (and inside every layerwise run on 2 GPUs).
+in tests/capture/test_comm_graphs_gpu.py (and inside every layerwise run on 2 GPUs).
 """
 
 from __future__ import annotations

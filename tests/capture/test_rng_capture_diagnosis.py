@@ -1,7 +1,7 @@
 """A capture that fails on a random-number generator's state is reported with its fix
 (diagnosis.py [Note: Megatron's RNG tracker under capture]), not the generic
 host-synchronization cause. CPU unit tests of the diagnosis; the capture itself fails on a
-GPU: tests/gpu/test_safe_defaults_gpu.py."""
+GPU: tests/capture/test_safe_defaults_gpu.py."""
 
 from __future__ import annotations
 

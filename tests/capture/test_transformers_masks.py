@@ -3,7 +3,7 @@
 What a CUDA graph capture changes for transformers is the answer of
 ``torch.cuda.is_current_stream_capturing()``; here it is forced to True around a CPU forward
 (a stand-in for a capture: the real one, bit-exact on a GPU, is
-tests/gpu/test_safe_defaults_gpu.py). Checked: without :func:`eager_mask_decisions` the
+tests/capture/test_safe_defaults_gpu.py). Checked: without :func:`eager_mask_decisions` the
 decoder layers get a materialised 4-D mask where eager gets none; with it they get exactly
 eager's mask and the loss is bit-identical, and the forward reads no tensor value on the host
 (which a real capture could not); a mask the model builds itself (OPT) keeps the capture's

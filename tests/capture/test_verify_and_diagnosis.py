@@ -147,7 +147,7 @@ class _Replays:
     """Stands in for a runner's counters around an eager "graphed" run on CPU (no graphs
     exist there): ``graphed(fn)`` counts one replay per call, as a replayed step would;
     ``graph_calls`` is what the runners hand ``verify_step``. The GPU tests verify real
-    replays (tests/gpu/test_capture_safety_gpu.py)."""
+    replays (tests/capture/test_capture_safety_gpu.py)."""
 
     def __init__(self) -> None:
         self.replays = self.fallbacks = 0

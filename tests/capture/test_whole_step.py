@@ -1,6 +1,6 @@
 """The whole-step runner's eager path (``WholeStepGraph(..., eager=True)``) on gloo, 2 ranks.
 
-The eager step is the graphed step's reference (tests/gpu/test_whole_step_gpu.py proves the
+The eager step is the graphed step's reference (tests/capture/test_whole_step_gpu.py proves the
 replay equal to it); here it must equal the usual loop bit for bit - forward+backward per
 microbatch, ``torch.nn.utils.clip_grad_norm_``, ``optimizer.step()``, ``zero_grad``, an LR
 scheduler - including a step whose gradients are made non-finite on one rank only: the

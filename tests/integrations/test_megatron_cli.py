@@ -1,7 +1,7 @@
 """``graph-fsdp train --model mcore-*``: --save / --load / --data-path / offload flags (CPU).
 
 Every rule here runs before a process starts, so it is testable without megatron-core (which
-needs Python >= 3.12); the GPU round trip is tests/gpu/test_megatron_gpu.py's
+needs Python >= 3.12); the GPU round trip is tests/integrations/test_megatron_gpu.py's
 ``test_cli_mcore_save_load_data_path``.
 """
 

@@ -1,6 +1,6 @@
 """Megatron integration on CPU: the import guard, config validation (Megatron-Bridge rules),
 Megatron-Core scope rules and the CLI's --model / Bridge flags. Pure logic: no megatron-core
-needed (it needs Python >= 3.12; the GPU tests in tests/gpu/test_megatron_gpu.py run it)."""
+needed (it needs Python >= 3.12; the GPU tests in tests/integrations/test_megatron_gpu.py run it)."""
 
 from __future__ import annotations
 

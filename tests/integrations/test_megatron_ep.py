@@ -5,7 +5,7 @@ layouts shard_gpt marks, and the per-global-expert weight draws of build_gpt - o
 trees with Megatron's attribute names (SequentialMLP's ``local_experts.<i>``, TE
 GroupedLinear's ``weight<i>``, graph_fsdp's stacked experts), the draws across real gloo EP
 groups. The Megatron-Core model itself: test_megatron_ep_gloo.py (needs megatron-core) and
-tests/gpu/test_megatron_ep_gpu.py.
+tests/integrations/test_megatron_ep_gpu.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ megatron-core does not import here (it needs Python >= 3.12), so these tests run
 integration's own logic on a small module tree with Megatron-Core's attribute names
 (TransformerLayer: ``self_attention``, ``mlp``; MoELayer: ``router``, ``experts``,
 ``token_dispatcher``, a ``preprocess`` *method*). The real model is covered by
-tests/gpu/test_megatron_gpu.py.
+tests/integrations/test_megatron_gpu.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Megatron's CPU gaps are bridged in the spawned processes only (:func:`_megatron_
 sequence-parallel collectives and attention allocate on ``torch.cuda.current_device()`` (made
 the CPU), its attention forks the CUDA RNG tracker (a no-op: dropout is 0), and its local spec's
 torch norms refuse sequence parallelism (an RMSNorm that marks its weight ``sequence_parallel``,
-as Megatron's fused and TE norms do). The GPU tests (tests/gpu/test_megatron_tp_gpu.py) run the
+as Megatron's fused and TE norms do). The GPU tests (tests/core/test_tensor_parallel_gpu.py) run the
 TE spec unpatched.
 """
 

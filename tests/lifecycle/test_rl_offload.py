@@ -5,7 +5,7 @@ a test backend that does what releasing physical memory does to contents: it ove
 tensor of a released region (NaN) and again on restore (garbage). A run that offloads and
 onloads through it must train bit-identically to one that never offloads - which fails if
 anything reads released memory, or relies on contents offload does not keep. The real backend
-(torch-memory-saver) runs in tests/gpu/test_rl_offload_gpu.py.
+(torch-memory-saver) runs in tests/lifecycle/test_rl_offload_gpu.py.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ weights (every expert, under its global name) - and must have replayed with no e
 fallback. ``test_checkpoints_between_ep_sizes_on_gpus`` (2 GPUs) saves at EP = 2 and loads at
 EP = 1 (and back): the weights bit for bit; training goes on within bf16 rounding.
 
-    python -m pytest -q -s -m gpu tests/gpu/test_megatron_ep_gpu.py -k world1     # 1 GPU
-    python -m pytest -q -s -m gpu tests/gpu/test_megatron_ep_gpu.py -k "world2 or between"
-    python -m pytest -q -s -m gpu tests/gpu/test_megatron_ep_gpu.py -k world4     # 4 GPUs
+    python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k world1     # 1 GPU
+    python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k "world2 or between"
+    python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k world4     # 4 GPUs
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Per model family, one spawn trains (20 steps, eval every 5, bf16, deterministic)
 - a graphed run saved at step 10 (graph_fsdp.checkpoint) and resumed: steps 10..19 identical;
 - megatron_fsdp eager on the same model and seed: losses within bf16 tolerance.
 The MoE test prints one JSON line (MCORE_MOE_TIMING) with eager vs graphed median step time
-and peak memory per scope. Run: python -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py
+and peak memory per scope. Run: python -m pytest -q -s -m gpu tests/integrations/test_megatron_gpu.py
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ def test_cli_torch_graphs_of_cudnn_attention_at_seq_64_are_refused() -> None:
 # MoE experts inside the graphs (docs/megatron_moe.md): graph_fsdp's dropless grouped_mm
 # experts (device token counts) and Megatron's drop-padding, each with the whole layer, moe
 # and full_iteration; bit-identical to eager in losses, eval losses and the final checkpoint.
-# Run: GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/gpu/test_megatron_gpu.py -k moe
+# Run: GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/integrations/test_megatron_gpu.py -k moe
 # --------------------------------------------------------------------------------------------
 
 AUX = 1e-2

@@ -10,14 +10,14 @@ pass every 5 steps):
   loss, eval loss and final global weight bit-identical to eager; each graphed run captured
   once, replayed, never fell back to eager, and its verification step reports graphed ==
   eager. The Llama runs pass a ready 4-D causal mask (HuggingFace builds its mask another way
-  under capture: tests/gpu/test_third_party_gpu.py).
+  under capture: tests/core/test_third_party_gpu.py).
 - Megatron: eager, TE whole-layer and ``attn`` graphs, torch ``full_iteration``, and a graphed
   run saved at step 10 and resumed: bit-identical losses and eval losses.
 - Step time (GPT, DP x TP on every GPU, one microbatch): graph_fsdp eager, layerwise and
   full_iteration against torch FSDP2 + TP eager and with its forward+backward captured in one
   graph on the same mesh; one JSON line ``TP_TIMING`` (medians), not asserted beyond sanity.
 
-Run: python -m pytest -q -s -m gpu tests/gpu/test_tensor_parallel_gpu.py
+Run: python -m pytest -q -s -m gpu tests/core/test_tensor_parallel_gpu.py
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 - ``graph-fsdp profile`` with graphs and default flags runs (its --warmup-iters default
   covers the graph warmup).
 
-Run: python -m pytest -q -s -m gpu tests/gpu/test_safe_defaults_gpu.py
+Run: python -m pytest -q -s -m gpu tests/capture/test_safe_defaults_gpu.py
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ graph), 20 steps with an eval pass every 5: every loss, eval loss and final para
 equal eager bit for bit. One spawn per layout; a layout needing more GPUs than the host has
 skips.
 
-    python -m pytest -q -m gpu tests/gpu/test_expert_parallel_gpu.py            # 1, 2, 4 GPUs
-    python -m pytest -q -m gpu tests/gpu/test_expert_parallel_gpu.py -k "ep1"   # one GPU
+    python -m pytest -q -m gpu tests/core/test_expert_parallel_gpu.py            # 1, 2, 4 GPUs
+    python -m pytest -q -m gpu tests/core/test_expert_parallel_gpu.py -k "ep1"   # one GPU
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ batch 1, bf16 compute, fp32 main weights, fused AdamW everywhere), each row's ow
 allocated and reserved memory (bench/verdicts.py [Note: a row's own peak]), printed as JSON
 lines (run pytest with ``-s``); the targets are printed, not asserted.
 
-    GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/gpu/test_whole_step_gpu.py
+    GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_whole_step_gpu.py
 """
 
 from __future__ import annotations

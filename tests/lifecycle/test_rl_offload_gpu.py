@@ -1,8 +1,8 @@
 """RL offload on GPUs: examples/rl_loop.py (graphed training -> offload -> weight export into an
 inference copy that decodes on the freed memory -> onload) in a subprocess per variant.
 
-    python -m pytest -q -s -m gpu tests/gpu/test_rl_offload_gpu.py            # ~4 min, 1 GPU
-    python -m pytest -q -s -m gpu tests/gpu/test_rl_offload_gpu.py -k 1b      # the 1B measurement
+    python -m pytest -q -s -m gpu tests/lifecycle/test_rl_offload_gpu.py            # ~4 min, 1 GPU
+    python -m pytest -q -s -m gpu tests/lifecycle/test_rl_offload_gpu.py -k 1b      # the 1B measurement
 
 With torch-memory-saver installed the address-keeping variants run under its preload library
 (``LD_PRELOAD``, set here from the installed package), 10 RL iterations each, layerwise and

@@ -3,10 +3,10 @@ graphs (bit-identical replay after recapture, bytes freed per call), and the ste
 of optimizer CPU offload on the reference GPT. Results are printed as JSON lines
 (``pytest -s``).
 
-    python -m pytest -q -s -m gpu tests/gpu/test_lifecycle_gpu.py
+    python -m pytest -q -s -m gpu tests/lifecycle/test_lifecycle_gpu.py
 
 This file is also the user script the shutdown test runs in a fresh interpreter:
-``python tests/gpu/test_lifecycle_gpu.py shutdown full_iteration|layerwise``.
+``python tests/lifecycle/test_lifecycle_gpu.py shutdown full_iteration|layerwise``.
 """
 
 from __future__ import annotations
