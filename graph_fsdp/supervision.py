@@ -74,7 +74,7 @@ class RankFailure(RuntimeError):
     """A spawned rank failed; the message is one line: the rank, its exception, the log."""
 
 
-class Interrupted(Exception):  # noqa: N818 - an outcome, not an error of the program
+class Interrupted(Exception):
     """A stop signal ended the command; ``result`` is rank 0's (partial) result when the ranks
     stopped at a step boundary, None when they had to be killed."""
 

@@ -230,7 +230,7 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- checkpoints
 def _read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint, whole (read by this rank alone)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # noqa: PLC0415
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     sd = {
@@ -327,7 +327,7 @@ def _sharded_gpt(meta: bool = False) -> nn.Module:
 def _init_paths() -> dict:
     """The global weights reached through meta-device init, ``iter_full_params`` and
     ``load_state_dict`` of a plain model's (global) state dict."""
-    from graph_fsdp import iter_full_params  # noqa: PLC0415
+    from graph_fsdp import iter_full_params
 
     plain = build_model(GPT).state_dict()
     loaded = _sharded_gpt()
@@ -473,7 +473,7 @@ def _error(fn) -> str:
 
 
 def _errors() -> dict[str, str]:
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
@@ -525,7 +525,7 @@ def test_errors_name_the_fix(results, case, words):
 def test_flat_boxes_and_runs_cover_a_range_once():
     """The checkpoint decomposition (tensor_parallel.flat_boxes / box_runs) on every range
     of a 3-D tensor: boxes in order, contiguous, their runs the range's elements."""
-    from graph_fsdp.tensor_parallel import box_runs, flat_boxes  # noqa: PLC0415
+    from graph_fsdp.tensor_parallel import box_runs, flat_boxes
 
     shape = (3, 4, 5)
     index = torch.arange(60).view(shape)
@@ -546,8 +546,8 @@ def test_flat_boxes_and_runs_cover_a_range_once():
 
 
 def _dtensor_addresses(rank: int, world: int) -> dict:
-    from graph_fsdp.capture.torch_backend import CallSignature  # noqa: PLC0415
-    from graph_fsdp.tensor_parallel import data_address  # noqa: PLC0415
+    from graph_fsdp.capture.torch_backend import CallSignature
+    from graph_fsdp.tensor_parallel import data_address
 
     mesh = init_device_mesh("cpu", (world,))
     a, b = (DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]) for _ in range(2))

@@ -43,13 +43,13 @@ SHAPES = {2: [(1, 2)], 4: [(2, 2)]}
 
 
 def _mesh(dp: int, tp: int):
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
 def _gpt_config(big: bool = False):
-    from graph_fsdp.models import GPTConfig  # noqa: PLC0415
+    from graph_fsdp.models import GPTConfig
 
     if big:
         return GPTConfig(
@@ -61,14 +61,14 @@ def _gpt_config(big: bool = False):
 
 
 def _dtensor_model(name: str, mesh, device: torch.device, big: bool = False):
-    from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
-    from graph_fsdp.models import (  # noqa: PLC0415
+    from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
+    from graph_fsdp.models import (
         build_model,
         parallelize_gpt,
         parallelize_hf_decoder,
         sharding_units,
     )
-    from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers  # noqa: PLC0415
+    from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
 
     if name == "gpt":
         model = build_model(_gpt_config(big), device=device)
@@ -96,7 +96,7 @@ def _batch(step: int, micro: int, dp_rank: int, device: torch.device, vocab: int
 
 
 def _runner(model, mode: str):
-    from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs  # noqa: PLC0415
+    from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs
 
     if mode == "eager":
         return FullIterationGraphs(model, eager=True, warmup_steps=1)
@@ -106,7 +106,7 @@ def _runner(model, mode: str):
 
 
 def _dtensor_train(name: str, dp: int, tp: int, mode: str) -> dict:
-    from graph_fsdp.checkpoint import full_state_dict  # noqa: PLC0415
+    from graph_fsdp.checkpoint import full_state_dict
 
     device = torch.device("cuda", torch.cuda.current_device())
     mesh = _mesh(dp, tp)
@@ -197,8 +197,8 @@ def test_dtensor_tp_graphed_bit_identical_to_eager(world, name):
 # ----------------------------------------------------------------------------- Megatron
 def _megatron_missing() -> str | None:
     try:
-        import megatron.core  # noqa: F401, PLC0415
-        import transformer_engine.pytorch  # noqa: F401, PLC0415
+        import megatron.core  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
     except Exception as err:  # noqa: BLE001 - any import failure means the stack is missing
         return f"megatron-core or TransformerEngine does not import ({err})"
     return None
@@ -212,8 +212,8 @@ MCORE_VARIANTS = {
 
 
 def _mcore_all(rank: int, world: int, tp: int) -> dict:
-    from graph_fsdp.integrations.megatron import MCoreGPTConfig  # noqa: PLC0415
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run  # noqa: PLC0415
+    from graph_fsdp.integrations.megatron import MCoreGPTConfig
+    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
 
     model = MCoreGPTConfig(
         num_layers=4,
@@ -268,9 +268,9 @@ def test_megatron_tp_sp_graphed_bit_identical_to_eager(world):
 # ----------------------------------------------------------------------------- step time
 def _fsdp2_tp(mesh, device: torch.device):
     """torch FSDP2 over mesh['dp'] after the same TP plan: torchtitan's order."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from graph_fsdp.models import build_model, parallelize_gpt, sharding_units  # noqa: PLC0415
+    from graph_fsdp.models import build_model, parallelize_gpt, sharding_units
 
     model = build_model(_gpt_config(big=True), device=device)
     parallelize_gpt(model, mesh["tp"])

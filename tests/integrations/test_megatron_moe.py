@@ -24,9 +24,9 @@ try:
 except ImportError as err:  # megatron-core does not import here
     pytest.skip(f"megatron-core does not import ({err})", allow_module_level=True)
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 E, TOPK, H, FFN = 4, 2, 32, 64
 

@@ -84,7 +84,7 @@ def test_config_refuses_shapes_tp_cannot_split(fields, words):
 # ----------------------------------------------------------------------------- the spawn
 def _megatron_on_cpu() -> None:
     """See the module docstring (spawned processes only)."""
-    import megatron.core.tensor_parallel.random as mr  # noqa: PLC0415
+    import megatron.core.tensor_parallel.random as mr
 
     torch.cuda.current_device = lambda: "cpu"
 
@@ -105,16 +105,16 @@ class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 def _build(cfg: gm.MCoreGPTConfig) -> gm.MCoreLM:
     """``gm.build_gpt`` with the CPU norm in the local spec."""
-    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
-    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_submodules,
     )
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker  # noqa: PLC0415
-    from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: PLC0415
-    from megatron.core.transformer.transformer_block import (  # noqa: PLC0415
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
     )
-    from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     sub = get_gpt_layer_local_submodules()
     sub.input_layernorm = sub.pre_mlp_layernorm = _SequenceParallelRMSNorm
@@ -136,7 +136,7 @@ def _build(cfg: gm.MCoreGPTConfig) -> gm.MCoreLM:
 
 
 def _state(tp: int) -> None:
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
@@ -150,14 +150,14 @@ def _batch(step: int, micro: int, cfg: gm.MCoreGPTConfig):
 
 
 def _dp_rank() -> tuple[int, int]:
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
 
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
 def _global(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The reference's global weights: TP pieces all-gathered along their partition dim."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
     out = {}
@@ -174,9 +174,9 @@ def _global(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _reference(cfg: gm.MCoreGPTConfig, clip: float) -> dict:
     """Megatron at TP 2 alone: the global batch's microbatches in turn, Megatron's order of
     reductions (DP sum, then the TP sum of sequence-parallel gradients)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps
 
-    from graph_fsdp.integrations import megatron_tp  # noqa: PLC0415
+    from graph_fsdp.integrations import megatron_tp
 
     lm = _build(cfg)
     tp_group = ps.get_tensor_model_parallel_group()
@@ -215,7 +215,7 @@ def _reference(cfg: gm.MCoreGPTConfig, clip: float) -> dict:
 
 
 def _graph_fsdp(cfg: gm.MCoreGPTConfig, clip: float, save: str | None = None) -> dict:
-    from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
+    from graph_fsdp import checkpoint as ckpt
 
     lm = gm.shard_gpt(_build(cfg))
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
@@ -240,7 +240,7 @@ def _graph_fsdp(cfg: gm.MCoreGPTConfig, clip: float, save: str | None = None) ->
 
 
 def _load(cfg: gm.MCoreGPTConfig, path: str) -> dict[str, torch.Tensor]:
-    from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
+    from graph_fsdp import checkpoint as ckpt
 
     lm = gm.shard_gpt(_build(cfg))
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
@@ -278,7 +278,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     tp1 = gm.MCoreGPTConfig(**TP_CFG)
     out["tp1 first"] = _first_losses(tp1)
     out["tp2 -> tp1"] = _load(tp1, os.path.join(root, "tp2"))
-    from graph_fsdp import checkpoint as ckpt  # noqa: PLC0415
+    from graph_fsdp import checkpoint as ckpt
 
     lm = gm.shard_gpt(_build(tp1))
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
