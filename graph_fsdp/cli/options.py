@@ -359,6 +359,17 @@ def apply_megatron_graph_spellings(args: argparse.Namespace) -> None:
                 "--cuda-graph-modules full_iteration: Megatron-Core spells the whole-iteration "
                 "graph --cuda-graph-impl full_iteration (or use --cuda-graph-scope full_iteration)"
             )
+        own = {
+            item.split("=", 1)[0] for item in getattr(args, "cuda_graph_scope_modules", None) or []
+        }
+        known = [s for s in SCOPES if s != "full_iteration"] + sorted(own)
+        unknown = [] if modules == ["full"] else [m for m in modules if m not in known]
+        if unknown:
+            raise CLIError(
+                f"--cuda-graph-modules {' '.join(unknown)}: not a module Megatron-Core or "
+                f"graph_fsdp captures per layer; use any of {', '.join(known)} (full, or no "
+                "value: the whole layer)"
+            )
         args.cuda_graph_scope = [] if modules in ([], ["full"]) else list(modules)
     if impl == "full_iteration":
         scope = args.cuda_graph_scope

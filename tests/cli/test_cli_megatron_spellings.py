@@ -79,9 +79,15 @@ def test_the_command_line_refuses_a_contradiction_in_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("graph-fsdp train: error: --cuda-graph-impl")
 
 
-def test_an_unknown_module_is_refused_by_the_scope_rules(capsys):
-    """``--cuda-graph-modules`` values go through the same scope check as ``--cuda-graph-scope``."""
+def test_an_unknown_module_is_refused_naming_the_flag_used(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["train", "--cuda-graph-impl", "local", "--cuda-graph-modules", "attention"])
     assert stop.value.code == 2
-    assert "attention" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--cuda-graph-modules attention" in err and "attn" in err, err
+
+
+def test_modules_of_ones_own_scopes_are_accepted():
+    """A scope defined with --cuda-graph-scope-modules is a module name too."""
+    flags = ["--cuda-graph-impl", "te", "--cuda-graph-scope-modules", "norms=self_attention.norm"]
+    assert _mapped(*flags, "--cuda-graph-modules", "norms") == ("te", ["norms"])
