@@ -546,17 +546,29 @@ def test_flat_boxes_and_runs_cover_a_range_once():
 
 
 def _dtensor_addresses(rank: int, world: int) -> dict:
-    from graph_fsdp.capture.torch_backend import CallSignature
+    from types import SimpleNamespace
+
+    from graph_fsdp.capture.torch_backend import CallSignature, _Replay
     from graph_fsdp.tensor_parallel import data_address
 
     mesh = init_device_mesh("cpu", (world,))
     a, b = (DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]) for _ in range(2))
     sig = CallSignature((a,), {})
+    # The replay's input copy, driven for real with a graph whose replay reads the static
+    # input (what a CUDA graph's kernels would read): a new DTensor input must reach it.
+    static = DTensor.from_local(torch.zeros(4, 3), mesh, [Shard(0)])
+    seen = []
+    graph = SimpleNamespace(replay=lambda: seen.append(static.to_local().clone()))
+    cap = SimpleNamespace(
+        static_inputs=[static], fwd_graph=graph, static_outputs=[torch.zeros(1)], out_nondiff=()
+    )
+    _Replay.apply(cap, a)
     return {
         "address": (data_address(a), data_address(b)),
         "local": (a.to_local().data_ptr(), b.to_local().data_ptr()),
         "plain": data_address(a.to_local()) == a.to_local().data_ptr(),
         "recorded": sig.sample_ptrs[0] == a.to_local().data_ptr(),
+        "replayed_on_new_input": torch.equal(seen[0], a.to_local()),
     }
 
 
@@ -567,4 +579,4 @@ def test_graphed_inputs_of_dtensors_are_told_apart_by_their_local_bytes():
     code compares ``tensor_parallel.data_address``: the local tensor's bytes."""
     res = spawn(_dtensor_addresses, 1)[0]
     assert res["address"] == res["local"] and res["address"][0] != res["address"][1]
-    assert res["plain"] and res["recorded"]
+    assert res["plain"] and res["recorded"] and res["replayed_on_new_input"]
