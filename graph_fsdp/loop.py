@@ -22,6 +22,7 @@ What differs between families lives in two small objects:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -127,6 +128,15 @@ class LoopConfig:
         )
 
 
+def use_deterministic_kernels(*, warn_only: bool = False) -> None:
+    """``LoopConfig.deterministic``: ``torch.use_deterministic_algorithms(True)`` for the whole
+    process, with the cuBLAS workspace and TransformerEngine settings it needs
+    (``warn_only``: ops without a deterministic kernel warn instead of failing)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+
+
 class Trainer:
     """Where the weights live and how a step updates them; this base is graph_fsdp's
     placement (:class:`ShardedTrainer`) without its gradient-sync switch."""
@@ -218,6 +228,8 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
     reports, peak memory (and the full parameters with ``return_params``)."""
     cfg = adapter.cfg
     device = adapter.setup(rank, world_size)
+    if device.type == "cuda":  # the peaks reported are this run's (runs share a process)
+        torch.cuda.reset_peak_memory_stats(device)
     trainer = adapter.build(device, world_size)
     graphs = adapter.make_graphs(trainer)
     schedule = adapter.schedule(trainer)

@@ -9,7 +9,6 @@ full parameters.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +23,14 @@ from graph_fsdp.capture import te_backend
 from graph_fsdp.data import batch_for
 from graph_fsdp.experts import init_expert_mesh
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.loop import LoopConfig, ModelAdapter, ShardedTrainer, Trainer, run_loop
+from graph_fsdp.loop import (
+    LoopConfig,
+    ModelAdapter,
+    ShardedTrainer,
+    Trainer,
+    run_loop,
+    use_deterministic_kernels,
+)
 from graph_fsdp.models import (
     GPTConfig,
     build_model,
@@ -236,8 +242,7 @@ class MixedPrecisionReference(Trainer):
         torch.nn.utils.clip_grad_norm_(self.master, max_norm)
 
     def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        super().optimizer_step()
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.master)
         for p in self.params:
@@ -324,13 +329,8 @@ class GPTAdapter(ModelAdapter):
         tp = tensor_parallel_size(cfg)
         self.data_rank, self.data_world = rank // tp, world_size // tp
         if cfg.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-            torch.use_deterministic_algorithms(True)
-        device = device_of(cfg)
-        if device.type == "cuda":  # the peaks reported are this run's (runs share a process)
-            torch.cuda.reset_peak_memory_stats(device)
-        return device
+            use_deterministic_kernels()
+        return device_of(cfg)
 
     def build(self, device: torch.device, world_size: int) -> Trainer:
         cfg = self.cfg

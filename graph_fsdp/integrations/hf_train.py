@@ -12,7 +12,6 @@ rank), so every run reads the same data.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +20,14 @@ from torch import nn
 from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.loop import LoopConfig, ModelAdapter, ShardedTrainer, Trainer, run_loop
+from graph_fsdp.loop import (
+    LoopConfig,
+    ModelAdapter,
+    ShardedTrainer,
+    Trainer,
+    run_loop,
+    use_deterministic_kernels,
+)
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
 from graph_fsdp.train import MixedPrecisionReference, make_optimizer
 
@@ -82,12 +88,9 @@ class HFAdapter(ModelAdapter):
         cfg = self.cfg
         self.rank, self.world_size = rank, world_size
         if cfg.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
+            use_deterministic_kernels()
         if cfg.device == "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.reset_peak_memory_stats(device)
-            return device
+            return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def build(self, device: torch.device, world_size: int) -> Trainer:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +29,14 @@ from graph_fsdp.data import batch_for
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations import megatron_tp
 from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
-from graph_fsdp.loop import LoopConfig, ModelAdapter, ShardedTrainer, Trainer, run_loop
+from graph_fsdp.loop import (
+    LoopConfig,
+    ModelAdapter,
+    ShardedTrainer,
+    Trainer,
+    run_loop,
+    use_deterministic_kernels,
+)
 from graph_fsdp.train import make_optimizer
 
 
@@ -80,11 +86,9 @@ def batch(
 
 def _setup(cfg: MCoreTrainConfig) -> torch.device:
     if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         # warn_only: Megatron's unfused MoE permutation has ops without a deterministic CUDA
         # kernel; they warn instead of failing (eager and graphed runs use the same kernels).
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        use_deterministic_kernels(warn_only=True)
     gm.init_parallel_state(
         expert_model_parallel_size=cfg.model.expert_model_parallel_size,
         tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
@@ -228,8 +232,7 @@ class MCoreAdapter(ModelAdapter):
             # A previous run in this process (tests run several) leaves a model and graphs in
             # reference cycles: collect them so this run's peak memory is its own.
             gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.empty_cache()  # run_loop resets the peaks next
             self.start_bytes = torch.cuda.memory_allocated(device)
         # The TP ranks of a data-parallel rank read the same batches (megatron_tp.py).
         self.data_rank, self.data_world = megatron_tp.data_parallel_rank(rank, world_size)
