@@ -31,6 +31,20 @@ def needs_gpus(world: int | None = None):
     )
 
 
+def megatron_stack_missing() -> str | None:
+    """Why the Megatron-Core GPU tests cannot run here (TransformerEngine or megatron-core does
+    not import), or None."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401, PLC0415 (optional dependency)
+    except Exception as err:  # noqa: BLE001 - any import failure means no TE
+        return f"TransformerEngine does not import ({err})"
+    try:
+        import megatron.core  # noqa: F401, PLC0415 (optional dependency)
+    except Exception as err:  # noqa: BLE001 - any import failure means no megatron-core
+        return f"megatron-core does not import ({err})"
+    return None
+
+
 def cli_error(capsys, *argv: str) -> str:
     """The message ``graph-fsdp argv`` stops with (a CLIError: exit code 2), on one line.
 

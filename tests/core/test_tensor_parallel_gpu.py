@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.launch import spawn
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.testing import megatron_stack_missing, needs_gpus
 
 pytestmark = [pytest.mark.gpu]
 
@@ -195,15 +195,6 @@ def test_dtensor_tp_graphed_bit_identical_to_eager(world, name):
 
 
 # ----------------------------------------------------------------------------- Megatron
-def _megatron_missing() -> str | None:
-    try:
-        import megatron.core  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - any import failure means the stack is missing
-        return f"megatron-core or TransformerEngine does not import ({err})"
-    return None
-
-
 MCORE_VARIANTS = {
     "te layer": ("te", []),
     "te attn": ("te", ["attn"]),
@@ -247,7 +238,7 @@ def _mcore_all(rank: int, world: int, tp: int) -> dict:
 def test_megatron_tp_sp_graphed_bit_identical_to_eager(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
-    missing = _megatron_missing()
+    missing = megatron_stack_missing()
     if missing:
         pytest.skip(missing)
     res = spawn(_mcore_all, world, 2, backend="nccl", timeout=1500)[0]

@@ -37,23 +37,12 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.testing import megatron_stack_missing
 
 pytestmark = pytest.mark.gpu
 
 
-def _missing() -> str | None:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - any import failure means no TE
-        return f"TransformerEngine does not import ({err})"
-    try:
-        import megatron.core  # noqa: F401
-    except Exception as err:  # noqa: BLE001
-        return f"megatron-core does not import ({err})"
-    return None
-
-
-MISSING = _missing() if torch.cuda.is_available() else None
+MISSING = megatron_stack_missing() if torch.cuda.is_available() else None
 if MISSING:
     pytestmark = [pytestmark, pytest.mark.skip(reason=MISSING)]
 

@@ -26,7 +26,7 @@ import torch
 
 from graph_fsdp.launch import spawn
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.testing import megatron_stack_missing, needs_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,19 +34,7 @@ pytestmark = [
 ]
 
 
-def _missing() -> str | None:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - any import failure means no TE
-        return f"TransformerEngine does not import ({err})"
-    try:
-        import megatron.core  # noqa: F401
-    except Exception as err:  # noqa: BLE001
-        return f"megatron-core does not import ({err})"
-    return None
-
-
-MISSING = _missing() if torch.cuda.device_count() >= 2 else None
+MISSING = megatron_stack_missing() if torch.cuda.device_count() >= 2 else None
 if MISSING:
     pytestmark.append(pytest.mark.skip(reason=MISSING))
 
