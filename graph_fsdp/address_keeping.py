@@ -25,7 +25,8 @@ params    main weights, ZeRO-1/2 compute weights, HSDP   offload_params    main 
           compute shard
 buffers   the allocator's slots (gathered weights,       offload_params    dead
           unsharded gradients, reduction buffers)
-graphs    the CUDA graphs' memory pools (activations)    offload_params    dead
+graphs    the CUDA graphs' memory pools (activations),   offload_params    dead
+          their static inputs and incoming gradients
 grads     main gradients, ``no_sync`` accumulators       offload_grads     kept while live
 optim     optimizer state (one region per optimizer)     offload_optimizer kept
 ========  =============================================  ================  ================
@@ -46,7 +47,9 @@ parameters keep their identity), the allocator makes its slots inside the buffer
 (param_group.py [Note: releasable main grads]: ``pin_main_grad()``, as a full-iteration graph
 needs anyway). Optimizer state is made by the optimizer's first step, outside any region: the
 first ``onload_optimizer`` re-makes it inside the optimizer's region (one address change, for
-an optimizer that runs eagerly), after which it keeps its addresses. Allocations while a CUDA
+an optimizer that runs eagerly), after which it keeps its addresses. A capture's static
+buffers outside its pool are made in the graphs region (:func:`static_memory`), and the
+recorded sample inputs a capture starts from wait on the host. Allocations while a CUDA
 graph is being captured stay in the graph's pool (``region`` steps aside). The graphs' pools
 join the graphs region when captures run through :func:`graph_capture`: with
 torch-memory-saver's preload hook (``LD_PRELOAD``), whose allocations are tagged per thread,
@@ -64,7 +67,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -404,13 +407,27 @@ def adopt_group(keeper: AddressKeeper, group) -> None:
 
 
 # ---------------------------------------------------------------------- captures
+def _keeper_of(states: list) -> AddressKeeper | None:
+    root = states[0].root if states else None
+    mode = getattr(root, "offload_mode", None)
+    return mode.keeper if mode is not None else None
+
+
+def static_memory(states: list) -> Callable[[], AbstractContextManager]:
+    """Where a capture's static buffers outside its pool are made (the inputs copied in and
+    the gradients written before every replay: dead between steps): for a model whose
+    addresses are kept, the graphs region, released with the pools without a copy; else
+    anywhere. Made anywhere, a few such tensors would keep whole cached segments of the
+    caching allocator, and their bytes, on the device through an offload."""
+    keeper = _keeper_of(states)
+    return keeper.region_of("graphs") if keeper is not None else nullcontext
+
+
 def graph_capture(states: list) -> Callable[..., AbstractContextManager]:
     """``torch.cuda.graph``, or for a model whose addresses are kept the backend's capture,
     which puts the graph's pool into the model's graphs region: call it like
     ``torch.cuda.graph(graph, pool=..., stream=..., capture_error_mode=...)``."""
-    root = states[0].root if states else None
-    mode = getattr(root, "offload_mode", None)
-    keeper = mode.keeper if mode is not None else None
+    keeper = _keeper_of(states)
     if keeper is None or not keeper.backend.releases_graph_pools:
         return torch.cuda.graph
     if "graphs" in keeper.paused:

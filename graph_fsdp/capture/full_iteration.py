@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import graph_capture
+from graph_fsdp.address_keeping import graph_capture, static_memory
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -389,7 +389,8 @@ class FullIterationGraphs(RunnerLifecycle):
             self._pool = torch.cuda.graph_pool_handle()
         self.states[0].root.capture.forget_events()
         sig = pos.signature
-        pos.static_inputs = [s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)]
+        with static_memory(self.states)():  # address_keeping.py
+            pos.static_inputs = sig.static_copies()
         args, kwargs = sig.rebuild(pos.static_inputs)
         graph = torch.cuda.CUDAGraph()
         capture = self.states[0].root.capture
@@ -427,6 +428,7 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.static_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         self.states[0].root.capture.forget_events()
         pos.graph = graph
+        sig.samples_to_host()
         self.captured_generation = self._allocator.generation
         if self.captured_at_step is None or micro == 0:
             self.captured_at_step = self.steps_seen - 1

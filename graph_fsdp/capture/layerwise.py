@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.address_keeping import graph_capture
+from graph_fsdp.address_keeping import graph_capture, static_memory
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.pools import pool_bytes
@@ -296,6 +296,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         # buffers (new ones after a release()), as fresh autograd leaves (renew_unsharded).
         self._renew_params(units)
         for cap in self.caps:
+            cap.static_memory = static_memory(self.states)  # address_keeping.py
             cap.prepare()
             # A torch-backend capture of a whole unit zeroes its gradients in the backward
             # graph (torch_backend.py [Note: gradients of graphed modules]).
@@ -315,6 +316,8 @@ class LayerwiseGraphs(RunnerLifecycle):
                 self._pool = torch.cuda.graph_pool_handle()
                 self._run_backend(hooks)
                 torch.cuda.synchronize()
+            for cap in self.caps:
+                cap.signature.samples_to_host()
         finally:
             for saved in extracted.values():
                 restore_module_hooks(saved)

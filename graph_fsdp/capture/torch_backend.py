@@ -37,7 +37,7 @@ import dataclasses
 import enum
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -138,6 +138,20 @@ class CallSignature:
             elif not _same(x, const):
                 return f"{path} is {x!r}, captured as {const!r}: non-tensor arguments are constants"
         return None
+
+    def static_copies(self) -> list[torch.Tensor]:
+        """Fresh tensors holding the recorded samples, on the recorded devices: a capture's
+        static inputs."""
+        return [
+            (s.clone() if s.device == m[2] else s.to(m[2])).requires_grad_(m[3])
+            for s, m in zip(self.samples, self.metas)
+        ]
+
+    def samples_to_host(self) -> None:
+        """Keep the samples in host memory once a capture has its static inputs: they are only
+        read again by a recapture, and on the device they would hold bytes (and, through the
+        caching allocator, whole segments) an offload cannot give back."""
+        self.samples = [s.cpu() if type(s) is torch.Tensor else s for s in self.samples]
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[tuple, dict]:
         flat = list(self.consts)
@@ -315,6 +329,9 @@ class CapturedCallable:
         self.fallbacks = 0
         self.tracker: ModuleTracker | None = None
         """Set while capturing: names this callable if its capture fails (diagnosis.py)."""
+        self.static_memory: Callable[[], AbstractContextManager] = nullcontext
+        """Where the static inputs and incoming gradients are made (the runner sets it:
+        address_keeping.static_memory)."""
 
     @property
     def captured(self) -> bool:
@@ -322,10 +339,8 @@ class CapturedCallable:
 
     def prepare(self) -> None:
         """Fresh static inputs from the recorded sample and the module's current params."""
-        sig = self.signature
-        self.static_inputs = [
-            s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)
-        ]
+        with self.static_memory():
+            self.static_inputs = self.signature.static_copies()
         self.params = tuple(self.module.parameters())
 
     def drop(self) -> None:
@@ -380,9 +395,10 @@ class CapturedCallable:
         whole backward stays on the capture stream (see [Note: gradients of graphed modules]).
         """
         if not self.static_grad_outputs:
-            self.static_grad_outputs = [
-                torch.zeros_like(o) if o.requires_grad else None for o in outputs
-            ]
+            with self.static_memory():
+                self.static_grad_outputs = [
+                    torch.zeros_like(o) if o.requires_grad else None for o in outputs
+                ]
         pairs = [(o, g) for o, g in zip(outputs, self.static_grad_outputs) if g is not None]
         inputs = [x for x in self.static_inputs if x.requires_grad]
         params = [p for p in self.params if p.requires_grad]

@@ -380,10 +380,7 @@ class WholeStepGraph(RunnerLifecycle):
         self.states[0].root.capture.forget_events()
         release_cached_blocks()  # pools.py [Note: capture memory]
         self._pool = torch.cuda.graph_pool_handle()
-        rec.static_inputs = [
-            [s.clone().requires_grad_(m[3]) for s, m in zip(sig.samples, sig.metas)]
-            for sig in rec.signatures
-        ]
+        rec.static_inputs = [sig.static_copies() for sig in rec.signatures]
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]
         graph = torch.cuda.CUDAGraph()
         for g in groups:

@@ -327,6 +327,55 @@ def test_chunks_refusals_and_the_recapture_fallback():
         assert len(result["notices"]) == len(set(result["notices"])) == 2
 
 
+class RegionLog(PoisoningBackend):
+    """The poisoning backend, recording which regions allocations were made in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered: list[str] = []
+
+    def region(self, tag: str):
+        self.entered.append(tag.rsplit(".", 1)[1])
+        return nullcontext()
+
+
+def _static_buffers(rank: int, world_size: int) -> dict:
+    backend = RegionLog()
+    ak.set_backend(backend)
+    try:
+        kept, plain = _build("optim_grads_params", keep=True), _build("optim", keep=False)
+        x, y = synthetic_batch(TINY, 2, 0, rank=rank, device=CPU)
+        for model in (kept, plain):
+            model(x, y).backward()  # the root's lazy init decides the offload mode
+        backend.entered.clear()
+        with ak.static_memory(collect_states(kept))():
+            pass
+        entered = list(backend.entered)
+        with ak.static_memory(collect_states(plain))():
+            pass
+        return {"kept": entered, "plain": backend.entered[len(entered) :]}
+    finally:
+        ak.set_backend(None)
+
+
+def test_static_capture_buffers_are_made_in_the_graphs_region():
+    """A capture's static inputs and incoming gradients (dead between steps) are made in the
+    graphs region of a model whose addresses are kept, so offload releases them with the
+    pools; a model without kept addresses makes them anywhere. The recorded samples they are
+    copied from can wait on the host and still give fresh copies with the recorded metadata."""
+    (result,) = spawn(_static_buffers, 1)
+    assert result == {"kept": ["graphs"], "plain": []}
+    from graph_fsdp.capture.torch_backend import CallSignature  # noqa: PLC0415
+
+    x = torch.randn(3, 4, requires_grad=True)
+    sig = CallSignature((x,), {"mask": torch.ones(3, dtype=torch.bool), "scale": 2})
+    sig.samples_to_host()
+    first, second = sig.static_copies(), sig.static_copies()
+    assert [t.requires_grad for t in first] == [True, False]
+    assert first[0].data_ptr() not in (second[0].data_ptr(), sig.samples[0].data_ptr())
+    assert torch.equal(first[0], x.detach()) and torch.equal(first[1], sig.samples[1])
+
+
 def test_keep_addresses_needs_a_static_allocator():
     with pytest.raises(ValueError, match="allocator='dynamic'"):
         BufferPolicy(keep_addresses_on_offload=True)
