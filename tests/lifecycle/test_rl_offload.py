@@ -26,6 +26,7 @@ import torch
 from graph_fsdp import BufferPolicy, fully_shard, iter_full_params, offload
 from graph_fsdp import address_keeping as ak
 from graph_fsdp.capture import FullIterationGraphs
+from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.fully_shard import synchronize_param_gather
 from graph_fsdp.launch import spawn
@@ -365,8 +366,6 @@ def test_static_capture_buffers_are_made_in_the_graphs_region():
     copied from can wait on the host and still give fresh copies with the recorded metadata."""
     (result,) = spawn(_static_buffers, 1)
     assert result == {"kept": ["graphs"], "plain": []}
-    from graph_fsdp.capture.torch_backend import CallSignature  # noqa: PLC0415
-
     x = torch.randn(3, 4, requires_grad=True)
     sig = CallSignature((x,), {"mask": torch.ones(3, dtype=torch.bool), "scale": 2})
     sig.samples_to_host()
