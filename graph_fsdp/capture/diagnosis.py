@@ -312,6 +312,37 @@ def _megatron_default_tracker_in_use() -> bool:
         return False
 
 
+# [Note: generator states of a graph] A capture records the philox seed and offset of every
+# CUDA generator state it draws from; torch registers the default generator's state with each
+# graph, and refuses an offset increment ("Attempt to increase offset for a CUDA generator not
+# in capture mode") on any other. Megatron-Core's graph-safe RNG tracker switches the default
+# generator to its own states (``graphsafe_set_state``) inside forward - TransformerEngine's
+# fused attention draws from the "model-parallel-rng" state under tensor parallelism - so, as
+# Megatron's own graphs do, every graph registers the tracker's states before its capture,
+# and a replay advances them as the eager step would.
+def megatron_generator_states() -> list:
+    """The states of Megatron-Core's graph-safe RNG tracker ([Note: generator states of a
+    graph]); empty where megatron-core is not loaded or its tracker is not graph-safe."""
+    random = sys.modules.get("megatron.core.tensor_parallel.random")
+    if random is None or not getattr(random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return []
+    try:
+        if not random.is_graph_safe_cuda_rng_tracker(random.get_cuda_rng_tracker()):
+            return []
+        return list(random.get_all_rng_states().values())
+    except Exception:  # noqa: BLE001 - another megatron-core version: register nothing
+        return []
+
+
+def new_cuda_graph() -> torch.cuda.CUDAGraph:
+    """A ``torch.cuda.CUDAGraph`` with the RNG tracker's generator states registered
+    ([Note: generator states of a graph])."""
+    graph = torch.cuda.CUDAGraph()
+    for state in megatron_generator_states():
+        graph.register_generator_state(state)
+    return graph
+
+
 def _chain(err: BaseException) -> list[BaseException]:
     """``err`` and the exceptions it was raised from or during (torch's graph context can
     replace the original error with a capture-end error)."""

@@ -69,6 +69,7 @@ from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
     explain_capture_failure,
+    new_cuda_graph,
     no_collection,
 )
 from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks
@@ -392,7 +393,7 @@ class FullIterationGraphs(RunnerLifecycle):
         with static_memory(self.states)():  # address_keeping.py
             pos.static_inputs = sig.static_copies()
         args, kwargs = sig.rebuild(pos.static_inputs)
-        graph = torch.cuda.CUDAGraph()
+        graph = new_cuda_graph()
         capture = self.states[0].root.capture
         capture.pin_main_grads()  # the graph reduces into them: [Note: releasable main grads]
         try:

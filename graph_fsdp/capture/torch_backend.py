@@ -44,7 +44,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, ModuleTracker
+from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, ModuleTracker, new_cuda_graph
 from graph_fsdp.capture.scopes import GraphConfigError, Target
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.tensor_parallel import data_address
@@ -597,7 +597,7 @@ def capture_torch(
                     .requires_grad_(cap.static_inputs[j].requires_grad)
                 )
             prev = cap
-            cap.fwd_graph = torch.cuda.CUDAGraph()
+            cap.fwd_graph = new_cuda_graph()
             graph = cuda_graph(
                 cap.fwd_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE
             )
@@ -612,7 +612,7 @@ def capture_torch(
                 if grad is not None and cap.static_grad_outputs[i] is not None:
                     cap.static_grad_outputs[i] = grad.detach()
             nxt = cap
-            cap.bwd_graph = torch.cuda.CUDAGraph()
+            cap.bwd_graph = new_cuda_graph()
             graph = cuda_graph(
                 cap.bwd_graph, pool=pool, stream=stream, capture_error_mode=CAPTURE_ERROR_MODE
             )

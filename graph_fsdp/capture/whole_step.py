@@ -71,6 +71,7 @@ from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
     explain_capture_failure,
+    new_cuda_graph,
     no_collection,
 )
 from graph_fsdp.capture.full_iteration import same_step_fn
@@ -382,7 +383,7 @@ class WholeStepGraph(RunnerLifecycle):
         self._pool = torch.cuda.graph_pool_handle()
         rec.static_inputs = [sig.static_copies() for sig in rec.signatures]
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]
-        graph = torch.cuda.CUDAGraph()
+        graph = new_cuda_graph()
         for g in groups:
             g.dirty = True  # [Note: weight refresh in the step graph]
         try:
