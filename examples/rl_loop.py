@@ -19,7 +19,7 @@ comparison of the losses.
 One JSON line per iteration (rank 0): device memory the offload returned to the driver
 (``torch.cuda.mem_get_info``) and its share of what training held, offload and onload
 seconds, the first training step after onload vs a steady step, the runner's captures so far.
-The last line is a summary.
+The last line is a summary. The memory figures are the device's: run with the GPU to yourself.
 """
 
 from __future__ import annotations

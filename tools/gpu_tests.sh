@@ -15,7 +15,8 @@
 # also at world size 1), whole_step (the one-graph training step: bit-exactness and the timing
 # rows, ~4 min at world 1), tensor_parallel (DTensor and Megatron-Core TP with FSDP; needs 2 or 4
 # GPUs, skips on one), rl_offload (examples/rl_loop.py per graph scope and ZeRO level under
-# torch-memory-saver, ~4 min at world 1), rl_offload_1b (its 1B-parameter measurement).
+# torch-memory-saver, ~2 min at world 1), rl_offload_1b (its 1B-parameter measurement, ~1 min);
+# both measure the device's free memory: give each a GPU no other lane uses.
 # Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU

@@ -11,6 +11,8 @@ losses bit-identical, one capture per runner for the whole run, at least 90% of 
 memory training held returned to the driver on every offload, a clean exit (an illegal memory
 access would kill the run). Without the package those variants skip and the recapture
 fallback still runs. Every run prints its JSON lines (``-s``); a failure quotes the run's tail.
+Run it with the GPU to itself: the memory figures are the driver's free memory, which every
+process on the device moves.
 World size: ``GRAPH_FSDP_GPU_TEST_WORLD`` capped by the GPUs present (torchrun when >= 2).
 """
 
