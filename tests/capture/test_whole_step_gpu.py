@@ -343,6 +343,7 @@ def _rows(world: int) -> list[tuple]:
         return BenchSpec(cfg=cfg, warmup=TIMED_WARMUP, steps=TIMED_STEPS)
 
     full = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
+    layers = {"cuda_graph_impl": "torch", "cuda_graph_scope": []}  # no scope: whole layers
     rows = [
         ("one GPU, eager", run_unsharded, spec(), {}),
         (
@@ -353,6 +354,7 @@ def _rows(world: int) -> list[tuple]:
         ),
         ("graph_fsdp eager", run_graph_fsdp, spec(), {}),
         ("graph_fsdp full_iteration", run_graph_fsdp, spec(**full), {}),
+        ("graph_fsdp layerwise (whole layers)", run_graph_fsdp, spec(**layers), {}),
         ("torch FSDP2, fwd+bwd captured", run_fsdp2_cuda_graph, spec(), {}),
         ("graph_fsdp whole step (one graph)", _whole_step_row, spec(), {}),
         ("graph_fsdp whole step, clip 1.0", _whole_step_row, spec(), {"clip": 1.0}),
@@ -441,6 +443,12 @@ def test_whole_step_timing_and_memory():
             "torch FSDP2, fwd+bwd captured",
             "own_peak_reserved_gib",
         ),
+        "layerwise reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
+            rows,
+            "graph_fsdp layerwise (whole layers)",
+            "torch FSDP2, fwd+bwd captured",
+            "own_peak_reserved_gib",
+        ),
         "one graph reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
             rows, one, "torch FSDP2, fwd+bwd captured", "own_peak_reserved_gib"
         ),
@@ -453,6 +461,8 @@ def test_whole_step_timing_and_memory():
     }
     print(json.dumps({"targets (printed, not asserted)": targets}))
     # What must hold: every graphed row replayed once per timed step (or microbatch).
+    for name in ("graph_fsdp full_iteration", "graph_fsdp layerwise (whole layers)"):
+        assert rows[name]["replays"] and rows[name]["eager_fallbacks"] == 0, rows[name]
     whole = [name for name in rows if name.startswith("graph_fsdp whole step")]
     for name in whole:
         assert rows[name]["captures"] == 1 and rows[name]["eager_fallbacks"] == 0, rows[name]
