@@ -319,7 +319,10 @@ def _megatron_default_tracker_in_use() -> bool:
 # generator to its own states (``graphsafe_set_state``) inside forward - TransformerEngine's
 # fused attention draws from the "model-parallel-rng" state under tensor parallelism - so, as
 # Megatron's own graphs do, every graph registers the tracker's states before its capture,
-# and a replay advances them as the eager step would.
+# and a replay advances them as the eager step would. Where a step runs twice and the
+# generators are put back in between (layerwise warmups before a capture, a verification's
+# eager run), the tracker's states are put back with the default generator's (verify.py
+# ``rng_state``), or the graphed run would draw other dropout masks than its eager twin.
 def megatron_generator_states() -> list:
     """The states of Megatron-Core's graph-safe RNG tracker ([Note: generator states of a
     graph]); empty where megatron-core is not loaded or its tracker is not graph-safe."""
@@ -332,6 +335,18 @@ def megatron_generator_states() -> list:
         return list(random.get_all_rng_states().values())
     except Exception:  # noqa: BLE001 - another megatron-core version: register nothing
         return []
+
+
+def snapshot_generator_states() -> list[tuple]:
+    """``(generator, state)`` of each of the RNG tracker's states, for
+    :func:`restore_generator_states` after a step ran twice ([Note: generator states of a
+    graph])."""
+    return [(g, g.get_state()) for g in megatron_generator_states()]
+
+
+def restore_generator_states(snapshot: list[tuple]) -> None:
+    for generator, state in snapshot:
+        generator.set_state(state)
 
 
 def new_cuda_graph() -> torch.cuda.CUDAGraph:
@@ -381,7 +396,7 @@ def release_generators() -> None:
         return  # nothing was captured
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-        graph = torch.cuda.CUDAGraph()
+        graph = new_cuda_graph()  # the RNG tracker's states, marked by the failed capture too
         with torch.cuda.stream(torch.cuda.Stream()):
             graph.capture_begin(capture_error_mode=CAPTURE_ERROR_MODE)
             graph.capture_end()

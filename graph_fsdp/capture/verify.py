@@ -37,6 +37,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 from torch.utils._pytree import tree_flatten
 
+from graph_fsdp.capture.diagnosis import restore_generator_states, snapshot_generator_states
+
 _INT_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UNSET = -(2**62)
 """Bit-hash value of a slot no module wrote in this run."""
@@ -358,14 +360,21 @@ def equal_trees(a, b) -> bool:
 
 
 def rng_state(device: torch.device):
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    """The CPU generator's state, the device's default CUDA generator's and those of
+    Megatron-Core's graph-safe RNG tracker (its forks draw dropout in tensor-parallel regions:
+    diagnosis.py [Note: generator states of a graph])."""
+    if device.type != "cuda":
+        return torch.get_rng_state(), None, []
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device), snapshot_generator_states()
 
 
 def set_rng_state(state, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+    """Back to a :func:`rng_state`."""
+    cpu, cuda, tracker = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+    restore_generator_states(tracker)
 
 
 def _coverage_note(recorder: ChecksumRecorder) -> str:

@@ -10,8 +10,13 @@ import sys
 import types
 
 import pytest
+import torch
 
-from graph_fsdp.capture.diagnosis import megatron_generator_states
+from graph_fsdp.capture.diagnosis import (
+    megatron_generator_states,
+    restore_generator_states,
+    snapshot_generator_states,
+)
 
 MODULE = "megatron.core.tensor_parallel.random"
 
@@ -45,3 +50,18 @@ def test_nothing_without_megatron_loaded(monkeypatch):
     monkeypatch.delitem(sys.modules, MODULE, raising=False)
     assert megatron_generator_states() == []
     assert MODULE not in sys.modules  # read, never imported
+
+
+def test_tracker_states_are_put_back_after_a_step_ran_twice(monkeypatch):
+    """What verification and layerwise warmups do around a second run of a step: the
+    tracker's generators draw the same numbers again after a restore."""
+    states = {"model-parallel-rng": torch.Generator().manual_seed(1), "data-rng": torch.Generator()}
+    monkeypatch.setitem(
+        sys.modules, MODULE, _stand_in(initialized=True, graph_safe=True, states=states)
+    )
+    snapshot = snapshot_generator_states()
+    first = [torch.rand(4, generator=g) for g in states.values()]
+    restore_generator_states(snapshot)
+    again = [torch.rand(4, generator=g) for g in states.values()]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], torch.rand(4, generator=states["model-parallel-rng"]))
