@@ -38,13 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from graph_fsdp.address_keeping import graph_capture, static_memory
 from graph_fsdp.capture.comm_graphs import CommGraphs
-from graph_fsdp.capture.diagnosis import (
-    ModuleTracker,
-    explain_capture_failure,
-    no_collection,
-    restore_generator_states,
-    snapshot_generator_states,
-)
+from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.pools import pool_bytes
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
@@ -70,7 +64,13 @@ from graph_fsdp.capture.torch_backend import (
     capture_torch,
     describe_call,
 )
-from graph_fsdp.capture.verify import ChecksumRecorder, VerifyResult, verify_step
+from graph_fsdp.capture.verify import (
+    ChecksumRecorder,
+    VerifyResult,
+    rng_state,
+    set_rng_state,
+    verify_step,
+)
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
 from graph_fsdp.state import FSDPState, collect_states, in_backward
@@ -291,8 +291,8 @@ class LayerwiseGraphs(RunnerLifecycle):
             )
         root = self.states[0].root
         t0 = time.perf_counter()
-        # The tracker's too: diagnosis.py [Note: generator states of a graph].
-        rng = (torch.get_rng_state(), torch.cuda.get_rng_state(), snapshot_generator_states())
+        device = next(self.model.parameters()).device
+        rng = rng_state(device)  # warmups draw too: put every generator back after them
         unit_states = {id(s.module): s for s in self.states}
         units = {id(c.target.unit): unit_states[id(c.target.unit)] for c in self.caps}
         # The graphs read the unsharded weights and write the unsharded gradients at fixed
@@ -333,9 +333,7 @@ class LayerwiseGraphs(RunnerLifecycle):
                 for group in state.groups:
                     root.allocator.free(group.grad_key)
                 state.reset_backward_guards()
-            torch.set_rng_state(rng[0])
-            torch.cuda.set_rng_state(rng[1])
-            restore_generator_states(rng[2])
+            set_rng_state(rng, device)
         # The graphs keep their capture's autograd graph, and with it AccumulateGrad nodes
         # bound to the capture stream: eager calls of the modules (fallbacks) get fresh
         # leaves, whose nodes are made on the main stream. The graphs read the same storage.
