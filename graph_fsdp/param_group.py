@@ -580,7 +580,9 @@ class FlatParamGroup:
     # re-allocated - on the main stream, so the caching allocator hands the freed bytes to
     # activations - just before the next reduction, which overwrites all of it. The tensor
     # object and its ``grad_view``s stay; only their storage comes and goes. A full-iteration
-    # graph writes ``main_grad`` at a fixed address, so capture pins it.
+    # graph writes ``main_grad`` at a fixed address, so its capture re-makes it inside the
+    # graph's pool and pins it while the graphs live (full_iteration.py [Note: main gradients
+    # in the step's pool]).
     def release_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()
         if self._main_grad_pinned or storage.nbytes() == 0 or self.grads_defined():
@@ -591,6 +593,11 @@ class FlatParamGroup:
         """Give ``main_grad`` its bytes and keep them: a graph writes it at this address."""
         self.ensure_main_grad()
         self._main_grad_pinned = True
+
+    def unpin_main_grad(self) -> None:
+        """No graph writes ``main_grad`` any more (its runner dropped the graphs that did):
+        releasable again, at the next forward once no sharded ``.grad`` is attached."""
+        self._main_grad_pinned = False
 
     def ensure_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()

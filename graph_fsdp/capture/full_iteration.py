@@ -52,6 +52,20 @@ no_sync accumulation and the final reduction differ), captured in order on first
 sharing one memory pool. A capture that fails is re-raised as ``CaptureFailedError`` naming
 the module that was running (diagnosis.py); ``verify=True`` checks the first replay of each
 position against an eager run of the same step ([Note: verification], verify.py).
+
+[Note: main gradients in the step's pool] An eager step makes the main gradients at its first
+reduction, when the backward has freed some activations, and releases them at the next
+forward ([Note: releasable main grads], param_group.py): the step's peak never holds both
+all activations and all main gradients. The graph writes them at fixed addresses, so they
+must be there at every replay and for the eager optimizer after it. Capturing with them made
+beforehand added their bytes to the graph's peak: on the GPU tests' Megatron-Core MoE GPT
+(11.0M parameters, 42.0 MiB of fp32 main gradients) the `full_iteration` row's own peak
+allocated exceeded the eager row's by 42.6 MiB. So the first capture into a pool releases them (those no ``.grad`` holds,
+not those kept in an offload region) and the capture re-makes them where the eager step
+would, from the graph's pool, sharing its bytes with activations already freed; then they
+are pinned. Nothing else allocates from the pool outside a capture into it, so those bytes
+are theirs between replays. When the runner drops its graphs it unpins what it pinned: the
+next forward releases them and the pool's bytes go back with the graphs.
 """
 
 from __future__ import annotations
@@ -184,6 +198,8 @@ class FullIterationGraphs(RunnerLifecycle):
         self.capture_seconds = 0.0
         self.replays = 0
         self._pool = None
+        self._pinned_main_grads: list = []
+        """The groups whose main gradients the captures made in the pool and pinned."""
         self._phase = "eager"
         self._calls = 0
         self._clock: HostClock | None = None
@@ -224,6 +240,9 @@ class FullIterationGraphs(RunnerLifecycle):
             pos.graph, pos.static_inputs, pos.static_flat = None, [], []
         self.captured_generation = None
         self._pool = None
+        for group in self._pinned_main_grads:  # [Note: main gradients in the step's pool]
+            group.unpin_main_grad()
+        self._pinned_main_grads = []
 
     # ------------------------------------------------------------------ teardown
     def _free_graphs(self) -> None:
@@ -386,6 +405,7 @@ class FullIterationGraphs(RunnerLifecycle):
             for state in self.states:
                 for group in state.groups:
                     group.renew_unsharded()
+                    group.release_main_grad()  # [Note: main gradients in the step's pool]
             release_cached_blocks()  # pools.py [Note: capture memory]
             self._pool = torch.cuda.graph_pool_handle()
         self.states[0].root.capture.forget_events()
@@ -395,7 +415,9 @@ class FullIterationGraphs(RunnerLifecycle):
         args, kwargs = sig.rebuild(pos.static_inputs)
         graph = new_cuda_graph()
         capture = self.states[0].root.capture
-        capture.pin_main_grads()  # the graph reduces into them: [Note: releasable main grads]
+        made_here = [
+            g for s in self.states for g in s.groups if g.main_grad.untyped_storage().nbytes() == 0
+        ]
         try:
             # The slots come from the graph's pool: allocator.py [Note: slots in a capture's
             # pool].
@@ -429,6 +451,10 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.static_flat = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         self.states[0].root.capture.forget_events()
         pos.graph = graph
+        # The graph reduces into the main gradients: their address is fixed from now on, for
+        # as long as the graphs live ([Note: main gradients in the step's pool]).
+        capture.pin_main_grads()
+        self._pinned_main_grads += [g for g in made_here if g not in self._pinned_main_grads]
         sig.samples_to_host()
         self.captured_generation = self._allocator.generation
         if self.captured_at_step is None or micro == 0:

@@ -1,0 +1,120 @@
+"""full_iteration's main gradients live in the graph's pool (full_iteration.py [Note: main
+gradients in the step's pool]), on one GPU: a ZeRO-3 GPT trained 8 steps with
+``FullIterationGraphs`` equals its eager twin bit for bit; after the capture every group's main
+gradients lie inside a segment of the runner's pool and are pinned; after ``close()`` they are
+unpinned and the next forward releases them. Each run's own peak allocated and reserved bytes
+are printed as a JSON line (``-s``), not asserted.
+
+    GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_full_iteration_pool_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from graph_fsdp.launch import spawn
+from graph_fsdp.models import GPTConfig
+from graph_fsdp.testing import needs_gpus
+
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
+
+CFG = GPTConfig(
+    vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
+)
+STEPS = 8
+
+
+def _build(device: torch.device):
+    from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
+    from graph_fsdp.models import build_model
+    from graph_fsdp.models.gpt import sharding_units
+
+    policy = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    model = build_model(CFG, device=device)
+    for unit, reshard in sharding_units(model):
+        fully_shard(unit, mp_policy=mp, buffer_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=mp, buffer_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def _train(graphed: bool, device: torch.device, rank: int) -> dict:
+    from graph_fsdp.capture import FullIterationGraphs
+    from graph_fsdp.models import synthetic_batch
+    from graph_fsdp.state import collect_states
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    model, opt = _build(device)
+    graphs = FullIterationGraphs(model, warmup_steps=2, eager=not graphed)
+    groups = [g for s in collect_states(model) for g in s.groups]
+    losses = []
+    for step in range(STEPS):
+        x, y = synthetic_batch(CFG, 2, step, rank=rank, device=device)
+        graphs.before_step()
+        losses.append(graphs.forward_backward(0, x, y, 1.0).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    out = {
+        "losses": losses,
+        "own_peak_allocated": torch.cuda.max_memory_allocated() - start[0],
+        "own_peak_reserved": torch.cuda.max_memory_reserved() - start[1],
+        "replays": graphs.report()["replays"],
+    }
+    if graphed:
+        segments = [
+            s
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == tuple(graphs._pool)
+        ]
+
+        def in_pool(t: torch.Tensor) -> bool:
+            ptr = t.data_ptr()
+            return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
+
+        out["in_pool"] = [in_pool(g.main_grad) for g in groups]
+        out["pinned"] = [g._main_grad_pinned for g in groups]
+        graphs.close()
+        out["pinned_after_close"] = [g._main_grad_pinned for g in groups]
+        x, y = synthetic_batch(CFG, 2, STEPS, rank=rank, device=device)
+        with torch.no_grad():
+            model(x, y)  # an eager forward: releasable main gradients go
+        out["bytes_after_forward"] = [g.main_grad.untyped_storage().nbytes() for g in groups]
+    else:
+        graphs.close()
+    del model, opt, graphs
+    return out
+
+
+def _run(rank: int, world: int) -> dict:
+    torch.use_deterministic_algorithms(True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return {"eager": _train(False, device, rank), "graphed": _train(True, device, rank)}
+
+
+def test_full_iteration_main_grads_live_in_the_pool():
+    (res,) = spawn(_run, 1, backend="nccl", timeout=600)
+    eager, graphed = res["eager"], res["graphed"]
+    print(
+        json.dumps(
+            {
+                "test": "full_iteration_pool_main_grads",
+                **{
+                    f"{k}_{m}": r[m]
+                    for k, r in res.items()
+                    for m in ("own_peak_allocated", "own_peak_reserved")
+                },
+            }
+        )
+    )
+    assert graphed["losses"] == eager["losses"]
+    assert graphed["replays"] == STEPS - 2, graphed["replays"]
+    assert all(graphed["in_pool"]) and all(graphed["pinned"]), graphed
+    assert not any(graphed["pinned_after_close"]), graphed["pinned_after_close"]
+    assert not any(graphed["bytes_after_forward"]), graphed["bytes_after_forward"]
