@@ -16,7 +16,8 @@
 # rows, ~4 min at world 1), tensor_parallel (DTensor and Megatron-Core TP with FSDP; needs 2 or 4
 # GPUs, skips on one), rl_offload (examples/rl_loop.py per graph scope and ZeRO level under
 # torch-memory-saver, ~2 min at world 1), rl_offload_1b (its 1B-parameter measurement, ~1 min);
-# both measure the device's free memory: give each a GPU no other lane uses.
+# both measure the device's free memory: give each a GPU no other lane uses; fi_pool
+# (full_iteration's main gradients in its graph's pool, 1 GPU).
 # Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
@@ -40,7 +41,7 @@ declare -A LIMIT=(
   [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [megatron_ep]=560
   [megatron_ep4]=560 [bench]=400 [comm_graphs]=300 [whole_step]=480
-  [tensor_parallel]=560 [rl_offload]=560 [rl_offload_1b]=560
+  [tensor_parallel]=560 [rl_offload]=560 [rl_offload_1b]=560 [fi_pool]=300
 )
 declare -A ARGS=(
   [megatron]="tests/integrations/test_megatron_gpu.py -k not seq_64"
@@ -62,9 +63,10 @@ declare -A ARGS=(
   [tensor_parallel]="tests/core/test_tensor_parallel_gpu.py"
   [rl_offload]="tests/lifecycle/test_rl_offload_gpu.py -k not 1b"
   [rl_offload_1b]="tests/lifecycle/test_rl_offload_gpu.py -k 1b"
+  [fi_pool]="tests/capture/test_full_iteration_pool_gpu.py"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b fi_pool)
 
 # The header of every log: the commit, the machine, the versions.
 STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"
