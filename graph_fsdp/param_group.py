@@ -170,7 +170,9 @@ class FlatParamGroup:
         self._nonempty_sharded = [ref.sharded for ref in self.params if ref.sharded.numel()]
         self.dirty = False
         """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
-        self._main_grad_pinned = False
+        self._main_grad_pins = 0
+        """Holders whose graphs write ``main_grad`` at its address ([Note: releasable main
+        grads]): released only at 0."""
         """A captured graph writes ``main_grad``: its storage must never be released."""
         self.capture = CaptureContext()
         """The root's capture switches (capture_context.py [Note: capture context]), set at
@@ -585,19 +587,26 @@ class FlatParamGroup:
     # in the step's pool]).
     def release_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()
-        if self._main_grad_pinned or storage.nbytes() == 0 or self.grads_defined():
+        if self._main_grad_pins or storage.nbytes() == 0 or self.grads_defined():
             return
         storage.resize_(0)
 
     def pin_main_grad(self) -> None:
-        """Give ``main_grad`` its bytes and keep them: a graph writes it at this address."""
+        """Give ``main_grad`` its bytes and keep them until every pin is taken back: a graph
+        writes it at this address."""
         self.ensure_main_grad()
-        self._main_grad_pinned = True
+        self._main_grad_pins += 1
 
     def unpin_main_grad(self) -> None:
-        """No graph writes ``main_grad`` any more (its runner dropped the graphs that did):
-        releasable again, at the next forward once no sharded ``.grad`` is attached."""
-        self._main_grad_pinned = False
+        """Take one :meth:`pin_main_grad` back (a runner dropped the graphs that wrote it);
+        at none left, the next forward releases it once no sharded ``.grad`` is attached."""
+        if self._main_grad_pins == 0:
+            raise RuntimeError("graph_fsdp: unpin_main_grad() without a pin_main_grad()")
+        self._main_grad_pins -= 1
+
+    @property
+    def main_grad_pinned(self) -> bool:
+        return self._main_grad_pins > 0
 
     def ensure_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()

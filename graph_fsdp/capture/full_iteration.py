@@ -64,13 +64,17 @@ allocated exceeded the eager row's by 42.6 MiB. So the first capture into a pool
 not those kept in an offload region) and the capture re-makes them where the eager step
 would, from the graph's pool, sharing its bytes with activations already freed; then they
 are pinned. Nothing else allocates from the pool outside a capture into it, so those bytes
-are theirs between replays. When the runner drops its graphs it unpins what it pinned: the
-next forward releases them and the pool's bytes go back with the graphs.
+are theirs between replays. Pins are counted per holder (each runner pins a group once; an
+offload region pins for good): when the runner drops its graphs, or is collected without
+``close()``, it takes its pins back, and once no holder is left the next forward releases the
+main gradients and the pool's bytes go back with the graphs. A second runner that captured
+while the first held them writes the same bytes and holds its own pin on them.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -163,6 +167,13 @@ def _onoff(sync: tuple) -> str:
     return "on" if all(sync) else "off" if not any(sync) else f"mixed {sync}"
 
 
+def _unpin(groups: list) -> None:
+    """Take back the runner's pins of ``groups`` (emptied in place: a finalizer holds it)."""
+    for group in groups:
+        group.unpin_main_grad()
+    groups.clear()
+
+
 class FullIterationGraphs(RunnerLifecycle):
     """Forward+backward of a ``fully_shard``-ed model, one CUDA graph per microbatch position.
 
@@ -199,7 +210,8 @@ class FullIterationGraphs(RunnerLifecycle):
         self.replays = 0
         self._pool = None
         self._pinned_main_grads: list = []
-        """The groups whose main gradients the captures made in the pool and pinned."""
+        """The groups whose main gradients this runner's graphs write (one pin each)."""
+        weakref.finalize(self, _unpin, self._pinned_main_grads)  # collected without close()
         self._phase = "eager"
         self._calls = 0
         self._clock: HostClock | None = None
@@ -240,9 +252,7 @@ class FullIterationGraphs(RunnerLifecycle):
             pos.graph, pos.static_inputs, pos.static_flat = None, [], []
         self.captured_generation = None
         self._pool = None
-        for group in self._pinned_main_grads:  # [Note: main gradients in the step's pool]
-            group.unpin_main_grad()
-        self._pinned_main_grads = []
+        _unpin(self._pinned_main_grads)  # [Note: main gradients in the step's pool]
 
     # ------------------------------------------------------------------ teardown
     def _free_graphs(self) -> None:
@@ -415,9 +425,6 @@ class FullIterationGraphs(RunnerLifecycle):
         args, kwargs = sig.rebuild(pos.static_inputs)
         graph = new_cuda_graph()
         capture = self.states[0].root.capture
-        made_here = [
-            g for s in self.states for g in s.groups if g.main_grad.untyped_storage().nbytes() == 0
-        ]
         try:
             # The slots come from the graph's pool: allocator.py [Note: slots in a capture's
             # pool].
@@ -453,8 +460,10 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.graph = graph
         # The graph reduces into the main gradients: their address is fixed from now on, for
         # as long as the graphs live ([Note: main gradients in the step's pool]).
-        capture.pin_main_grads()
-        self._pinned_main_grads += [g for g in made_here if g not in self._pinned_main_grads]
+        for group in (g for s in self.states for g in s.groups):
+            if all(group is not p for p in self._pinned_main_grads):
+                group.pin_main_grad()
+                self._pinned_main_grads.append(group)
         sig.samples_to_host()
         self.captured_generation = self._allocator.generation
         if self.captured_at_step is None or micro == 0:

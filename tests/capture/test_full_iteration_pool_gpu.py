@@ -3,7 +3,7 @@ gradients in the step's pool]), on one GPU: a ZeRO-3 GPT trained 8 steps with
 ``FullIterationGraphs`` equals its eager twin bit for bit; after the capture every group's main
 gradients lie inside a segment of the runner's pool and are pinned; after ``close()`` they are
 unpinned and the next forward releases them. Each run's own peak allocated and reserved bytes
-are printed as a JSON line (``-s``), not asserted.
+are printed as a JSON line (``-s``), not asserted. On CPU (gloo): pins are counted per holder.
 
     GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_full_iteration_pool_gpu.py
 """
@@ -18,8 +18,6 @@ import torch
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import needs_gpus
-
-pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 CFG = GPTConfig(
     vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
@@ -79,9 +77,9 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
             return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
 
         out["in_pool"] = [in_pool(g.main_grad) for g in groups]
-        out["pinned"] = [g._main_grad_pinned for g in groups]
+        out["pinned"] = [g.main_grad_pinned for g in groups]
         graphs.close()
-        out["pinned_after_close"] = [g._main_grad_pinned for g in groups]
+        out["pinned_after_close"] = [g.main_grad_pinned for g in groups]
         x, y = synthetic_batch(CFG, 2, STEPS, rank=rank, device=device)
         with torch.no_grad():
             model(x, y)  # an eager forward: releasable main gradients go
@@ -98,6 +96,8 @@ def _run(rank: int, world: int) -> dict:
     return {"eager": _train(False, device, rank), "graphed": _train(True, device, rank)}
 
 
+@pytest.mark.gpu
+@needs_gpus(1)
 def test_full_iteration_main_grads_live_in_the_pool():
     (res,) = spawn(_run, 1, backend="nccl", timeout=600)
     eager, graphed = res["eager"], res["graphed"]
@@ -118,3 +118,47 @@ def test_full_iteration_main_grads_live_in_the_pool():
     assert all(graphed["in_pool"]) and all(graphed["pinned"]), graphed
     assert not any(graphed["pinned_after_close"]), graphed["pinned_after_close"]
     assert not any(graphed["bytes_after_forward"]), graphed["bytes_after_forward"]
+
+
+def _pins(rank: int, world: int) -> dict:
+    from graph_fsdp.models import synthetic_batch
+    from graph_fsdp.state import collect_states
+
+    model, opt = _build(torch.device("cpu"))
+    groups = [g for s in collect_states(model) for g in s.groups]
+    x, y = synthetic_batch(CFG, 2, 0, rank=rank)
+
+    def step_then_forward() -> list[int]:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model(x, y)  # the forward that releases unpinned main gradients
+        return [g.main_grad.untyped_storage().nbytes() for g in groups]
+
+    out = {"unpinned": step_then_forward()}
+    for g in groups:  # two holders (two runners' graphs)
+        g.pin_main_grad()
+        g.pin_main_grad()
+    out["two_pins"] = step_then_forward()
+    for g in groups:
+        g.unpin_main_grad()
+    out["one_pin"] = step_then_forward()
+    for g in groups:
+        g.unpin_main_grad()
+    out["no_pin"] = step_then_forward()
+    try:
+        groups[0].unpin_main_grad()
+        out["extra_unpin"] = None
+    except RuntimeError as err:
+        out["extra_unpin"] = str(err)
+    return out
+
+
+def test_main_grad_pins_are_counted_per_holder():
+    """A runner that drops its graphs takes back only its own pin: main gradients another
+    holder's graphs still write keep their bytes through the forward that releases them."""
+    (res,) = spawn(_pins, 1)
+    assert not any(res["unpinned"]) and not any(res["no_pin"]), res
+    assert all(res["two_pins"]) and all(res["one_pin"]), res
+    assert "without a pin_main_grad()" in res["extra_unpin"]
