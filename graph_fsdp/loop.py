@@ -235,8 +235,8 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
     schedule = adapter.schedule(trainer)
     denom = cfg.grad_accum * trainer.batches_per_microbatch
     whole_step = None
-    if isinstance(graphs, WholeStepGraph):  # the step's own runner: _whole_step_fn
-        whole_step = graphs.capture(_whole_step_fn(trainer.model, denom))
+    if isinstance(graphs, WholeStepGraph):  # the step's own runner: whole_step_microbatch
+        whole_step = graphs.capture(whole_step_microbatch(trainer.model, denom))
     losses, times, eval_losses = [], [], []
     host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
@@ -347,7 +347,7 @@ def _forward_backward(
     return step_loss
 
 
-def _whole_step_fn(model: nn.Module, denom: int):
+def whole_step_microbatch(model: nn.Module, denom: int):
     """One microbatch of the whole-step runner: the loop's eager forward+backward (the
     runner switches gradient sync and calls it with the same function every step)."""
 

@@ -229,6 +229,77 @@ def replay_peak(events: list[dict]) -> tuple[int, dict[int, dict], int]:
     return peak, live, peak_at
 
 
+SEGMENT_ADD = ("segment_alloc", "segment_map")
+SEGMENT_DROP = ("segment_free", "segment_unmap")
+
+
+def replay_reserved_peak(events: list[dict]) -> tuple[int, dict[int, int], dict[int, dict], int]:
+    """Replay segment and block events: (peak reserved bytes, segments reserved at that moment
+    as ``{address: size}``, blocks live then by address, index of the event that reached it).
+    Reserved is what the process holds from the driver (``max_memory_reserved``): a graph's
+    pool and the default pool's cached blocks count, used or not."""
+    segments: dict[int, int] = {}
+    total = peak = 0
+    peak_at = -1
+    for i, e in enumerate(events):
+        action = e.get("action")
+        if action in SEGMENT_ADD:
+            segments[e["addr"]] = segments.get(e["addr"], 0) + e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif action in SEGMENT_DROP and e["addr"] in segments:
+            total -= e["size"]
+            segments[e["addr"]] -= e["size"]
+            if segments[e["addr"]] <= 0:
+                del segments[e["addr"]]
+    segments, live = {}, {}
+    for e in events[: peak_at + 1]:
+        action = e.get("action")
+        if action in SEGMENT_ADD:
+            segments[e["addr"]] = segments.get(e["addr"], 0) + e["size"]
+        elif action in SEGMENT_DROP and e["addr"] in segments:
+            segments[e["addr"]] -= e["size"]
+            if segments[e["addr"]] <= 0:
+                del segments[e["addr"]]
+        elif action == "alloc":
+            live[e["addr"]] = e
+        elif action in FREE_ACTIONS:
+            live.pop(e["addr"], None)
+    return peak, segments, live, peak_at
+
+
+def reserved_at_peak(
+    events: list[dict], pools: list[tuple[int, int, str]], role_of: Callable[[dict], str]
+) -> dict:
+    """Where the process's reserved bytes were at their highest: per pool (a graph's pool by
+    its id, ``default`` otherwise) the bytes reserved and the bytes of live blocks in them
+    (the rest is cached and unused there: a pool cannot lend it to another), and the live
+    blocks' roles. ``pools`` are the graph pools' address ranges at the end of the run; a
+    segment freed before then is counted as the default pool's."""
+    peak, segments, live, peak_at = replay_reserved_peak(events)
+
+    def pool_of(addr: int) -> str:
+        return next((name for lo, hi, name in pools if lo <= addr < hi), "default")
+
+    by_pool: dict[str, dict[str, int]] = {}
+    for addr, size in segments.items():
+        entry = by_pool.setdefault(pool_of(addr), {"reserved": 0, "allocated": 0})
+        entry["reserved"] += size
+    by_role: dict[str, int] = {}
+    for addr, block in live.items():
+        entry = by_pool.setdefault(pool_of(addr), {"reserved": 0, "allocated": 0})
+        entry["allocated"] += block["size"]
+        role = role_of(block)
+        by_role[role] = by_role.get(role, 0) + block["size"]
+    return {
+        "peak_reserved_bytes": peak,
+        "event_index": peak_at,
+        "by_pool": by_pool,
+        "by_role": dict(sorted(by_role.items(), key=lambda kv: _role_rank(kv[0]))),
+    }
+
+
 def role_from_frames(frames: list[dict]) -> str:
     """A role for an allocation no known tensor claims, from its Python stack."""
     if not frames:
@@ -293,7 +364,7 @@ def _pool_ranges(snapshot: dict, device: int) -> list[tuple[int, int, str]]:
             continue
         pool = tuple(seg.get("segment_pool_id", (0, 0)))
         if pool != (0, 0):
-            out.append((seg["address"], seg["address"] + seg["total_size"], str(pool)))
+            out.append((seg["address"], seg["address"] + seg["total_size"], f"graph pool {pool}"))
     return out
 
 
@@ -381,6 +452,7 @@ def attribute(snapshot: dict, known: list[Known], device: int = 0) -> dict:
         ),
         "in_graph_pool_by_role": in_pool,
         "reserved_by_pool": reserved,
+        "reserved_peak": reserved_at_peak(events, pools, role_of),
         "known_bytes": known_bytes(known),
         "top_sites": [
             {"role": role, "site": site, "bytes": nbytes}
@@ -395,6 +467,21 @@ def _role_rank(role: str) -> tuple[int, str]:
 
 def _pool_reserved(result: dict) -> int | None:
     return (result.get("graph_pool_bytes") or {}).get("reserved")
+
+
+def _at_reserved_peak(result: dict, key: str):
+    return (result.get("reserved_peak") or {}).get(key)
+
+
+def _unused(result: dict, *, graph: bool) -> int | None:
+    """Bytes reserved but held by no live block at the reserved peak, in the default pool or
+    in the graphs' pools."""
+    pools = _at_reserved_peak(result, "by_pool")
+    if pools is None:
+        return None
+    return sum(
+        v["reserved"] - v["allocated"] for k, v in pools.items() if (k != "default") == graph
+    )
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -425,6 +512,9 @@ def format_table(results: dict[str, dict]) -> str:
         ("graph pool (reserved, fsdp_memory_report)", _pool_reserved),
         ("**peak allocated (trace)**", lambda r: r.get("peak_allocated_bytes")),
         ("max_memory_allocated", lambda r: r.get("max_memory_allocated")),
+        ("**peak reserved (trace)**", lambda r: _at_reserved_peak(r, "peak_reserved_bytes")),
+        ("at that peak: unused in the default pool", lambda r: _unused(r, graph=False)),
+        ("at that peak: unused in graph pools", lambda r: _unused(r, graph=True)),
         ("reserved at end, all pools", lambda r: sum(r.get("reserved_by_pool", {}).values())),
         (
             "of which graph pools",
@@ -456,7 +546,9 @@ class MemoryJob:
 
 def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
     from graph_fsdp.capture.step import eager_forward_backward  # noqa: PLC0415
+    from graph_fsdp.capture.whole_step import WholeStepGraph  # noqa: PLC0415
     from graph_fsdp.data import batch_for  # noqa: PLC0415
+    from graph_fsdp.loop import whole_step_microbatch  # noqa: PLC0415
     from graph_fsdp.state import collect_states  # noqa: PLC0415
     from graph_fsdp.train import (  # noqa: PLC0415
         build_for,
@@ -468,10 +560,22 @@ def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
     model = build_for(cfg, device)
     shard_model(model, cfg)
     opt = make_optimizer(model.parameters(), cfg)
-    graphs = make_graphs(model, cfg)
+    graphs = make_graphs(model, cfg, optimizer=opt)
     root = collect_states(model)[0]
     root.lazy_init()  # what the first forward does first: creates the root's allocator
     tag_allocations(root.root.allocator)
+    if isinstance(graphs, WholeStepGraph):  # --cuda-graph-optimizer: one replay per step
+        whole = graphs.capture(whole_step_microbatch(model, cfg.grad_accum))
+
+        def whole_step(i: int) -> None:
+            whole(
+                [
+                    batch_for(cfg, i * cfg.grad_accum + m, rank, device, world_size=world_size)
+                    for m in range(cfg.grad_accum)
+                ]
+            )
+
+        return model, opt, whole_step, known_graph_fsdp
 
     def step(i: int) -> None:
         if graphs is not None:
@@ -531,6 +635,7 @@ def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
         torch.cuda.memory._record_memory_history(None)
         result.update(attribute(snapshot, known, device.index or 0))
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        result["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
         if job.save_snapshot and rank == 0:
             import pickle  # noqa: PLC0415
 

@@ -17,6 +17,7 @@ from graph_fsdp.bench.memory import (
     memory_worker,
     merge,
     replay_peak,
+    reserved_at_peak,
     role_from_frames,
     write_result,
 )
@@ -81,6 +82,44 @@ def test_replay_peak_finds_the_live_set_at_the_highest_total() -> None:
     late = [alloc(1, 10), free(1)[0], alloc(2, 5), free(1)[1], alloc(3, 7)]
     peak2, live2, at2 = replay_peak(late)
     assert peak2 == 12 and sorted(live2) == [2, 3] and at2 == 4
+
+
+def segment(action: str, addr: int, size: int) -> dict:
+    return {"action": action, "addr": addr, "size": size, "frames": []}
+
+
+def test_reserved_peak_counts_segments_per_pool_used_or_not() -> None:
+    """The process's reserved peak: the default pool's cached segments plus a graph pool's,
+    each with the bytes live blocks hold there; empty_cache before the capture lowers it."""
+    events = [
+        segment("segment_alloc", 0, 1000),  # default pool
+        alloc(0, 600, frame(GPT, "forward")),
+        *free(0),  # cached, unused
+        segment("segment_alloc", 5000, 400),  # graph pool
+        alloc(5000, 300, frame(GPT, "forward")),
+        segment("segment_free", 0, 1000),  # empty_cache: the cached segment goes back
+        segment("segment_alloc", 5400, 200),  # the pool grows: below the first peak
+        alloc(5400, 100),
+    ]
+    pools = [(5000, 5600, "graph pool (1, 0)")]
+    out = reserved_at_peak(events, pools, lambda b: role_from_frames(b["frames"]))
+    assert out["peak_reserved_bytes"] == 1400 and out["event_index"] == 4
+    assert out["by_pool"] == {
+        "default": {"reserved": 1000, "allocated": 0},
+        "graph pool (1, 0)": {"reserved": 400, "allocated": 0},
+    }
+    assert out["by_role"] == {}
+    # Without the empty_cache the pool's growth is the peak (reached at its segment_alloc,
+    # before the block that asked for it).
+    kept = [e for e in events if e["action"] != "segment_free"]
+    out = reserved_at_peak(kept, pools, lambda b: role_from_frames(b["frames"]))
+    assert out["peak_reserved_bytes"] == 1600
+    assert out["by_pool"]["graph pool (1, 0)"] == {"reserved": 600, "allocated": 300}
+    assert out["by_role"] == {"activations (forward)": 300}
+    # Expandable segments map and unmap pages of one segment.
+    mapped = [segment("segment_map", 0, 512), segment("segment_map", 512, 512)]
+    mapped += [segment("segment_unmap", 512, 512)]
+    assert reserved_at_peak(mapped, [], lambda b: "x")["peak_reserved_bytes"] == 1024
 
 
 def test_attribute_by_address_then_by_stack() -> None:
