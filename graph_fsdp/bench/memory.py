@@ -233,40 +233,49 @@ SEGMENT_ADD = ("segment_alloc", "segment_map")
 SEGMENT_DROP = ("segment_free", "segment_unmap")
 
 
+def _drop_range(ranges: dict[int, int], addr: int, size: int) -> None:
+    """Remove ``[addr, addr + size)`` from ``ranges`` (``{start: size}``): a freed segment, or
+    pages an expandable segment unmaps (any part of a mapped range)."""
+    for start, length in list(ranges.items()):
+        lo, hi = max(start, addr), min(start + length, addr + size)
+        if lo >= hi:
+            continue
+        del ranges[start]
+        if start < lo:
+            ranges[start] = lo - start
+        if hi < start + length:
+            ranges[hi] = start + length - hi
+
+
 def replay_reserved_peak(events: list[dict]) -> tuple[int, dict[int, int], dict[int, dict], int]:
-    """Replay segment and block events: (peak reserved bytes, segments reserved at that moment
-    as ``{address: size}``, blocks live then by address, index of the event that reached it).
-    Reserved is what the process holds from the driver (``max_memory_reserved``): a graph's
-    pool and the default pool's cached blocks count, used or not."""
-    segments: dict[int, int] = {}
+    """Replay segment and block events: (peak reserved bytes, the address ranges reserved at
+    that moment as ``{start: size}``, blocks live then by address, index of the event that
+    reached it). Reserved is what the process holds from the driver (``max_memory_reserved``):
+    a graph's pool and the default pool's cached blocks count, used or not; an expandable
+    segment counts its mapped pages."""
     total = peak = 0
     peak_at = -1
     for i, e in enumerate(events):
         action = e.get("action")
         if action in SEGMENT_ADD:
-            segments[e["addr"]] = segments.get(e["addr"], 0) + e["size"]
             total += e["size"]
             if total > peak:
                 peak, peak_at = total, i
-        elif action in SEGMENT_DROP and e["addr"] in segments:
+        elif action in SEGMENT_DROP:
             total -= e["size"]
-            segments[e["addr"]] -= e["size"]
-            if segments[e["addr"]] <= 0:
-                del segments[e["addr"]]
-    segments, live = {}, {}
+    ranges: dict[int, int] = {}
+    live: dict[int, dict] = {}
     for e in events[: peak_at + 1]:
         action = e.get("action")
         if action in SEGMENT_ADD:
-            segments[e["addr"]] = segments.get(e["addr"], 0) + e["size"]
-        elif action in SEGMENT_DROP and e["addr"] in segments:
-            segments[e["addr"]] -= e["size"]
-            if segments[e["addr"]] <= 0:
-                del segments[e["addr"]]
+            ranges[e["addr"]] = e["size"]
+        elif action in SEGMENT_DROP:
+            _drop_range(ranges, e["addr"], e["size"])
         elif action == "alloc":
             live[e["addr"]] = e
         elif action in FREE_ACTIONS:
             live.pop(e["addr"], None)
-    return peak, segments, live, peak_at
+    return peak, ranges, live, peak_at
 
 
 def reserved_at_peak(

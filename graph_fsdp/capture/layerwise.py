@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.address_keeping import graph_capture, static_memory
+from graph_fsdp.address_keeping import capture_segments, graph_capture, static_memory
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
 from graph_fsdp.capture.pools import pool_bytes
@@ -389,7 +389,10 @@ class LayerwiseGraphs(RunnerLifecycle):
                 no_collection(),
             ):
                 if self.impl == "te":
-                    capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
+                    with capture_segments(self.states):  # address_keeping.py
+                        capture_te(
+                            self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool
+                        )
                 else:
                     capture_torch(
                         self.caps,

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from graph_fsdp.address_keeping import graph_capture
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -391,7 +392,7 @@ class WholeStepGraph(RunnerLifecycle):
                 with nvtx_range("graph_fsdp/capture/whole_step"), no_collection():
                     with (
                         capturable_for_capture(self.optimizer),
-                        torch.cuda.graph(
+                        graph_capture(self.states, keeper_pool=False)(
                             graph,
                             pool=self._pool,
                             stream=self.stream,

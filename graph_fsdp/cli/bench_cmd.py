@@ -37,6 +37,7 @@ from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import (
     add_common_args,
+    add_fused_adamw_arg,
     add_scope_sets_arg,
     check_graph_environment,
     resolve,
@@ -88,15 +89,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="ROW",
         help=f"Rows to run, any of: {', '.join(ROWS)} (default: all but reference).",
     )
-    g.add_argument(
-        "--fused-adamw",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="AdamW(fused=True) in the graph_fsdp, FSDP2 and megatron_fsdp rows, as in the "
-        "unsharded baselines, which always use it (a ratio compares the same optimizer). "
-        "--no-fused-adamw: torch's default foreach step (several passes over the shard and "
-        "one fp32 temporary the size of it).",
-    )
+    add_fused_adamw_arg(g, "the graph_fsdp, FSDP2 and megatron_fsdp rows")
     g.add_argument(
         "--output-dir",
         default=None,

@@ -385,6 +385,18 @@ def apply_megatron_graph_spellings(args: argparse.Namespace) -> None:
     args.cuda_graph_impl = MEGATRON_IMPLS.get(impl, impl)
 
 
+def add_fused_adamw_arg(group, rows: str) -> None:
+    """``--fused-adamw`` (default on): AdamW(fused=True) in ``rows``."""
+    group.add_argument(
+        "--fused-adamw",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"AdamW(fused=True) in {rows}, as in the unsharded baselines, which always use it "
+        "(a ratio compares the same optimizer). --no-fused-adamw: torch's default foreach step "
+        "(several passes over the shard and one fp32 temporary the size of it).",
+    )
+
+
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("launch")
     g.add_argument(

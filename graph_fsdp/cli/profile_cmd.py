@@ -23,6 +23,7 @@ prints several side by side. Every file written names the git commit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -43,7 +44,7 @@ from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.options import add_common_args, add_fused_adamw_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.cuda_streams import NVTX_ENV
 from graph_fsdp.launch import LaunchPlan, launch
@@ -90,6 +91,7 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         "say: allocator, graphs) or fsdp2 (torch FSDP2, same model, bf16 params, fp32 "
         "reduction) and attribute the bytes live at the allocated-memory peak to roles.",
     )
+    add_fused_adamw_arg(g, "--memory's graph_fsdp and FSDP2 runs")
     g.add_argument(
         "--memory-label",
         default=None,
@@ -239,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
     if args.memory_max_entries < 1000:
         raise CLIError(f"--memory-max-entries {args.memory_max_entries} must be >= 1000")
-    cfg = res.cfg
+    cfg = dataclasses.replace(res.cfg, fused_optimizer=res.cfg.fused_optimizer or args.fused_adamw)
     if args.memory == "fsdp2" and cfg.cuda_graph_impl != "none":
         raise CLIError(
             "--memory fsdp2 runs torch FSDP2 eagerly: drop --cuda-graph-impl/--cuda-graph-scope"

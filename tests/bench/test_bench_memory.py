@@ -116,10 +116,18 @@ def test_reserved_peak_counts_segments_per_pool_used_or_not() -> None:
     assert out["peak_reserved_bytes"] == 1600
     assert out["by_pool"]["graph pool (1, 0)"] == {"reserved": 600, "allocated": 300}
     assert out["by_role"] == {"activations (forward)": 300}
-    # Expandable segments map and unmap pages of one segment.
+    # Expandable segments map and unmap pages of one segment, an unmap any part of a mapping.
     mapped = [segment("segment_map", 0, 512), segment("segment_map", 512, 512)]
-    mapped += [segment("segment_unmap", 512, 512)]
-    assert reserved_at_peak(mapped, [], lambda b: "x")["peak_reserved_bytes"] == 1024
+    mapped += [segment("segment_unmap", 256, 512), segment("segment_map", 2048, 64)]
+    out = reserved_at_peak(mapped, [(512, 1024, "graph pool (0, 1)")], lambda b: "x")
+    assert out["peak_reserved_bytes"] == 1024 and out["event_index"] == 1
+    assert out["by_pool"] == {
+        "default": {"reserved": 512, "allocated": 0},
+        "graph pool (0, 1)": {"reserved": 512, "allocated": 0},
+    }
+    late = reserved_at_peak(mapped + [segment("segment_map", 4096, 1024)], [], lambda b: "x")
+    assert late["peak_reserved_bytes"] == 256 + 256 + 64 + 1024
+    assert late["by_pool"]["default"]["reserved"] == 256 + 256 + 64 + 1024
 
 
 def test_attribute_by_address_then_by_stack() -> None:

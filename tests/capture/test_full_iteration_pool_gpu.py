@@ -77,6 +77,16 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
             return any(s["address"] <= ptr < s["address"] + s["total_size"] for s in segments)
 
         out["in_pool"] = [in_pool(g.main_grad) for g in groups]
+        # address_keeping.py [Note: growing capture segments]: the pool grew by expandable
+        # segments, and the setting is off again after the capture.
+        out["pool_expandable"] = [bool(s.get("is_expandable")) for s in segments]
+        after = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+        out["later_expandable"] = [
+            bool(s.get("is_expandable"))
+            for s in torch.cuda.memory_snapshot()
+            if s["address"] <= after.data_ptr() < s["address"] + s["total_size"]
+        ]
+        del after
         out["pinned"] = [g.main_grad_pinned for g in groups]
         graphs.close()
         out["pinned_after_close"] = [g.main_grad_pinned for g in groups]
@@ -116,6 +126,8 @@ def test_full_iteration_main_grads_live_in_the_pool():
     assert graphed["losses"] == eager["losses"]
     assert graphed["replays"] == STEPS - 2, graphed["replays"]
     assert all(graphed["in_pool"]) and all(graphed["pinned"]), graphed
+    assert graphed["pool_expandable"] and all(graphed["pool_expandable"]), graphed
+    assert graphed["later_expandable"] == [False], graphed["later_expandable"]
     assert not any(graphed["pinned_after_close"]), graphed["pinned_after_close"]
     assert not any(graphed["bytes_after_forward"]), graphed["bytes_after_forward"]
 
