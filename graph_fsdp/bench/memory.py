@@ -233,49 +233,50 @@ SEGMENT_ADD = ("segment_alloc", "segment_map")
 SEGMENT_DROP = ("segment_free", "segment_unmap")
 
 
-def _drop_range(ranges: dict[int, int], addr: int, size: int) -> None:
-    """Remove ``[addr, addr + size)`` from ``ranges`` (``{start: size}``): a freed segment, or
-    pages an expandable segment unmaps (any part of a mapped range)."""
-    for start, length in list(ranges.items()):
+def _drop_range(ranges: dict[int, tuple[int, int]], addr: int, size: int) -> None:
+    """Remove ``[addr, addr + size)`` from ``ranges`` (``{start: (size, made at)}``): a freed
+    segment, or pages an expandable segment unmaps (any part of a mapped range)."""
+    for start, (length, made) in list(ranges.items()):
         lo, hi = max(start, addr), min(start + length, addr + size)
         if lo >= hi:
             continue
         del ranges[start]
         if start < lo:
-            ranges[start] = lo - start
+            ranges[start] = (lo - start, made)
         if hi < start + length:
-            ranges[hi] = start + length - hi
+            ranges[hi] = (start + length - hi, made)
 
 
-def replay_reserved_peak(events: list[dict]) -> tuple[int, dict[int, int], dict[int, dict], int]:
+def replay_reserved_peak(
+    events: list[dict],
+) -> tuple[int, dict[int, tuple[int, int]], dict[int, dict], int, set[int]]:
     """Replay segment and block events: (peak reserved bytes, the address ranges reserved at
-    that moment as ``{start: size}``, blocks live then by address, index of the event that
-    reached it). Reserved is what the process holds from the driver (``max_memory_reserved``):
-    a graph's pool and the default pool's cached blocks count, used or not; an expandable
-    segment counts its mapped pages."""
+    that moment as ``{start: (size, index of the event that made it)}``, blocks live then by
+    address, index of the event that reached the peak, indices of the events whose ranges are
+    still reserved when the trace ends). Reserved is what the process holds from the driver
+    (``max_memory_reserved``): a graph's pool and the default pool's cached blocks count,
+    used or not; an expandable segment counts its mapped pages."""
     total = peak = 0
     peak_at = -1
+    ranges: dict[int, tuple[int, int]] = {}
+    at_peak: dict[int, tuple[int, int]] = {}
     for i, e in enumerate(events):
         action = e.get("action")
         if action in SEGMENT_ADD:
+            ranges[e["addr"]] = (e["size"], i)
             total += e["size"]
             if total > peak:
-                peak, peak_at = total, i
+                peak, peak_at, at_peak = total, i, dict(ranges)
         elif action in SEGMENT_DROP:
             total -= e["size"]
-    ranges: dict[int, int] = {}
+            _drop_range(ranges, e["addr"], e["size"])
     live: dict[int, dict] = {}
     for e in events[: peak_at + 1]:
-        action = e.get("action")
-        if action in SEGMENT_ADD:
-            ranges[e["addr"]] = e["size"]
-        elif action in SEGMENT_DROP:
-            _drop_range(ranges, e["addr"], e["size"])
-        elif action == "alloc":
+        if e.get("action") == "alloc":
             live[e["addr"]] = e
-        elif action in FREE_ACTIONS:
+        elif e.get("action") in FREE_ACTIONS:
             live.pop(e["addr"], None)
-    return peak, ranges, live, peak_at
+    return peak, at_peak, live, peak_at, {made for _, made in ranges.values()}
 
 
 def reserved_at_peak(
@@ -284,20 +285,26 @@ def reserved_at_peak(
     """Where the process's reserved bytes were at their highest: per pool (a graph's pool by
     its id, ``default`` otherwise) the bytes reserved and the bytes of live blocks in them
     (the rest is cached and unused there: a pool cannot lend it to another), and the live
-    blocks' roles. ``pools`` are the graph pools' address ranges at the end of the run; a
-    segment freed before then is counted as the default pool's."""
-    peak, segments, live, peak_at = replay_reserved_peak(events)
+    blocks' roles. ``pools`` are the graph pools' address ranges at the end of the run: a
+    range counts as a graph pool's only if the segment reserved at the peak is the one still
+    there at the end (a freed segment's addresses can come back in another pool's); one
+    freed before then counts as the default pool's (a dropped graph's pool would too)."""
+    peak, ranges, live, peak_at, survivors = replay_reserved_peak(events)
 
     def pool_of(addr: int) -> str:
         return next((name for lo, hi, name in pools if lo <= addr < hi), "default")
 
     by_pool: dict[str, dict[str, int]] = {}
-    for addr, size in segments.items():
-        entry = by_pool.setdefault(pool_of(addr), {"reserved": 0, "allocated": 0})
+    owner: list[tuple[int, int, str]] = []
+    for start, (size, made) in ranges.items():
+        name = pool_of(start) if made in survivors else "default"
+        owner.append((start, start + size, name))
+        entry = by_pool.setdefault(name, {"reserved": 0, "allocated": 0})
         entry["reserved"] += size
     by_role: dict[str, int] = {}
     for addr, block in live.items():
-        entry = by_pool.setdefault(pool_of(addr), {"reserved": 0, "allocated": 0})
+        name = next((n for lo, hi, n in owner if lo <= addr < hi), "default")
+        entry = by_pool.setdefault(name, {"reserved": 0, "allocated": 0})
         entry["allocated"] += block["size"]
         role = role_of(block)
         by_role[role] = by_role.get(role, 0) + block["size"]

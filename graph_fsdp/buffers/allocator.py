@@ -123,6 +123,10 @@ class BufferAllocator(ABC):
         """Around a whole-step capture (slot allocators: [Note: slots in a capture's pool])."""
         return nullcontext()
 
+    def release_idle(self) -> None:  # noqa: B027 - optional hook
+        """Before a whole-step capture, ahead of the cached blocks: give back the bytes of
+        every buffer no key holds (slot allocators: [Note: slots in a capture's pool])."""
+
     def release(self) -> None:  # noqa: B027 - optional hook
         """Free every persistent byte; later requests re-create them at new addresses."""
 
@@ -436,12 +440,17 @@ class SlotAllocator(BufferAllocator):
             if kept is None or id(slot) not in kept:
                 slot.release_storage()  # a held slot keeps its bytes
 
+    def release_idle(self) -> None:
+        for slot in self.slots():
+            slot.release_storage()  # a held slot keeps its bytes
+
     @contextmanager
     def owning_capture(self):
         """Around a whole-step capture: its slots come from (and return to) the graph's pool
-        ([Note: slots in a capture's pool]). The caller synchronized the device."""
-        for slot in self.slots():
-            slot.release_storage()
+        ([Note: slots in a capture's pool]). The caller synchronized the device and called
+        ``release_idle`` before giving the cached blocks back (else the idle slots' bytes
+        would stay cached in the default pool through the capture)."""
+        self.release_idle()
         self._capture_kept = {
             id(s) for s in self.slots() if s.tensor is not None and not s.released
         }

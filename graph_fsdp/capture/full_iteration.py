@@ -90,7 +90,7 @@ from graph_fsdp.capture.diagnosis import (
     new_cuda_graph,
     no_collection,
 )
-from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks
+from graph_fsdp.capture.pools import pool_bytes, release_for_capture
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.step import (
     GraphedStep,
@@ -319,6 +319,9 @@ class FullIterationGraphs(RunnerLifecycle):
     def _model_loss(self, x: torch.Tensor, y: torch.Tensor, *, denom: float) -> torch.Tensor:
         return eager_forward_backward(self.model, x, y, denom, self._clock)
 
+    def _groups(self) -> list:
+        return [g for s in self.states for g in s.groups]
+
     def _sync_state(self) -> tuple[bool, ...]:
         return tuple(s.requires_grad_sync for s in self.states)
 
@@ -343,7 +346,7 @@ class FullIterationGraphs(RunnerLifecycle):
             return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
             if micro == 0:
-                release_cached_blocks()  # pools.py [Note: capture memory]
+                release_for_capture(self._groups())  # pools.py [Note: capture memory]
             # The step before the capture also checks TE attention (te_backend.py [Note: TE
             # attention under capture]): refused here, it never reaches the capture.
             with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
@@ -412,11 +415,11 @@ class FullIterationGraphs(RunnerLifecycle):
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         if not self.graphs:
-            for state in self.states:
-                for group in state.groups:
-                    group.renew_unsharded()
-                    group.release_main_grad()  # [Note: main gradients in the step's pool]
-            release_cached_blocks()  # pools.py [Note: capture memory]
+            for group in self._groups():
+                group.renew_unsharded()
+            # Main gradients ([Note: main gradients in the step's pool]) and idle slots
+            # ([Note: slots in a capture's pool]) first: pools.py [Note: capture memory].
+            release_for_capture(self._groups(), self._allocator)
             self._pool = torch.cuda.graph_pool_handle()
         self.states[0].root.capture.forget_events()
         sig = pos.signature

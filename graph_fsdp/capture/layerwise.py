@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from graph_fsdp.address_keeping import capture_segments, graph_capture, static_memory
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
-from graph_fsdp.capture.pools import pool_bytes
+from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks, release_for_capture
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
     GraphConfigError,
@@ -291,6 +291,9 @@ class LayerwiseGraphs(RunnerLifecycle):
             )
         root = self.states[0].root
         t0 = time.perf_counter()
+        # The eager steps' cached blocks (and the main gradients the next forward releases)
+        # go back before the pool is made (pools.py [Note: capture memory]).
+        release_for_capture([g for s in self.states for g in s.groups])
         device = next(self.model.parameters()).device
         rng = rng_state(device)  # warmups draw too: put every generator back after them
         unit_states = {id(s.module): s for s in self.states}
@@ -322,7 +325,9 @@ class LayerwiseGraphs(RunnerLifecycle):
             with root.capture.layerwise_capture():
                 self._pool = torch.cuda.graph_pool_handle()
                 self._run_backend(hooks)
-                torch.cuda.synchronize()
+                # The warmup calls ran on the backend's side stream: what they cached there
+                # is of no use to the main stream's eager work.
+                release_cached_blocks()
             for cap in self.caps:
                 cap.signature.samples_to_host()
         finally:

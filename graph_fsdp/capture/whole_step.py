@@ -76,7 +76,7 @@ from graph_fsdp.capture.diagnosis import (
     no_collection,
 )
 from graph_fsdp.capture.full_iteration import same_step_fn
-from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks
+from graph_fsdp.capture.pools import pool_bytes, release_for_capture
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.step import StepFn, check_capturable, detached, fn_name
 from graph_fsdp.capture.step_optimizer import (
@@ -224,7 +224,7 @@ class WholeStepGraph(RunnerLifecycle):
             # What the capture will need exists before it, made on its stream (per-stream
             # workspaces, NCCL's stream state); the cached blocks of earlier steps go back
             # first: this stream cannot reuse another stream's (pools.py [Note: capture memory]).
-            release_cached_blocks()
+            release_for_capture(self._groups)
             with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
                 return self._result(*self._body(rec.fn, calls), owned=True)
         if rec.graph is None:
@@ -378,9 +378,10 @@ class WholeStepGraph(RunnerLifecycle):
         groups = self._groups
         for g in groups:
             g.renew_unsharded()  # fresh autograd leaves (full_iteration.py [Note: ...])
-            g.release_main_grad()  # [Note: main gradients in the step graph's pool]
         self.states[0].root.capture.forget_events()
-        release_cached_blocks()  # pools.py [Note: capture memory]
+        # Main gradients ([Note: main gradients in the step graph's pool]) and idle slots
+        # first: pools.py [Note: capture memory].
+        release_for_capture(groups, self._allocator)
         self._pool = torch.cuda.graph_pool_handle()
         rec.static_inputs = [sig.static_copies() for sig in rec.signatures]
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]

@@ -116,6 +116,15 @@ def test_reserved_peak_counts_segments_per_pool_used_or_not() -> None:
     assert out["peak_reserved_bytes"] == 1600
     assert out["by_pool"]["graph pool (1, 0)"] == {"reserved": 600, "allocated": 300}
     assert out["by_role"] == {"activations (forward)": 300}
+    # A default segment freed before a graph pool got its addresses is the default pool's.
+    reused = [
+        segment("segment_alloc", 5000, 600),
+        segment("segment_free", 5000, 600),
+        segment("segment_alloc", 5000, 400),
+    ]
+    out = reserved_at_peak(reused, pools, lambda b: "x")
+    assert out["peak_reserved_bytes"] == 600 and out["event_index"] == 0
+    assert out["by_pool"] == {"default": {"reserved": 600, "allocated": 0}}
     # Expandable segments map and unmap pages of one segment, an unmap any part of a mapping.
     mapped = [segment("segment_map", 0, 512), segment("segment_map", 512, 512)]
     mapped += [segment("segment_unmap", 256, 512), segment("segment_map", 2048, 64)]

@@ -741,6 +741,38 @@ def test_owning_capture_releases_only_slots_made_in_the_capture(monkeypatch) -> 
     driver.run(backward())
 
 
+def test_idle_slots_and_main_grads_go_before_the_cached_blocks(monkeypatch) -> None:
+    # pools.py [Note: capture memory]: before a capture the idle slots and the main gradients
+    # the step would release are released first, then the cached blocks go back - so their
+    # bytes go back too. A held slot keeps its bytes; the base allocator has nothing to give.
+    import graph_fsdp.capture.pools as pools
+
+    allocator = registered_layers(num_slots=3)
+    driver = Driver(allocator)
+    driver.run(forward(keep_last=True))
+    held = [s for s in allocator.slots() if s.holder is not None]
+    assert held and any(s.holder is None and not s.released for s in allocator.slots())
+    order: list[str] = []
+
+    class Group:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def release_main_grad(self) -> None:
+            order.append(self.name)
+
+    def give_back() -> None:
+        order.append("cached blocks")
+        idle = [s for s in allocator.slots() if s.holder is None and s.tensor is not None]
+        assert idle and all(s.released for s in idle)
+        assert all(not s.released for s in held)
+
+    monkeypatch.setattr(pools, "release_cached_blocks", give_back)
+    pools.release_for_capture([Group("g0"), Group("g1")], allocator)
+    assert order == ["g0", "g1", "cached blocks"]
+    DynamicAllocator().release_idle()  # nothing idle to give back: a no-op
+
+
 def test_which_allocators_keep_gradients_at_fixed_addresses() -> None:
     # param_group.py [Note: gradients autograd creates]: eager steps and whole-step captures
     # leave gradients to autograd unless layerwise graphs pinned them; a trace pool always
