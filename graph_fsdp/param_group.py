@@ -173,7 +173,6 @@ class FlatParamGroup:
         self._main_grad_pins = 0
         """Holders whose graphs write ``main_grad`` at its address ([Note: releasable main
         grads]): released only at 0."""
-        """A captured graph writes ``main_grad``: its storage must never be released."""
         self.capture = CaptureContext()
         """The root's capture switches (capture_context.py [Note: capture context]), set at
         the root's lazy init."""

@@ -463,7 +463,7 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.graph = graph
         # The graph reduces into the main gradients: their address is fixed from now on, for
         # as long as the graphs live ([Note: main gradients in the step's pool]).
-        for group in (g for s in self.states for g in s.groups):
+        for group in self._groups():
             if all(group is not p for p in self._pinned_main_grads):
                 group.pin_main_grad()
                 self._pinned_main_grads.append(group)
