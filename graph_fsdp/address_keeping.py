@@ -445,14 +445,29 @@ def _expandable_choice() -> bool:
     return "expandable_segments" in conf or "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
 
 
+def _native_allocator() -> bool:
+    backend = getattr(torch.cuda, "get_allocator_backend", None)
+    return backend is None or backend() == "native"  # not cudaMallocAsync
+
+
 @contextmanager
 def growing_segments() -> Iterator[None]:
-    """Expandable segments for the allocations inside ([Note: growing capture segments])."""
+    """Expandable segments for the allocations inside ([Note: growing capture segments]);
+    nothing changes where the allocator cannot have them (its own segments are used)."""
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if setter is None or _expandable_choice() or not torch.cuda.is_available():
+    if (
+        setter is None
+        or _expandable_choice()
+        or not torch.cuda.is_available()
+        or not _native_allocator()
+    ):
         yield
         return
-    setter("expandable_segments:True")
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError:  # a torch build or platform without them
+        yield
+        return
     try:
         yield
     finally:

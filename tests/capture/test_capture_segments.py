@@ -17,6 +17,7 @@ from graph_fsdp import address_keeping as ak
 def settings(monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "LD_PRELOAD"):
         monkeypatch.delenv(var, raising=False)
@@ -54,6 +55,28 @@ def test_without_cuda_nothing_is_set(settings, monkeypatch) -> None:
     with ak.growing_segments():
         pass
     assert settings == []
+
+
+def test_another_allocator_backend_is_left_alone(settings, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    with ak.growing_segments():
+        pass
+    assert settings == []
+
+
+def test_a_setting_the_allocator_refuses_leaves_the_capture_as_it_was(monkeypatch) -> None:
+    def refuse(value: str) -> None:
+        raise RuntimeError(f"unsupported: {value}")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", refuse)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "LD_PRELOAD"):
+        monkeypatch.delenv(var, raising=False)
+    ran = []
+    with ak.growing_segments():
+        ran.append(True)
+    assert ran == [True]
 
 
 def _states(keeper) -> list:

@@ -3,13 +3,15 @@ gradients in the step's pool]), on one GPU: a ZeRO-3 GPT trained 8 steps with
 ``FullIterationGraphs`` equals its eager twin bit for bit; after the capture every group's main
 gradients lie inside a segment of the runner's pool and are pinned; after ``close()`` they are
 unpinned and the next forward releases them. Each run's own peak allocated and reserved bytes
-are printed as a JSON line (``-s``), not asserted. On CPU (gloo): pins are counted per holder.
+are printed as a JSON line (``-s``); the graphed run's peak reserved is at most 1.10x the
+eager run's. On CPU (gloo): pins are counted per holder.
 
     GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_full_iteration_pool_gpu.py
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -106,10 +108,16 @@ def _run(rank: int, world: int) -> dict:
     return {"eager": _train(False, device, rank), "graphed": _train(True, device, rank)}
 
 
+@functools.cache
+def _results() -> dict:
+    (res,) = spawn(_run, 1, backend="nccl", timeout=600)
+    return res
+
+
 @pytest.mark.gpu
 @needs_gpus(1)
 def test_full_iteration_main_grads_live_in_the_pool():
-    (res,) = spawn(_run, 1, backend="nccl", timeout=600)
+    res = _results()
     eager, graphed = res["eager"], res["graphed"]
     print(
         json.dumps(
@@ -130,6 +138,20 @@ def test_full_iteration_main_grads_live_in_the_pool():
     assert graphed["later_expandable"] == [False], graphed["later_expandable"]
     assert not any(graphed["pinned_after_close"]), graphed["pinned_after_close"]
     assert not any(graphed["bytes_after_forward"]), graphed["bytes_after_forward"]
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_full_iteration_reserves_at_most_a_tenth_more_than_eager():
+    """The graphed run's own peak reserved bytes (the pool included) within 1.10x of the eager
+    run's (pools.py [Note: capture memory]), plus one small segment of slack. Measured before
+    the release order of [Note: capture memory]: 1.15x (176.2 vs 153.1 MiB, one H200)."""
+    res = _results()
+    eager, graphed = res["eager"]["own_peak_reserved"], res["graphed"]["own_peak_reserved"]
+    assert graphed <= 1.10 * eager + 2 * 2**20, (
+        f"full_iteration reserved {graphed / 2**20:.1f} MiB, eager {eager / 2**20:.1f} MiB "
+        f"({graphed / eager:.3f}x; target <= 1.10x)"
+    )
 
 
 def _pins(rank: int, world: int) -> dict:
