@@ -446,8 +446,11 @@ def _expandable_choice() -> bool:
 
 
 def _native_allocator() -> bool:
-    backend = getattr(torch.cuda, "get_allocator_backend", None)
-    return backend is None or backend() == "native"  # not cudaMallocAsync
+    """The caching allocator (not cudaMallocAsync); False for a build without CUDA."""
+    try:
+        return torch.cuda.get_allocator_backend() == "native"
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @contextmanager

@@ -64,6 +64,16 @@ def test_another_allocator_backend_is_left_alone(settings, monkeypatch) -> None:
     assert settings == []
 
 
+def test_a_build_without_cuda_is_left_alone(settings, monkeypatch) -> None:
+    def no_backend() -> str:
+        raise AttributeError("module 'torch._C' has no attribute '_cuda_getAllocatorBackend'")
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", no_backend)
+    with ak.growing_segments():
+        pass
+    assert settings == []
+
+
 def test_a_setting_the_allocator_refuses_leaves_the_capture_as_it_was(monkeypatch) -> None:
     def refuse(value: str) -> None:
         raise RuntimeError(f"unsupported: {value}")
