@@ -18,7 +18,8 @@
 # torch-memory-saver, ~2 min at world 1), rl_offload_1b (its 1B-parameter measurement, ~1 min);
 # both measure the device's free memory: give each a GPU no other lane uses; fi_pool
 # (full_iteration's main gradients in its graph's pool, 1 GPU).
-# Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out); each chunk prints its PASSED /
+# Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out; BUNDLE=<file.tgz> also packs
+# them into one archive, for a runner that returns few files); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
 # machine: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
@@ -105,4 +106,8 @@ for chunk in "${CHUNKS[@]}"; do
   echo "===== $chunk (rc=$rc, $verdict)"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^[0-9]+ (passed|failed)|[0-9]+ (passed|failed|skipped).* in " "$log" | tail -40
 done
+# BUNDLE=<file.tgz>: every chunk log in one archive (a remote runner may return few files).
+if [[ -n "${BUNDLE:-}" ]]; then
+  tar czf "$BUNDLE" -C "$OUT" . || status=1
+fi
 exit $status
