@@ -580,16 +580,15 @@ def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
     root = collect_states(model)[0]
     root.lazy_init()  # what the first forward does first: creates the root's allocator
     tag_allocations(root.root.allocator)
+
+    def batch(i: int, micro: int):
+        return batch_for(cfg, i * cfg.grad_accum + micro, rank, device, world_size=world_size)
+
     if isinstance(graphs, WholeStepGraph):  # --cuda-graph-optimizer: one replay per step
         whole = graphs.capture(whole_step_microbatch(model, cfg.grad_accum))
 
         def whole_step(i: int) -> None:
-            whole(
-                [
-                    batch_for(cfg, i * cfg.grad_accum + m, rank, device, world_size=world_size)
-                    for m in range(cfg.grad_accum)
-                ]
-            )
+            whole([batch(i, m) for m in range(cfg.grad_accum)])
 
         return model, opt, whole_step, known_graph_fsdp
 
@@ -598,7 +597,7 @@ def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
             graphs.before_step()
         for micro in range(cfg.grad_accum):
             model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
-            x, y = batch_for(cfg, i * cfg.grad_accum + micro, rank, device, world_size=world_size)
+            x, y = batch(i, micro)
             if graphs is not None:
                 graphs.forward_backward(micro, x, y, cfg.grad_accum)
             else:

@@ -319,9 +319,6 @@ class FullIterationGraphs(RunnerLifecycle):
     def _model_loss(self, x: torch.Tensor, y: torch.Tensor, *, denom: float) -> torch.Tensor:
         return eager_forward_backward(self.model, x, y, denom, self._clock)
 
-    def _groups(self) -> list:
-        return [g for s in self.states for g in s.groups]
-
     def _sync_state(self) -> tuple[bool, ...]:
         return tuple(s.requires_grad_sync for s in self.states)
 
@@ -346,7 +343,7 @@ class FullIterationGraphs(RunnerLifecycle):
             return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
             if micro == 0:
-                release_for_capture(self._groups())  # pools.py [Note: capture memory]
+                release_for_capture(self._groups)  # pools.py [Note: capture memory]
             # The step before the capture also checks TE attention (te_backend.py [Note: TE
             # attention under capture]): refused here, it never reaches the capture.
             with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
@@ -415,11 +412,11 @@ class FullIterationGraphs(RunnerLifecycle):
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         if not self.graphs:
-            for group in self._groups():
+            for group in self._groups:
                 group.renew_unsharded()
             # Main gradients ([Note: main gradients in the step's pool]) and idle slots
             # ([Note: slots in a capture's pool]) first: pools.py [Note: capture memory].
-            release_for_capture(self._groups(), self._allocator)
+            release_for_capture(self._groups, self._allocator)
             self._pool = torch.cuda.graph_pool_handle()
         self.states[0].root.capture.forget_events()
         sig = pos.signature
@@ -463,7 +460,7 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.graph = graph
         # The graph reduces into the main gradients: their address is fixed from now on, for
         # as long as the graphs live ([Note: main gradients in the step's pool]).
-        for group in self._groups():
+        for group in self._groups:
             if all(group is not p for p in self._pinned_main_grads):
                 group.pin_main_grad()
                 self._pinned_main_grads.append(group)

@@ -293,7 +293,7 @@ class LayerwiseGraphs(RunnerLifecycle):
         t0 = time.perf_counter()
         # The eager steps' cached blocks (and the main gradients the next forward releases)
         # go back before the pool is made (pools.py [Note: capture memory]).
-        release_for_capture([g for s in self.states for g in s.groups])
+        release_for_capture(self._groups)
         device = next(self.model.parameters()).device
         rng = rng_state(device)  # warmups draw too: put every generator back after them
         unit_states = {id(s.module): s for s in self.states}

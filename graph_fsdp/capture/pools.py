@@ -49,20 +49,20 @@ def pool_bytes(pools: Iterable) -> dict[str, int]:
 # reserved 1.41x the eager row's peak, with 1.32 GiB of the default pool unused at its peak.
 def release_cached_blocks() -> None:
     """Give the caching allocator's unused cached blocks back ([Note: capture memory])."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    release_for_capture(())
 
 
 def release_for_capture(groups: Iterable, allocator=None) -> None:
     """Before a step on the capture stream or a capture ([Note: capture memory]): the main
     gradients the step's forward would release (those no ``.grad`` holds and no graph pins),
     the allocator's idle buffers when it is given (a capture that owns its slots), then the
-    cached blocks."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # nothing queued still reads what is released
+    cached blocks - after one device synchronize, so nothing queued still reads them."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
     for group in groups:
         group.release_main_grad()
     if allocator is not None:
         allocator.release_idle()
-    release_cached_blocks()
+    if cuda:
+        torch.cuda.empty_cache()

@@ -60,6 +60,11 @@ class RunnerLifecycle:
             torch.cuda.synchronize()  # no replay may still run on what is freed below
         self._free_graphs()
 
+    @property
+    def _groups(self) -> list:
+        """Every parameter group of the runner's units (``self.states``)."""
+        return [g for s in getattr(self, "states", None) or () for g in s.groups]
+
     def _register_with_units(self) -> None:
         """Register with every unit of ``self.states``: offload suspends a unit's runners
         before it moves the buffers their graphs address (offload.py [Note: CUDA graphs

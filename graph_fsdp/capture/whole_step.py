@@ -293,10 +293,6 @@ class WholeStepGraph(RunnerLifecycle):
         root = self.states[0].root
         return root.allocator if root is not None else None
 
-    @property
-    def _groups(self):
-        return [g for s in self.states for g in s.groups]
-
     def _phase(self) -> str:
         if self.graph is not None or self.steps_seen >= self.warmup_steps:
             return "graph"

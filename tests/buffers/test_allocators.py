@@ -767,9 +767,13 @@ def test_idle_slots_and_main_grads_go_before_the_cached_blocks(monkeypatch) -> N
         assert idle and all(s.released for s in idle)
         assert all(not s.released for s in held)
 
-    monkeypatch.setattr(pools, "release_cached_blocks", give_back)
+    # The device as pools.py sees it: synchronized once, first; then the cached blocks go.
+    monkeypatch.setattr(pools.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pools.torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(pools.torch.cuda, "synchronize", lambda: order.append("synchronize"))
+    monkeypatch.setattr(pools.torch.cuda, "empty_cache", give_back)
     pools.release_for_capture([Group("g0"), Group("g1")], allocator)
-    assert order == ["g0", "g1", "cached blocks"]
+    assert order == ["synchronize", "g0", "g1", "cached blocks"]
     DynamicAllocator().release_idle()  # nothing idle to give back: a no-op
 
 
