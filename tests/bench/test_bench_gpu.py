@@ -16,11 +16,11 @@ import json
 import os
 
 import pytest
-import torch
 
 from graph_fsdp.bench.memory import MemoryJob, memory_worker
 from graph_fsdp.bench.peers import BenchSpec, run_unsharded, run_unsharded_captured
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp.testing import needs_gpus
@@ -48,8 +48,7 @@ def _cfg(**kw) -> TrainConfig:
 
 
 def _deterministic() -> None:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
 
 
 def _both_unsharded(rank: int, world_size: int, spec: BenchSpec):

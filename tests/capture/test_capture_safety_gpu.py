@@ -14,12 +14,11 @@ On the reference GPT (bf16, double buffer, deterministic):
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp.testing import needs_gpus
@@ -38,8 +37,7 @@ STEPS, ACCUM = 10, 2
 def _setup(rank: int):
     from graph_fsdp.train import TrainConfig, build_for, shard_model
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     cfg = TrainConfig(
         model=MODEL,
         bf16=True,

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp.testing import needs_gpus
 
@@ -98,8 +99,7 @@ def _train(rank: int, lend: bool, accumulate: bool) -> dict:
 
 
 def _both(rank: int, world: int, accumulate: bool) -> dict:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     return {"eager": _train(rank, False, accumulate), "lent": _train(rank, True, accumulate)}
 
 

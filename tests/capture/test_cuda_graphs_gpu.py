@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp.testing import needs_gpus
@@ -173,8 +174,7 @@ def _lockstep(
     from graph_fsdp.models import build_model, synthetic_batch
     from graph_fsdp.train import shard_model
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     cfg = _cfg(MODELS["gpt"])
     device = torch.device("cuda", rank)
     models, opts = [], []

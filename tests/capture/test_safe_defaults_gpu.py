@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
 from graph_fsdp.testing import needs_gpus
 
@@ -99,8 +100,7 @@ def _hf_run(family: str, graphed: bool) -> dict:
 
 
 def _hf_family(rank: int, world: int, family: str) -> dict:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     return {"eager": _hf_run(family, False), "graphed": _hf_run(family, True)}
 
 

@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import time
 from statistics import median
 
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp.testing import needs_gpus
@@ -139,8 +139,7 @@ def _train(rank: int, world: int, grad_accum: int, kind: str, clip, eager: bool)
 
 
 def _exact_worker(rank: int, world: int, variants: list[tuple]) -> dict:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)  # eager must repeat itself before graphs can
+    use_deterministic_kernels()  # eager must repeat itself before graphs can
     out = {}
     for grad_accum, kind, clip in variants:
         for eager in (True, False):

@@ -23,7 +23,6 @@ Run: python -m pytest -q -s -m gpu tests/core/test_tensor_parallel_gpu.py
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from statistics import median
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.testing import megatron_stack_missing, needs_gpus
 
 pytestmark = [pytest.mark.gpu]
@@ -149,8 +149,7 @@ def _dtensor_train(name: str, dp: int, tp: int, mode: str) -> dict:
 
 
 def _dtensor_all(rank: int, world: int, name: str) -> dict:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     out = {}
     for dp, tp in SHAPES[world]:
         for mode in ("eager", "layerwise", "full_iteration"):

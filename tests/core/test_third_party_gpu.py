@@ -26,12 +26,11 @@ verification must have replayed.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models.hf import HF_DECODERS, hf_decoder, hf_decoder_layers, hf_family_available
 from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp.testing import needs_gpus
@@ -157,8 +156,7 @@ def _family(
     family: str = "llama",
     checkpointing: bool = False,
 ) -> dict:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    use_deterministic_kernels()
     out = {"eager": _train(rank, "eager", [], mask4d, family, checkpointing)}
     for impl, scopes in variants:
         key = f"{impl}:{' '.join(scopes) or 'layer'}"

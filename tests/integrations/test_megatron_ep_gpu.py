@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.launch import spawn
+from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.testing import megatron_stack_missing
 
 pytestmark = pytest.mark.gpu
@@ -97,9 +98,7 @@ def _model(ep: int, **kw):
 def _deterministic() -> None:
     # As the Megatron-Core GPU tests: eager runs must be reproducible before graphs can equal
     # them (Megatron's unfused MoE permutation warns instead of failing: same kernels in both).
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    use_deterministic_kernels(warn_only=True)
 
 
 def _batch(step: int, rank: int, cfg, device, *, eval: bool = False):
