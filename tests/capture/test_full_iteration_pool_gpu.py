@@ -47,6 +47,9 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
     from graph_fsdp.state import collect_states
 
     torch.cuda.synchronize()
+    # Each run makes its own cuBLAS workspaces (an earlier run's would be counted in its start
+    # and freed by the graphed run's capture: pools.py [Note: capture memory]).
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
