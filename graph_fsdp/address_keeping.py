@@ -437,12 +437,6 @@ def static_memory(states: list) -> Callable[[], AbstractContextManager]:
 # expandable_segments) or torch-memory-saver's preload hook is loaded (it does not support
 # them); a model whose addresses are kept captures through that library and is left alone.
 # Replays allocate nothing; only the pool's layout changes.
-# The step before a capture (full_iteration's and the whole step's warmup on the capture
-# stream, layerwise's backend warmups on its side stream) starts from nothing in the same way
-# (pools.py [Note: capture memory] releases the cached blocks first): the same 16-layer GPT's
-# warmup step reserved 1686 MiB on the capture stream for 990 MiB of live blocks, 0.53 GiB
-# above the eager step's reserved peak. It grows expandable segments too; what it leaves
-# cached goes back before the capture.
 
 
 def _expandable_choice() -> bool:
@@ -459,20 +453,13 @@ def _native_allocator() -> bool:
         return False
 
 
-_growing_depth = 0
-"""How many ``growing_segments`` blocks are open (an inner one leaves the setting to the outer)."""
-
-
 @contextmanager
 def growing_segments() -> Iterator[None]:
     """Expandable segments for the allocations inside ([Note: growing capture segments]);
-    nothing changes where the allocator cannot have them (its own segments are used). Nested
-    blocks (a capture inside its warmups' block) leave the setting to the outermost."""
-    global _growing_depth
+    nothing changes where the allocator cannot have them (its own segments are used)."""
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if (
-        _growing_depth
-        or setter is None
+        setter is None
         or _expandable_choice()
         or not torch.cuda.is_available()
         or not _native_allocator()
@@ -484,11 +471,9 @@ def growing_segments() -> Iterator[None]:
     except RuntimeError:  # a torch build or platform without them
         yield
         return
-    _growing_depth += 1
     try:
         yield
     finally:
-        _growing_depth -= 1
         setter("expandable_segments:False")
 
 

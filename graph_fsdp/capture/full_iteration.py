@@ -82,7 +82,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import capture_segments, graph_capture, static_memory
+from graph_fsdp.address_keeping import graph_capture, static_memory
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -346,11 +346,7 @@ class FullIterationGraphs(RunnerLifecycle):
                 release_for_capture(self._groups)  # pools.py [Note: capture memory]
             # The step before the capture also checks TE attention (te_backend.py [Note: TE
             # attention under capture]): refused here, it never reaches the capture.
-            with (
-                capture_segments(self.states),  # address_keeping.py
-                self._on_capture_stream(),
-                attention_capture_guard("torch", self._tracker.names),
-            ):
+            with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
                 return detached(fn(*args, **kwargs))
         if pos.graph is None:
             # The capture runs the step's Python (FSDP's flags) but none of its kernels:

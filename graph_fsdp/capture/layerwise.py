@@ -392,10 +392,12 @@ class LayerwiseGraphs(RunnerLifecycle):
                 attention_capture_guard(self.impl, self._tracker.names),
                 nvtx_range(f"graph_fsdp/capture/{self.impl}/{label}"),
                 no_collection(),
-                capture_segments(self.states),  # the warmups too: address_keeping.py
             ):
                 if self.impl == "te":
-                    capture_te(self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool)
+                    with capture_segments(self.states):  # address_keeping.py
+                        capture_te(
+                            self.caps, hooks, warmup_iters=self.warmup_iters, pool=self._pool
+                        )
                 else:
                     capture_torch(
                         self.caps,

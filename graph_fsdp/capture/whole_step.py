@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import capture_segments, graph_capture
+from graph_fsdp.address_keeping import graph_capture
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -225,11 +225,7 @@ class WholeStepGraph(RunnerLifecycle):
             # workspaces, NCCL's stream state); the cached blocks of earlier steps go back
             # first: this stream cannot reuse another stream's (pools.py [Note: capture memory]).
             release_for_capture(self._groups)
-            with (
-                capture_segments(self.states),  # address_keeping.py
-                self._on_capture_stream(),
-                attention_capture_guard("torch", self._tracker.names),
-            ):
+            with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
                 return self._result(*self._body(rec.fn, calls), owned=True)
         if rec.graph is None:
             self._capture(rec)

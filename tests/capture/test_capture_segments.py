@@ -103,21 +103,3 @@ def test_kept_addresses_capture_through_their_library() -> None:
     assert ak.graph_capture(_states(pools), keeper_pool=False) is torch.cuda.graph
     assert ak.graph_capture(_states(pools)) not in (torch.cuda.graph, ak._growing_graph)
     assert type(ak.capture_segments(_states(pools))).__name__ == "nullcontext"
-
-
-def test_a_capture_inside_its_warmups_block_leaves_the_setting_to_the_outer(settings) -> None:
-    # layerwise.py: the backend's warmups and its captures (each in its own block) in one
-    with ak.growing_segments():
-        with ak.growing_segments():
-            pass
-        assert settings == ["expandable_segments:True"]  # still on for the next warmup
-        with ak.growing_segments():
-            pass
-    assert settings == ["expandable_segments:True", "expandable_segments:False"]
-    assert ak._growing_depth == 0
-    settings.clear()
-    with pytest.raises(RuntimeError, match="warmup failed"), ak.growing_segments():
-        with ak.growing_segments():
-            raise RuntimeError("warmup failed")
-    assert settings == ["expandable_segments:True", "expandable_segments:False"]
-    assert ak._growing_depth == 0
