@@ -47,8 +47,12 @@ def pool_bytes(pools: Iterable) -> dict[str, int]:
 # steps' cached blocks before the pool is made, and after it what the warmup calls cached on
 # the backend's side stream (of no use to the main stream). The layerwise row of that test
 # reserved 1.41x the eager row's peak, with 1.32 GiB of the default pool unused at its peak.
-# cuBLAS's workspaces (32 MiB per stream under CUBLAS_WORKSPACE_CONFIG=:4096:8) go back as
-# well: a capture clears them when it begins, too late for the warmup step's to return.
+# cuBLAS's workspaces (a cached block per handle and stream, 32 MiB under
+# CUBLAS_WORKSPACE_CONFIG=:4096:8) go back as well: the default stream's, which the eager steps
+# made, would stay allocated through the warmup step (which makes the capture stream's) and
+# through the capture (which clears the workspaces as it begins and makes the graph's). On
+# the small GPT of the pool test two such workspaces left by an earlier run were 64 MiB of
+# its graphed run's peak allocated bytes.
 def release_cached_blocks() -> None:
     """Give the caching allocator's unused cached blocks back ([Note: capture memory])."""
     release_for_capture(())
@@ -67,8 +71,7 @@ def release_for_capture(groups: Iterable, allocator=None) -> None:
     if allocator is not None:
         allocator.release_idle()
     if cuda:
-        # cuBLAS's per-stream workspaces are cached blocks too (a capture clears them at its
-        # start, after this: the warmup step's would stay cached on the capture stream).
+        # cuBLAS's per-stream workspaces: the next matmul on a stream makes its own again.
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
         if clear_workspaces is not None:
             clear_workspaces()
