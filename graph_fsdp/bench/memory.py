@@ -295,25 +295,41 @@ def reserved_at_peak(
         return next((name for lo, hi, name in pools if lo <= addr < hi), "default")
 
     by_pool: dict[str, dict[str, int]] = {}
-    owner: list[tuple[int, int, str]] = []
+    by_stream: dict[str, dict[str, int]] = {}
+    owner: list[tuple[int, int, str, str | None]] = []
     for start, (size, made) in ranges.items():
         name = pool_of(start) if made in survivors else "default"
-        owner.append((start, start + size, name))
-        entry = by_pool.setdefault(name, {"reserved": 0, "allocated": 0})
-        entry["reserved"] += size
+        stream = _stream_label(events[made].get("stream")) if name == "default" else None
+        owner.append((start, start + size, name, stream))
+        for table, key in ((by_pool, name), (by_stream, stream)):
+            if key is not None:
+                table.setdefault(key, {"reserved": 0, "allocated": 0})["reserved"] += size
     by_role: dict[str, int] = {}
     for addr, block in live.items():
-        name = next((n for lo, hi, n in owner if lo <= addr < hi), "default")
-        entry = by_pool.setdefault(name, {"reserved": 0, "allocated": 0})
-        entry["allocated"] += block["size"]
+        name, stream = next(
+            ((n, st) for lo, hi, n, st in owner if lo <= addr < hi), ("default", None)
+        )
+        for table, key in ((by_pool, name), (by_stream, stream)):
+            if key is not None:
+                table.setdefault(key, {"reserved": 0, "allocated": 0})["allocated"] += block["size"]
         role = role_of(block)
         by_role[role] = by_role.get(role, 0) + block["size"]
     return {
         "peak_reserved_bytes": peak,
         "event_index": peak_at,
         "by_pool": by_pool,
+        "default_pool_by_stream": by_stream,
         "by_role": dict(sorted(by_role.items(), key=lambda kv: _role_rank(kv[0]))),
     }
+
+
+DEFAULT_STREAM = "default stream"
+
+
+def _stream_label(stream: int | None) -> str:
+    """The default pool keeps cached blocks per stream (one stream cannot use another's):
+    the default stream, or another by its handle (a capture stream, a side stream)."""
+    return DEFAULT_STREAM if not stream else f"stream {stream:#x}"
 
 
 def role_from_frames(frames: list[dict]) -> str:
@@ -500,6 +516,15 @@ def _unused(result: dict, *, graph: bool) -> int | None:
     )
 
 
+def _unused_off_default_stream(result: dict) -> int | None:
+    """Bytes of the default pool reserved on streams other than the default stream, unused at
+    the reserved peak: cached blocks the default stream's work cannot reuse."""
+    streams = _at_reserved_peak(result, "default_pool_by_stream")
+    if streams is None:
+        return None
+    return sum(v["reserved"] - v["allocated"] for k, v in streams.items() if k != DEFAULT_STREAM)
+
+
 def format_table(results: dict[str, dict]) -> str:
     """Markdown: one column per run (GiB), one row per role, peak and reserved last."""
     names = list(results)
@@ -530,6 +555,7 @@ def format_table(results: dict[str, dict]) -> str:
         ("max_memory_allocated", lambda r: r.get("max_memory_allocated")),
         ("**peak reserved (trace)**", lambda r: _at_reserved_peak(r, "peak_reserved_bytes")),
         ("at that peak: unused in the default pool", lambda r: _unused(r, graph=False)),
+        ("of which on other streams than the default", _unused_off_default_stream),
         ("at that peak: unused in graph pools", lambda r: _unused(r, graph=True)),
         ("reserved at end, all pools", lambda r: sum(r.get("reserved_by_pool", {}).values())),
         (

@@ -11,6 +11,7 @@ from graph_fsdp.bench.memory import (
     Known,
     MemoryJob,
     _known,
+    _unused_off_default_stream,
     attribute,
     format_table,
     known_bytes,
@@ -109,6 +110,7 @@ def test_reserved_peak_counts_segments_per_pool_used_or_not() -> None:
         "graph pool (1, 0)": {"reserved": 400, "allocated": 0},
     }
     assert out["by_role"] == {}
+    assert out["default_pool_by_stream"] == {"default stream": {"reserved": 1000, "allocated": 0}}
     # Without the empty_cache the pool's growth is the peak (reached at its segment_alloc,
     # before the block that asked for it).
     kept = [e for e in events if e["action"] != "segment_free"]
@@ -137,6 +139,31 @@ def test_reserved_peak_counts_segments_per_pool_used_or_not() -> None:
     late = reserved_at_peak(mapped + [segment("segment_map", 4096, 1024)], [], lambda b: "x")
     assert late["peak_reserved_bytes"] == 256 + 256 + 64 + 1024
     assert late["by_pool"]["default"]["reserved"] == 256 + 256 + 64 + 1024
+
+
+def test_reserved_peak_splits_the_default_pool_by_stream() -> None:
+    """A capture stream's cached blocks are the default pool's but out of the default
+    stream's reach: the peak says how much of the unused bytes sit on other streams."""
+    side = 0x7F00
+    events = [
+        segment("segment_alloc", 0, 1000),  # default stream: 600 live, 300 cached
+        alloc(0, 600, frame(GPT, "forward")),
+        {**alloc(1000, 300, frame(GPT, "forward"))},
+        *free(1000),  # cached on the default stream
+        {**segment("segment_alloc", 2000, 800), "stream": side},  # the peak: nothing live yet
+        {**alloc(2000, 500, frame(GPT, "forward")), "stream": side},
+    ]
+    out = reserved_at_peak(events, [], lambda b: "x")
+    assert out["peak_reserved_bytes"] == 1800 and out["event_index"] == 5
+    assert out["by_pool"] == {"default": {"reserved": 1800, "allocated": 600}}
+    assert out["default_pool_by_stream"] == {
+        "default stream": {"reserved": 1000, "allocated": 600},
+        "stream 0x7f00": {"reserved": 800, "allocated": 0},
+    }
+    assert _unused_off_default_stream({"reserved_peak": out}) == 800
+    assert "| of which on other streams than the default |" in format_table(
+        {"run": {"reserved_peak": out}}
+    )
 
 
 def test_attribute_by_address_then_by_stack() -> None:
