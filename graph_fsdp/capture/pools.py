@@ -50,9 +50,9 @@ def pool_bytes(pools: Iterable) -> dict[str, int]:
 # cuBLAS's workspaces (a cached block per handle and stream, 32 MiB under
 # CUBLAS_WORKSPACE_CONFIG=:4096:8) go back as well: the default stream's, which the eager steps
 # made, would stay allocated through the warmup step (which makes the capture stream's) and
-# through the capture (which clears the workspaces as it begins and makes the graph's). On
-# the small GPT of the pool test two such workspaces left by an earlier run were 64 MiB of
-# its graphed run's peak allocated bytes.
+# through the capture (whose matmuls use a workspace of their own). On the small GPT of the
+# pool test two such workspaces left by an earlier run were 64 MiB of its graphed run's peak
+# allocated bytes.
 def release_cached_blocks() -> None:
     """Give the caching allocator's unused cached blocks back ([Note: capture memory])."""
     release_for_capture(())
