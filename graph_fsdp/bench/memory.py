@@ -296,19 +296,29 @@ def reserved_at_peak(
 
     by_pool: dict[str, dict[str, int]] = {}
     by_stream: dict[str, dict[str, int]] = {}
-    owner: list[tuple[int, int, str, str | None]] = []
-    for start, (size, made) in ranges.items():
+    owner: list[dict] = []
+    for start, (size, made) in sorted(ranges.items()):
         name = pool_of(start) if made in survivors else "default"
         stream = _stream_label(events[made].get("stream")) if name == "default" else None
-        owner.append((start, start + size, name, stream))
+        owner.append(
+            {
+                "start": start,
+                "reserved": size,
+                "allocated": 0,
+                "pool": name,
+                "stream": stream,
+                "made_at": made,
+            }
+        )
         for table, key in ((by_pool, name), (by_stream, stream)):
             if key is not None:
                 table.setdefault(key, {"reserved": 0, "allocated": 0})["reserved"] += size
     by_role: dict[str, int] = {}
     for addr, block in live.items():
-        name, stream = next(
-            ((n, st) for lo, hi, n, st in owner if lo <= addr < hi), ("default", None)
-        )
+        rng = next((r for r in owner if r["start"] <= addr < r["start"] + r["reserved"]), None)
+        name, stream = (rng["pool"], rng["stream"]) if rng else ("default", None)
+        if rng is not None:
+            rng["allocated"] += block["size"]
         for table, key in ((by_pool, name), (by_stream, stream)):
             if key is not None:
                 table.setdefault(key, {"reserved": 0, "allocated": 0})["allocated"] += block["size"]
@@ -320,7 +330,49 @@ def reserved_at_peak(
         "by_pool": by_pool,
         "default_pool_by_stream": by_stream,
         "by_role": dict(sorted(by_role.items(), key=lambda kv: _role_rank(kv[0]))),
+        "unused_ranges": _largest_unused(owner, events),
     }
+
+
+TOP_RANGES = 12
+"""Reserved ranges listed at the reserved peak (most unused bytes first)."""
+
+
+def _largest_unused(owner: list[dict], events: list[dict]) -> list[dict]:
+    """The reserved ranges with the most unused bytes at the reserved peak, each with the
+    allocation that made the allocator reserve it (the first block allocated after the
+    segment event: its site, its stream)."""
+    out = []
+    for r in sorted(owner, key=lambda r: r["allocated"] - r["reserved"])[:TOP_RANGES]:
+        if r["reserved"] == r["allocated"]:
+            break
+        made = r["made_at"]
+        asker = next((e for e in events[made + 1 : made + 8] if e.get("action") == "alloc"), None)
+        out.append(
+            {
+                "reserved": r["reserved"],
+                "allocated": r["allocated"],
+                "pool": r["pool"],
+                "stream": _stream_label(events[made].get("stream")),
+                "made_at": made,
+                "made_for": alloc_site(asker.get("frames", [])) if asker else "?",
+            }
+        )
+    return out
+
+
+def format_unused_ranges(result: dict) -> str:
+    """The reserved ranges with the most unused bytes at the reserved peak."""
+    lines = [
+        "| reserved MiB | used MiB | pool | stream | made at event | made for (allocation site) |",
+        "|--:|--:|---|---|--:|---|",
+    ]
+    for r in (result.get("reserved_peak") or {}).get("unused_ranges", []):
+        lines.append(
+            f"| {r['reserved'] / 2**20:.1f} | {r['allocated'] / 2**20:.1f} | {r['pool']} | "
+            f"{r['stream']} | {r['made_at']} | `{r['made_for']}` |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 DEFAULT_STREAM = "default stream"

@@ -37,6 +37,7 @@ from graph_fsdp.bench.memory import (
     MemoryJob,
     format_sites,
     format_table,
+    format_unused_ranges,
     memory_worker,
     write_result,
 )
@@ -275,6 +276,9 @@ def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
     if out.get("top_sites"):
         print("\nLargest blocks at the peak that no known tensor claims:\n")
         print(format_sites(out), end="")
+    if (out.get("reserved_peak") or {}).get("unused_ranges"):
+        print("\nReserved ranges with the most unused bytes at the reserved peak:\n")
+        print(format_unused_ranges(out), end="")
     if out.get("note"):
         print(f"note: {out['note']}")
     print(f"wrote {path}", file=sys.stderr)

@@ -14,6 +14,7 @@ from graph_fsdp.bench.memory import (
     _unused_off_default_stream,
     attribute,
     format_table,
+    format_unused_ranges,
     known_bytes,
     memory_worker,
     merge,
@@ -161,6 +162,16 @@ def test_reserved_peak_splits_the_default_pool_by_stream() -> None:
         "stream 0x7f00": {"reserved": 800, "allocated": 0},
     }
     assert _unused_off_default_stream({"reserved_peak": out}) == 800
+    # The ranges with the most unused bytes, each with the allocation it was reserved for.
+    ranges = out["unused_ranges"]
+    assert [(r["reserved"], r["allocated"], r["stream"]) for r in ranges] == [
+        (800, 0, "stream 0x7f00"),
+        (1000, 600, "default stream"),
+    ]
+    assert ranges[0]["made_at"] == 5 and "gpt.py" in ranges[0]["made_for"]
+    assert "| 0.0 | 0.0 | default | stream 0x7f00 | 5 | `" in format_unused_ranges(
+        {"reserved_peak": out}
+    )
     assert "| of which on other streams than the default |" in format_table(
         {"run": {"reserved_peak": out}}
     )
