@@ -87,6 +87,21 @@ def nvtx_range(name: str):
     return rng
 
 
+STEP_RANGE_PREFIX = "graph_fsdp/step/"
+"""A training step's range: ``graph_fsdp/step/<i>`` (bench/trace.py delimits a profiled step by
+it)."""
+
+
+def step_range(step: int):
+    """``graph_fsdp/step/<step>`` around one training step: a torch-profiler range while the
+    profiler records (so a graphed step, whose optimizer runs inside a replay or outside any
+    Python range, still has a window), an NVTX range when :func:`nvtx_enabled`, else nothing."""
+    name = f"{STEP_RANGE_PREFIX}{step}"
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return nvtx_range(name)
+
+
 _CURRENT: dict[int, tuple[tuple, torch.cuda.Stream]] = {}
 CUDA_GET_CURRENT_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
 """What ``torch.cuda.current_stream`` reads (absent from CPU-only builds)."""

@@ -34,6 +34,7 @@ from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.capture.whole_step import WholeStepGraph
+from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.interrupt import mean_loss_and_stop
 
@@ -246,36 +247,39 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
             graphs.before_step()  # capture (after the warmup steps) is not timed
         if device.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        clock = HostClock()
-        batches = adapter.microbatches(step, device)
-        if whole_step is not None:
-            # Microbatches, reductions, clipping, optimizer and zeroing: one call (one replay
-            # once captured, the capture step included in its time).
-            step_loss = whole_step([b for micro in batches for b in micro]).loss
-        else:
-            step_loss = _forward_backward(
-                trainer,
-                batches,
-                micros=cfg.grad_accum,
-                graphs=graphs,
-                schedule=schedule,
-                denom=denom,
-                clock=clock,
+        with step_range(step):  # the step's window in a profile: cuda_streams.py
+            t0 = time.perf_counter()
+            clock = HostClock()
+            batches = adapter.microbatches(step, device)
+            if whole_step is not None:
+                # Microbatches, reductions, clipping, optimizer and zeroing: one call (one replay
+                # once captured, the capture step included in its time).
+                step_loss = whole_step([b for micro in batches for b in micro]).loss
+            else:
+                step_loss = _forward_backward(
+                    trainer,
+                    batches,
+                    micros=cfg.grad_accum,
+                    graphs=graphs,
+                    schedule=schedule,
+                    denom=denom,
+                    clock=clock,
+                )
+                trainer.grads_to_main()
+                if cfg.clip_grad > 0:
+                    trainer.clip_grad_norm_(cfg.clip_grad)
+                trainer.optimizer_step()
+            # The mean loss over the ranks and their stop requests: interrupt.py [Note: stopping at
+            # a step boundary].
+            step_loss, stop_votes = mean_loss_and_stop(
+                step_loss.detach().float(), trainer.loss_world
             )
-            trainer.grads_to_main()
-            if cfg.clip_grad > 0:
-                trainer.clip_grad_norm_(cfg.clip_grad)
-            trainer.optimizer_step()
-        # The mean loss over the ranks and their stop requests: interrupt.py [Note: stopping at
-        # a step boundary].
-        step_loss, stop_votes = mean_loss_and_stop(step_loss.detach().float(), trainer.loss_world)
-        host["step"].append(time.perf_counter() - t0)  # all of the step issued
-        host["forward"].append(clock.forward)
-        host["backward"].append(clock.backward)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+            host["step"].append(time.perf_counter() - t0)  # all of the step issued
+            host["forward"].append(clock.forward)
+            host["backward"].append(clock.backward)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
         losses.append(step_loss.item())
         stopping = stop_votes.item() > 0
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:

@@ -6,7 +6,8 @@ that names what it does with ``graph_fsdp/<phase>/<fqn>`` ranges: ``step/<i>``,
 ``backward/model`` and ``optimizer/step``. They are ``record_function`` ranges, which the
 torch profiler sees, and on CUDA also NVTX ranges, which nsys sees (the engine's own
 ``graph_fsdp/...`` ranges are NVTX only). Graphed runs go through ``train.run`` itself,
-which owns capture; their steps are then delimited by the optimizer's profiler ranges.
+which owns capture and names each step ``graph_fsdp/step/<i>`` too (loop.py), the
+one-graph step included (its optimizer runs inside the replay).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.bench.trace import summarize_trace
+from graph_fsdp.cuda_streams import STEP_RANGE_PREFIX
 from graph_fsdp.models import synthetic_batch, transformer_layers
 from graph_fsdp.train import (
     TrainConfig,
@@ -97,7 +99,7 @@ def _eager_steps(rank: int, cfg: TrainConfig, device: torch.device):
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        with named_range(f"graph_fsdp/step/{i}", cuda):
+        with named_range(f"{STEP_RANGE_PREFIX}{i}", cuda):
             for micro in range(cfg.grad_accum):
                 x, y = synthetic_batch(
                     cfg.model,
@@ -131,7 +133,7 @@ def profile_worker(rank: int, world_size: int, job: ProfileJob) -> dict | None:
     times: list[float] = []
     with ExitStack() as stack:
         if graphed:
-            # train.run owns capture: profile all of it; the optimizer ranges delimit steps.
+            # train.run owns capture: profile all of it; its step ranges delimit steps.
             run_cfg = replace(cfg, steps=job.warmup + cfg.steps, return_params=False, log_path=None)
             prof = (
                 stack.enter_context(torch.profiler.profile(activities=activities))

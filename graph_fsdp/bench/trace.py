@@ -3,7 +3,8 @@
 Pure functions over the trace JSON, so they are tested with hand-written traces.
 
 * Steps are the ``graph_fsdp/step/<i>`` ranges when present, else the spans between
-  consecutive ``Optimizer.step#...`` ranges (what ``train.run`` leaves), else the whole trace.
+  consecutive ``Optimizer.step#...`` ranges (a loop without step ranges), else the whole
+  trace.
 * On CUDA, busy time is the union of kernels and memcpy/memset; collectives are kernels whose
   name contains ``nccl``; compute is every other kernel.
 * On CPU (gloo), busy time is the union of ``cpu_op`` events; collectives are ops and ranges
@@ -19,6 +20,8 @@ import bisect
 import re
 from collections import defaultdict
 
+from graph_fsdp.cuda_streams import STEP_RANGE_PREFIX
+
 Interval = tuple[float, float]
 
 COLLECTIVE = re.compile(
@@ -27,7 +30,6 @@ COLLECTIVE = re.compile(
     re.IGNORECASE,
 )
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-STEP_PREFIX = "graph_fsdp/step/"
 RANGE_PREFIX = "graph_fsdp/"
 OPTIMIZER_STEP = "Optimizer.step#"
 
@@ -100,7 +102,9 @@ def _span(e: dict) -> Interval:
 def _step_windows(events: list[dict]) -> list[tuple[str, float, float]]:
     ann = [e for e in events if e.get("cat") == "user_annotation"]
     steps = sorted(
-        (_span(e)[0], _span(e)[1], e["name"]) for e in ann if e["name"].startswith(STEP_PREFIX)
+        (_span(e)[0], _span(e)[1], e["name"])
+        for e in ann
+        if e["name"].startswith(STEP_RANGE_PREFIX)
     )
     if steps:
         return [(name, lo, hi) for lo, hi, name in steps]
@@ -173,7 +177,7 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
         if (
             e.get("cat") == "user_annotation"
             and name.startswith(RANGE_PREFIX)
-            and not name.startswith(STEP_PREFIX)
+            and not name.startswith(STEP_RANGE_PREFIX)
             and _span(e)[0] >= start
         ):
             ranges[name].append(float(e["dur"]))

@@ -88,3 +88,30 @@ def test_optimizer_ranges_delimit_steps_when_there_are_no_step_ranges() -> None:
     assert [(x["name"], x["wall_ms"]) for x in s["steps"]] == [("step 0", 0.05), ("step 1", 0.05)]
     assert s["skipped_steps"] == 1 and s["mean_step_ms"] == pytest.approx(0.05)
     assert "(warmup, excluded)" in format_summary(s, title="t")
+
+
+def test_the_training_loop_names_each_step_for_the_profiler(tmp_path) -> None:
+    # loop.py wraps every step in graph_fsdp/step/<i> while the torch profiler records, so a
+    # graphed step (its optimizer inside a replay, no Optimizer.step range) has a window; the
+    # loop runs here on CPU (the unsharded reference, one process), the windows are the same.
+    import json
+
+    import torch
+
+    from graph_fsdp.cuda_streams import STEP_RANGE_PREFIX, step_range
+    from graph_fsdp.models import GPTConfig
+    from graph_fsdp.train import TrainConfig, run
+
+    model = GPTConfig(
+        vocab_size=64, num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8
+    )
+    cfg = TrainConfig(model=model, micro_batch_size=1, steps=3, mode="reference")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run(0, 1, cfg)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    s = summarize_trace(json.loads(path.read_text()), skip_steps=1)
+    assert [x["name"] for x in s["steps"]] == [f"{STEP_RANGE_PREFIX}{i}" for i in range(3)]
+    assert s["skipped_steps"] == 1
+    # Outside a profile (and without NVTX) the range costs nothing: a shared no-op context.
+    assert step_range(0) is step_range(1)
