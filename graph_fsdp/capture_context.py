@@ -16,8 +16,6 @@ only reads it:
   replays, outside the graph), and its verification's eager run does the same.
 - ``comm_graphs`` (``lend_comm_graphs``): a layerwise runner's communication graphs, through
   which every group gathers and reduces (capture/comm_graphs.py [Note: communication graphs]).
-- ``pin_main_grads()``: a graph writes the main gradients at their address, so their storage
-  is never released between steps (param_group.py [Note: releasable main grads]).
 - ``forget_events()``: a whole-step capture starts and ends with no stream event pending
   (full_iteration.py [Note: full-iteration capture]).
 
@@ -96,12 +94,6 @@ class CaptureContext:
 
     def take_comm_graphs_back(self) -> None:
         self.comm_graphs = None
-
-    def pin_main_grads(self) -> None:
-        """Give every group's main gradients their bytes and keep them from now on."""
-        for state in self._states:
-            for group in state.groups:
-                group.pin_main_grad()
 
     def forget_events(self) -> None:
         """After a device synchronize, around a whole-step capture: the events recorded outside

@@ -177,12 +177,10 @@ def _train_steps(rank: int, graphs: bool, pin: bool, mixed: bool, comm) -> dict:
             # Every buffer in place (what the GPU's caching allocator gives a steady loop;
             # CPU allocations move): keys repeat, replays must match them.
             if pin:
-                root.capture.pin_main_grads()
                 root.allocator.pin_roles(("param", "grad", "grad_comm", "rs_out"))
-            else:
-                for state in root.states:
-                    for group in state.groups:
-                        group.ensure_main_grad()
+            for state in root.states:
+                for group in state.groups:
+                    (group.pin_main_grad if pin else group.ensure_main_grad)()
         for m in range(micro):
             model.set_requires_gradient_sync(m == micro - 1)
             x, y = synthetic_batch(

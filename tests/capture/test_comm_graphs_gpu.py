@@ -72,7 +72,9 @@ def _train(rank: int, lend: bool, accumulate: bool) -> dict:
         if lend and step == 1:  # after an eager step, as a layerwise runner lends them
             root.allocator.pin_roles(("param", "grad", "grad_comm", "rs_out"))
             root.capture.lend_comm_graphs(comm)
-            root.capture.pin_main_grads()
+            for state in root.states:
+                for group in state.groups:
+                    group.pin_main_grad()
         micro = 2 if accumulate else 1
         total = torch.zeros((), device=device)
         for m in range(micro):

@@ -99,7 +99,8 @@ def _switches(rank: int, world: int) -> dict:
     opt.zero_grad(set_to_none=True)
     model(x)
     out["released"] = [g.main_grad.untyped_storage().nbytes() for g in groups]
-    capture.pin_main_grads()
+    for g in groups:  # as a full_iteration capture pins them
+        g.pin_main_grad()
     opt.zero_grad(set_to_none=True)
     model(x)
     out["pinned"] = [g.main_grad.untyped_storage().nbytes() for g in groups]
