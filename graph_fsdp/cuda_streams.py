@@ -2,14 +2,15 @@
 
 ``nvtx_range(name)`` emits a range only while a profiler listens (or ``GRAPH_FSDP_NVTX=1``);
 ``current_stream(device)`` reuses the stream handle while the stream is unchanged;
-``stream_capturing()`` says whether a CUDA graph is being recorded. They sit on the ground
+``stream_capturing()`` says whether a CUDA graph is being recorded; ``on_side_stream(stream)``
+runs a block on another stream, ordered after and before the current one's work. They sit on the ground
 floor so that buffers/, the core and capture/ share them without importing each other.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -126,3 +127,16 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
 
 def stream_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextmanager
+def on_side_stream(stream: torch.cuda.Stream):
+    """Run the block on ``stream``: it starts after the work queued on the current stream and
+    the current stream's later work waits for it. Tensors the block makes are ``stream``'s in
+    the caching allocator; the next block on ``stream`` waits for the current stream again,
+    so their bytes are not reused while the current stream may still read them."""
+    main = torch.cuda.current_stream()
+    stream.wait_stream(main)
+    with torch.cuda.stream(stream):
+        yield
+    main.wait_stream(stream)

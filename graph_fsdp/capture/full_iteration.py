@@ -69,6 +69,17 @@ offload region pins for good): when the runner drops its graphs, or is collected
 ``close()``, it takes its pins back, and once no holder is left the next forward releases the
 main gradients and the pool's bytes go back with the graphs. A second runner that captured
 while the first held them writes the same bytes and holds its own pin on them.
+
+[Note: eager steps on the capture stream] A graphed runner (this one, whole_step.py) runs the
+steps before its capture on its capture stream, not only the warmup step. cuBLAS keeps a
+workspace per handle and stream (32 MiB each under CUBLAS_WORKSPACE_CONFIG=:4096:8; the
+forward's thread and autograd's each have a handle): eager steps on the caller's stream left a
+set there that stayed allocated, unused, through the capture and every replay, beside the
+capture stream's set the graph uses - 64 MiB of a small GPT's graphed peak. Freeing them is
+not safe (pools.py [Note: capture memory]); not making them is. The blocks those steps cache
+are the capture stream's as well, where the warmup step and the capture can reuse them. The
+caller's stream waits for each step (``on_side_stream``): the optimizer and the caller read
+its results in order. ``eager=True`` runs on the caller's stream.
 """
 
 from __future__ import annotations
@@ -113,7 +124,7 @@ from graph_fsdp.capture.verify import (
     VerifyResult,
     verify_step,
 )
-from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.cuda_streams import nvtx_range, on_side_stream
 from graph_fsdp.state import collect_states
 from graph_fsdp.tensor_parallel import data_address
 
@@ -339,14 +350,17 @@ class FullIterationGraphs(RunnerLifecycle):
             )
         else:
             check_step_call(pos, micro, fn, args, kwargs, sync)
-        if self.eager or self._phase == "eager":
+        if self.eager:
             return detached(fn(*args, **kwargs))
+        if self._phase == "eager":  # [Note: eager steps on the capture stream]
+            with on_side_stream(self.stream):
+                return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
             if micro == 0:
                 release_for_capture(self._groups)  # pools.py [Note: capture memory]
             # The step before the capture also checks TE attention (te_backend.py [Note: TE
             # attention under capture]): refused here, it never reaches the capture.
-            with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
+            with on_side_stream(self.stream), attention_capture_guard("torch", self._tracker.names):
                 return detached(fn(*args, **kwargs))
         if pos.graph is None:
             # The capture runs the step's Python (FSDP's flags) but none of its kernels:
@@ -383,7 +397,7 @@ class FullIterationGraphs(RunnerLifecycle):
             # here as well. On the capture stream, like the warmup step: autograd nodes it
             # creates are bound to that stream, so the next position's capture is not pulled
             # off it.
-            with capture.refreshing_weights(), self._on_capture_stream():
+            with capture.refreshing_weights(), on_side_stream(self.stream):
                 return detached(pos.fn(*args, **kwargs))
 
         result, out = verify_step(
@@ -399,14 +413,6 @@ class FullIterationGraphs(RunnerLifecycle):
         )
         record_verification(self.verification, result, self.verify, self._tracker)
         return out
-
-    @contextmanager
-    def _on_capture_stream(self):
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            yield
-        main.wait_stream(self.stream)
 
     def _capture(self, micro: int, pos: StepPosition) -> None:
         t0 = time.perf_counter()

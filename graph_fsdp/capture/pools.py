@@ -47,12 +47,15 @@ def pool_bytes(pools: Iterable) -> dict[str, int]:
 # steps' cached blocks before the pool is made, and after it what the warmup calls cached on
 # the backend's side stream (of no use to the main stream). The layerwise row of that test
 # reserved 1.41x the eager row's peak, with 1.32 GiB of the default pool unused at its peak.
-# cuBLAS's workspaces (a cached block per handle and stream, 32 MiB under
-# CUBLAS_WORKSPACE_CONFIG=:4096:8) go back as well: the default stream's, which the eager steps
-# made, would stay allocated through the warmup step (which makes the capture stream's) and
-# through the capture (whose matmuls use a workspace of their own). On the small GPT of the
-# pool test two such workspaces left by an earlier run were 64 MiB of its graphed run's peak
-# allocated bytes.
+# cuBLAS's workspaces (a cached block per cuBLAS handle and stream, 32 MiB under
+# CUBLAS_WORKSPACE_CONFIG=:4096:8) are not given back here: a graph captured with a workspace
+# made before its capture (the warmup step on the capture stream makes it) replays matmuls into
+# that block, so clearing the workspaces before a later capture - the next layer's graph, a
+# TransformerEngine graph, a user's - frees memory a live graph still writes. Measured on 2 H200s:
+# layerwise graphs of a 16-layer GPT failed with "unspecified launch failure" two steps after
+# their captures when this function cleared them. The graphed runners run their eager steps on
+# the capture stream instead (full_iteration.py, whole_step.py), so the default stream never makes
+# a second set of workspaces ([Note: eager steps on the capture stream]).
 def release_cached_blocks() -> None:
     """Give the caching allocator's unused cached blocks back ([Note: capture memory])."""
     release_for_capture(())
@@ -71,8 +74,4 @@ def release_for_capture(groups: Iterable, allocator=None) -> None:
     if allocator is not None:
         allocator.release_idle()
     if cuda:
-        # cuBLAS's per-stream workspaces: the next matmul on a stream makes its own again.
-        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-        if clear_workspaces is not None:
-            clear_workspaces()
         torch.cuda.empty_cache()

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -90,7 +89,7 @@ from graph_fsdp.capture.step_optimizer import (
 from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
 from graph_fsdp.capture.torch_backend import CallSignature
-from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.cuda_streams import nvtx_range, on_side_stream
 from graph_fsdp.grad_norm import clip_grads_, global_grad_norm
 from graph_fsdp.state import collect_states
 from graph_fsdp.tensor_parallel import data_address
@@ -218,14 +217,17 @@ class WholeStepGraph(RunnerLifecycle):
         self.learning_rates.sync()
         phase = self._phase()
         self.steps_seen += 1
-        if self.eager or phase == "eager":
+        if self.eager:
             return self._result(*self._body(rec.fn, calls), owned=True)
+        if phase == "eager":  # full_iteration.py [Note: eager steps on the capture stream]
+            with on_side_stream(self.stream):
+                return self._result(*self._body(rec.fn, calls), owned=True)
         if phase == "warmup":
             # What the capture will need exists before it, made on its stream (per-stream
             # workspaces, NCCL's stream state); the cached blocks of earlier steps go back
             # first: this stream cannot reuse another stream's (pools.py [Note: capture memory]).
             release_for_capture(self._groups)
-            with self._on_capture_stream(), attention_capture_guard("torch", self._tracker.names):
+            with on_side_stream(self.stream), attention_capture_guard("torch", self._tracker.names):
                 return self._result(*self._body(rec.fn, calls), owned=True)
         if rec.graph is None:
             self._capture(rec)
@@ -425,14 +427,6 @@ class WholeStepGraph(RunnerLifecycle):
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer stepped
         outputs = [tree_unflatten(flat, spec) for flat, spec in rec.static_outputs]
         return self._result(outputs, rec.static_summary, rec.has_loss, owned=False)
-
-    @contextmanager
-    def _on_capture_stream(self):
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            yield
-        main.wait_stream(self.stream)
 
 
 # [Note: optimizer state the graph addresses] The captured optimizer step reads and writes

@@ -772,11 +772,11 @@ def test_idle_slots_and_main_grads_go_before_the_cached_blocks(monkeypatch) -> N
     monkeypatch.setattr(pools.torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(pools.torch.cuda, "synchronize", lambda: order.append("synchronize"))
     monkeypatch.setattr(pools.torch.cuda, "empty_cache", give_back)
-    # cuBLAS's workspaces are cached blocks too: cleared before they go back.
+    # cuBLAS's workspaces stay: a graph captured earlier may replay into one (pools.py).
     clear = lambda: order.append("cuBLAS workspaces")  # noqa: E731
     monkeypatch.setattr(pools.torch._C, "_cuda_clearCublasWorkspaces", clear, raising=False)
     pools.release_for_capture([Group("g0"), Group("g1")], allocator)
-    assert order == ["synchronize", "g0", "g1", "cuBLAS workspaces", "cached blocks"]
+    assert order == ["synchronize", "g0", "g1", "cached blocks"]
     DynamicAllocator().release_idle()  # nothing idle to give back: a no-op
 
 

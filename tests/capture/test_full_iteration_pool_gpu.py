@@ -47,8 +47,8 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
     from graph_fsdp.state import collect_states
 
     torch.cuda.synchronize()
-    # Each run makes its own cuBLAS workspaces (an earlier run's would be counted in its start
-    # and freed by the graphed run's capture: pools.py [Note: capture memory]).
+    # Each run pays for the cuBLAS workspaces it makes (no graph exists yet, so none replays
+    # into the ones freed here): full_iteration.py [Note: eager steps on the capture stream].
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
