@@ -69,17 +69,6 @@ offload region pins for good): when the runner drops its graphs, or is collected
 ``close()``, it takes its pins back, and once no holder is left the next forward releases the
 main gradients and the pool's bytes go back with the graphs. A second runner that captured
 while the first held them writes the same bytes and holds its own pin on them.
-
-[Note: eager steps on the capture stream] A graphed runner (this one, whole_step.py) runs the
-steps before its capture on its capture stream, not only the warmup step. cuBLAS keeps a
-workspace per handle and stream (32 MiB each under CUBLAS_WORKSPACE_CONFIG=:4096:8; the
-forward's thread and autograd's each have a handle): eager steps on the caller's stream left a
-set there that stayed allocated, unused, through the capture and every replay, beside the
-capture stream's set the graph uses - 64 MiB of a small GPT's graphed peak. Freeing them is
-not safe (pools.py [Note: capture memory]); not making them is. The blocks those steps cache
-are the capture stream's as well, where the warmup step and the capture can reuse them. The
-caller's stream waits for each step (``on_side_stream``): the optimizer and the caller read
-its results in order. ``eager=True`` runs on the caller's stream.
 """
 
 from __future__ import annotations
@@ -350,11 +339,8 @@ class FullIterationGraphs(RunnerLifecycle):
             )
         else:
             check_step_call(pos, micro, fn, args, kwargs, sync)
-        if self.eager:
+        if self.eager or self._phase == "eager":
             return detached(fn(*args, **kwargs))
-        if self._phase == "eager":  # [Note: eager steps on the capture stream]
-            with on_side_stream(self.stream):
-                return detached(fn(*args, **kwargs))
         if self._phase == "warmup":
             if micro == 0:
                 release_for_capture(self._groups)  # pools.py [Note: capture memory]
