@@ -4,7 +4,9 @@ gradients in the step's pool]), on one GPU: a ZeRO-3 GPT trained 8 steps with
 gradients lie inside a segment of the runner's pool and are pinned; after ``close()`` they are
 unpinned and the next forward releases them. Each run's own peak allocated and reserved bytes
 are printed as a JSON line (``-s``); the graphed run's peak reserved is at most 1.10x the
-eager run's. On CPU (gloo): pins are counted per holder.
+eager run's. On CPU (gloo): pins are counted per holder. And ``release_for_capture`` frees no
+allocated byte while a graph lives: a graph captured after a warmup on its stream replays its
+matmuls into the cuBLAS workspace that warmup made (pools.py [Note: capture memory]).
 
     GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_full_iteration_pool_gpu.py
 """
@@ -156,6 +158,43 @@ def test_full_iteration_reserves_at_most_a_tenth_more_than_eager():
         f"full_iteration reserved {graphed / 2**20:.1f} MiB, eager {eager / 2**20:.1f} MiB "
         f"({graphed / eager:.3f}x; target <= 1.10x)"
     )
+
+
+def _release_with_a_graph_alive(rank: int, world: int) -> dict:
+    from graph_fsdp.capture.pools import release_for_capture
+    from graph_fsdp.loop import use_deterministic_kernels
+
+    use_deterministic_kernels()
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device).manual_seed(0)
+    a, b = (torch.randn(512, 512, device=device, generator=gen) for _ in range(2))
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the warmup: this stream's workspace, outside a capture
+        expected = a @ b
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = a @ b
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    release_for_capture(())  # what the next layer's capture does first
+    after = torch.cuda.memory_allocated()
+    filler = torch.full((2**24,), float("nan"), device=device)  # takes what went back
+    graph.replay()
+    torch.cuda.synchronize()
+    del filler
+    return {"before": before, "after": after, "replay_equal": torch.equal(out, expected)}
+
+
+@pytest.mark.gpu
+@needs_gpus(1)
+def test_release_for_capture_frees_nothing_a_live_graph_addresses():
+    """Clearing cuBLAS's workspaces here freed the one a layer's graph replays into: the
+    16-layer GPT's layerwise graphs then failed with "unspecified launch failure" (2 H200s)."""
+    (res,) = spawn(_release_with_a_graph_alive, 1, backend="nccl", timeout=300)
+    assert res["after"] == res["before"], res
+    assert res["replay_equal"], res
 
 
 def _pins(rank: int, world: int) -> dict:
