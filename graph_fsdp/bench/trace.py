@@ -11,7 +11,11 @@ Pure functions over the trace JSON, so they are tested with hand-written traces.
   named ``c10d::*``, ``gloo:*``, ``*all_gather*``, ``*reduce_scatter*``, ...; compute is every
   other op that neither runs inside a collective nor contains one on the same thread.
 * Exposed communication is collective time not overlapped by compute:
-  ``|union(collectives) - union(compute)|``.
+  ``|union(collectives) - union(compute)|``; per collective launch, numbered in its step (the
+  n-th collective of every measured step is one position), the mean exposed time says which
+  collective leaves compute waiting, and when in the step.
+* On CUDA each step also says how long after its start the GPU's first operation began (the
+  host's work before the step's first launch).
 """
 
 from __future__ import annotations
@@ -134,6 +138,30 @@ def _cpu_compute(events: list[dict], comm: list[dict]) -> list[Interval]:
     return out
 
 
+def _exposed_by_position(
+    comm: list[dict], compute_u: list[Interval], windows: list[tuple[str, float, float]]
+) -> list[dict]:
+    """The n-th collective of each step (n = its position): its name, mean start after the
+    step's start, mean duration and mean time not under compute; most exposed first."""
+    seen: dict[int, list[tuple[str, float, float, float]]] = defaultdict(list)
+    for _, lo, hi in windows:
+        launches = sorted((_span(e), e["name"]) for e in comm if lo <= _span(e)[0] < hi)
+        for n, ((a, b), name) in enumerate(launches):
+            seen[n].append((name, a - lo, b - a, total(subtract([(a, b)], compute_u))))
+    rows = [
+        {
+            "position": n,
+            "name": obs[0][0],
+            "steps": len(obs),
+            "at_ms": sum(o[1] for o in obs) / len(obs) / 1e3,
+            "duration_us": sum(o[2] for o in obs) / len(obs),
+            "exposed_us": sum(o[3] for o in obs) / len(obs),
+        }
+        for n, obs in seen.items()
+    ]
+    return sorted(rows, key=lambda r: (-r["exposed_us"], r["position"]))
+
+
 def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
     """Per-step wall/busy/communication numbers, host ranges and collectives of a trace."""
     events = _complete_events(trace)
@@ -158,15 +186,17 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
     steps = []
     for name, lo, hi in windows:
         wall = hi - lo
-        steps.append(
-            {
-                "name": name,
-                "wall_ms": wall / 1e3,
-                "busy_pct": 100.0 * total(clip(busy, lo, hi)) / wall if wall > 0 else 0.0,
-                "comm_ms": total(clip(comm_u, lo, hi)) / 1e3,
-                "exposed_comm_ms": total(clip(exposed_u, lo, hi)) / 1e3,
-            }
-        )
+        step = {
+            "name": name,
+            "wall_ms": wall / 1e3,
+            "busy_pct": 100.0 * total(clip(busy, lo, hi)) / wall if wall > 0 else 0.0,
+            "comm_ms": total(clip(comm_u, lo, hi)) / 1e3,
+            "exposed_comm_ms": total(clip(exposed_u, lo, hi)) / 1e3,
+        }
+        if on_gpu:
+            inside = clip(busy, lo, hi)
+            step["first_gpu_op_ms"] = (inside[0][0] - lo) / 1e3 if inside else None
+        steps.append(step)
     measured = steps[skip_steps:] or steps
     n = max(len(measured), 1)
     # Ranges and collectives are counted from the first measured step on.
@@ -187,6 +217,7 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
             collectives[e["name"]].append(float(e["dur"]))
     comm_ms = sum(s["comm_ms"] for s in measured)
     exposed_ms = sum(s["exposed_comm_ms"] for s in measured)
+    starts = [s["first_gpu_op_ms"] for s in measured if s.get("first_gpu_op_ms") is not None]
     return {
         "device": "cuda" if on_gpu else "cpu",
         "steps": steps,
@@ -196,6 +227,10 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
         "comm_ms_per_step": comm_ms / n,
         "exposed_comm_ms_per_step": exposed_ms / n,
         "exposed_comm_pct": 100.0 * exposed_ms / comm_ms if comm_ms > 0 else 0.0,
+        "mean_first_gpu_op_ms": sum(starts) / len(starts) if starts else None,
+        "exposed_by_position": _exposed_by_position(
+            comm, compute_u, windows[skip_steps:] or windows
+        ),
         "ranges": sorted(
             (
                 {
@@ -233,6 +268,22 @@ def format_summary(summary: dict, *, title: str, max_rows: int = 15) -> str:
         f"{summary['exposed_comm_ms_per_step']:.2f} ms ({summary['exposed_comm_pct']:.0f}%) "
         "exposed (not overlapped by compute)"
     )
+    if summary.get("mean_first_gpu_op_ms") is not None:
+        lines.append(
+            f"  the GPU's first operation of a step began {summary['mean_first_gpu_op_ms']:.3f} ms "
+            "after the step's start (mean)"
+        )
+    exposed = [r for r in summary.get("exposed_by_position", []) if r["exposed_us"] > 0]
+    if exposed:
+        lines.append(
+            f"  {'most exposed collectives (n-th of its step)':<48}{'at ms':>8}{'us':>9}"
+            f"{'exposed us':>12}"
+        )
+        for r in exposed[:5]:
+            label = f"#{r['position']} {r['name']}"[:47]
+            lines.append(
+                f"  {label:<48}{r['at_ms']:>8.3f}{r['duration_us']:>9.1f}{r['exposed_us']:>12.1f}"
+            )
     if summary["ranges"]:
         lines.append(
             f"  {'host ranges graph_fsdp/<phase>/<fqn>':<48}{'calls':>7}{'total ms':>10}"

@@ -54,6 +54,34 @@ def test_gpu_trace_exposed_communication_is_nccl_not_under_compute() -> None:
     assert "GPU busy %" in text and "exposed" in text
 
 
+def test_each_collective_position_says_how_long_compute_waited_for_it() -> None:
+    # Two steps of 100 us; in each, the 0th collective runs under compute, the 1st after it:
+    # 20 us exposed in step 0, 10 us in step 1 -> 15 us on average, first in the list.
+    trace = {
+        "traceEvents": [
+            ev("graph_fsdp/step/0", "user_annotation", 0, 100),
+            ev("graph_fsdp/step/1", "user_annotation", 100, 100),
+            ev("sm90_gemm", "kernel", 0, 30, tid=7),
+            ev("ncclDevKernel_AllGather", "kernel", 5, 10, tid=8),
+            ev("ncclDevKernel_ReduceScatter", "kernel", 40, 20, tid=8),
+            ev("sm90_gemm", "kernel", 106, 30, tid=7),
+            ev("ncclDevKernel_AllGather", "kernel", 110, 10, tid=8),
+            ev("ncclDevKernel_ReduceScatter", "kernel", 140, 10, tid=8),
+        ]
+    }
+    s = summarize_trace(trace)
+    last, first = s["exposed_by_position"]
+    assert last["position"] == 1 and last["name"] == "ncclDevKernel_ReduceScatter"
+    assert last["steps"] == 2 and last["exposed_us"] == pytest.approx(15.0)
+    assert last["at_ms"] == pytest.approx(0.04) and last["duration_us"] == pytest.approx(15.0)
+    assert first["position"] == 0 and first["exposed_us"] == 0.0
+    assert [st["first_gpu_op_ms"] for st in s["steps"]] == pytest.approx([0.0, 0.006])
+    assert s["mean_first_gpu_op_ms"] == pytest.approx(0.003)
+    text = format_summary(s, title="rank 0")
+    assert "#1 ncclDevKernel_ReduceScatter" in text and "#0 " not in text  # nothing exposed
+    assert "first operation of a step began 0.003 ms" in text
+
+
 def test_cpu_trace_ops_inside_collectives_are_not_compute() -> None:
     trace = {
         "traceEvents": [
