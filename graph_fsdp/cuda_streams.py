@@ -3,8 +3,9 @@
 ``nvtx_range(name)`` emits a range only while a profiler listens (or ``GRAPH_FSDP_NVTX=1``);
 ``current_stream(device)`` reuses the stream handle while the stream is unchanged;
 ``stream_capturing()`` says whether a CUDA graph is being recorded; ``on_side_stream(stream)``
-runs a block on another stream, ordered after and before the current one's work. They sit on the ground
-floor so that buffers/, the core and capture/ share them without importing each other.
+runs a block on another stream, ordered after and before the current one's work. They sit on
+the ground floor so that buffers/, the core and capture/ share them without importing each
+other.
 """
 
 from __future__ import annotations
