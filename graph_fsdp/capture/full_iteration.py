@@ -219,11 +219,6 @@ class FullIterationGraphs(RunnerLifecycle):
 
     # ------------------------------------------------------------------ lifecycle
     @property
-    def _allocator(self):
-        root = self.states[0].root
-        return root.allocator if root is not None else None
-
-    @property
     def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
         return {m: p.graph for m, p in self.positions.items() if p.graph is not None}
 

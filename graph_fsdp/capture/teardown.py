@@ -65,6 +65,12 @@ class RunnerLifecycle:
         """Every parameter group of the runner's units (``self.states``)."""
         return [g for s in getattr(self, "states", None) or () for g in s.groups]
 
+    @property
+    def _allocator(self):
+        """The root unit's buffer allocator (None before the root's lazy init)."""
+        root = self.states[0].root
+        return root.allocator if root is not None else None
+
     def _register_with_units(self) -> None:
         """Register with every unit of ``self.states``: offload suspends a unit's runners
         before it moves the buffers their graphs address (offload.py [Note: CUDA graphs

@@ -287,11 +287,6 @@ class WholeStepGraph(RunnerLifecycle):
         }
 
     # ------------------------------------------------------------------ the step
-    @property
-    def _allocator(self):
-        root = self.states[0].root
-        return root.allocator if root is not None else None
-
     def _phase(self) -> str:
         if self.graph is not None or self.steps_seen >= self.warmup_steps:
             return "graph"
