@@ -139,15 +139,16 @@ def _cpu_compute(events: list[dict], comm: list[dict]) -> list[Interval]:
 
 
 def _exposed_by_position(
-    comm: list[dict], compute_u: list[Interval], windows: list[tuple[str, float, float]]
+    comm: list[dict], exposed_u: list[Interval], windows: list[tuple[str, float, float]]
 ) -> list[dict]:
     """The n-th collective of each step (n = its position): its name, mean start after the
-    step's start, mean duration and mean time not under compute; most exposed first."""
+    step's start, mean duration and mean time not under compute (its part of ``exposed_u``,
+    the collectives' time not under compute); most exposed first."""
     seen: dict[int, list[tuple[str, float, float, float]]] = defaultdict(list)
     for _, lo, hi in windows:
         launches = sorted((_span(e), e["name"]) for e in comm if lo <= _span(e)[0] < hi)
         for n, ((a, b), name) in enumerate(launches):
-            seen[n].append((name, a - lo, b - a, total(subtract([(a, b)], compute_u))))
+            seen[n].append((name, a - lo, b - a, total(clip(exposed_u, a, b))))
     rows = [
         {
             "position": n,
@@ -186,15 +187,15 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
     steps = []
     for name, lo, hi in windows:
         wall = hi - lo
+        inside = clip(busy, lo, hi)
         step = {
             "name": name,
             "wall_ms": wall / 1e3,
-            "busy_pct": 100.0 * total(clip(busy, lo, hi)) / wall if wall > 0 else 0.0,
+            "busy_pct": 100.0 * total(inside) / wall if wall > 0 else 0.0,
             "comm_ms": total(clip(comm_u, lo, hi)) / 1e3,
             "exposed_comm_ms": total(clip(exposed_u, lo, hi)) / 1e3,
         }
         if on_gpu:
-            inside = clip(busy, lo, hi)
             step["first_gpu_op_ms"] = (inside[0][0] - lo) / 1e3 if inside else None
         steps.append(step)
     measured = steps[skip_steps:] or steps
@@ -229,7 +230,7 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
         "exposed_comm_pct": 100.0 * exposed_ms / comm_ms if comm_ms > 0 else 0.0,
         "mean_first_gpu_op_ms": sum(starts) / len(starts) if starts else None,
         "exposed_by_position": _exposed_by_position(
-            comm, compute_u, windows[skip_steps:] or windows
+            comm, exposed_u, windows[skip_steps:] or windows
         ),
         "ranges": sorted(
             (
