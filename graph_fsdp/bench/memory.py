@@ -310,18 +310,14 @@ def reserved_at_peak(
                 "made_at": made,
             }
         )
-        for table, key in ((by_pool, name), (by_stream, stream)):
-            if key is not None:
-                table.setdefault(key, {"reserved": 0, "allocated": 0})["reserved"] += size
+        _count("reserved", size, (by_pool, name), (by_stream, stream))
     by_role: dict[str, int] = {}
     for addr, block in live.items():
         rng = next((r for r in owner if r["start"] <= addr < r["start"] + r["reserved"]), None)
         name, stream = (rng["pool"], rng["stream"]) if rng else ("default", None)
         if rng is not None:
             rng["allocated"] += block["size"]
-        for table, key in ((by_pool, name), (by_stream, stream)):
-            if key is not None:
-                table.setdefault(key, {"reserved": 0, "allocated": 0})["allocated"] += block["size"]
+        _count("allocated", block["size"], (by_pool, name), (by_stream, stream))
         role = role_of(block)
         by_role[role] = by_role.get(role, 0) + block["size"]
     return {
@@ -332,6 +328,13 @@ def reserved_at_peak(
         "by_role": dict(sorted(by_role.items(), key=lambda kv: _role_rank(kv[0]))),
         "unused_ranges": _largest_unused(owner, events),
     }
+
+
+def _count(field: str, size: int, *tables: tuple[dict, str | None]) -> None:
+    """Add ``size`` to ``field`` of each ``(table, key)``'s entry (a None key: not counted)."""
+    for table, key in tables:
+        if key is not None:
+            table.setdefault(key, {"reserved": 0, "allocated": 0})[field] += size
 
 
 TOP_RANGES = 12
