@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from graph_fsdp.bench.report import code_line, memory_notes
 from graph_fsdp.bench.runner import measure_row
-from graph_fsdp.bench.verdicts import CudaCounters, create_workspaces, graph_label, graph_verdict
+from graph_fsdp.bench.verdicts import CudaCounters, graph_label, graph_verdict
 from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.integrations.megatron_train import run
@@ -93,8 +93,6 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     counters = CudaCounters(device) if cuda else None
-    if cuda:
-        create_workspaces(device)
     results = []
     for name, kind, scopes in job.rows:
         if kind != "none" and not cuda:

@@ -36,7 +36,6 @@ from graph_fsdp.bench.verdicts import (
     MEMORY_KEYS,
     CudaCounters,
     RowMemory,
-    create_workspaces,
     graph_verdict,
     memory_fields,
 )
@@ -297,8 +296,6 @@ def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
     device = device_of(job.spec.cfg)
     cuda = device.type == "cuda"
     counters = CudaCounters(device) if cuda else None
-    if cuda:
-        create_workspaces(device)
     results = []
     for row in plan_rows(job):
         if row.skip is not None:

@@ -13,11 +13,15 @@ The row's own peaks are the process peaks during the row minus those starting va
 ``own allocated = max_memory_allocated - start allocated`` and ``own reserved =
 max_memory_reserved - start reserved``. What this leaves out, and how much:
 
-- bytes the process keeps for its lifetime once some row created them count for the first
-  row that needs them only: cuBLAS workspaces, one per stream that ran a GEMM (32 MiB each
-  on H100/H200 with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``). :func:`create_workspaces` makes
-  the current stream's before the first row, so no row pays for those; a row that runs
-  GEMMs on a stream no earlier row used (a capture stream) still pays for that stream's;
+- cuBLAS keeps a workspace per handle and stream that ran a GEMM (32 MiB each on H100/H200
+  with ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; the forward's thread and autograd's have a handle
+  each) for the process's lifetime. :meth:`RowMemory.start` clears them, so every row pays
+  for the workspaces it makes, as a process running that row alone would: an eager row its
+  stream's, a graphed row its eager steps' and its capture stream's. (Clearing is safe only
+  between rows: no graph of an earlier row replays again; a live graph replays into the
+  workspace it was captured with - capture/pools.py [Note: capture memory].) Other lifetime
+  bytes - TransformerEngine's workspace, NCCL's buffers - count for the first row that makes
+  them only;
 - a row can place blocks in free space inside segments the leftovers hold instead of
   reserving segments for them: its own reserved peak can be low by up to that free space,
   ``start reserved - start allocated`` (reported as ``start_reserved_slack_bytes``; after
@@ -53,6 +57,7 @@ class MemoryCounters(Protocol):
     def max_memory_allocated(self) -> int: ...
     def max_memory_reserved(self) -> int: ...
     def reset_peak_memory_stats(self) -> None: ...
+    def clear_workspaces(self) -> None: ...
     def empty_cache(self) -> None: ...
 
 
@@ -77,21 +82,15 @@ class CudaCounters:
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def clear_workspaces(self) -> None:
+        torch.cuda.synchronize(self.device)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+
     def empty_cache(self) -> None:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-
-
-def create_workspaces(device: torch.device) -> None:
-    """GEMMs on the current stream, forward and backward (fp32 and bf16, with and without
-    bias: cuBLAS and cuBLASLt; the backward's run on autograd's device thread, whose handle
-    has workspaces of its own) so that the workspaces the process keeps for its lifetime
-    exist before the first row ([Note: a row's own peak])."""
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
-        torch.nn.functional.linear(a, a, a[0]).sum().backward()
-        torch.mm(a, a).sum().backward()
-    torch.cuda.synchronize(device)
 
 
 MEMORY_KEYS = (
@@ -117,6 +116,7 @@ class RowMemory:
     @classmethod
     def start(cls, counters: MemoryCounters) -> RowMemory:
         gc.collect()
+        counters.clear_workspaces()  # between rows only: [Note: a row's own peak]
         counters.empty_cache()
         counters.reset_peak_memory_stats()
         return cls(counters.memory_allocated(), counters.memory_reserved())

@@ -109,10 +109,10 @@ def test_bench_rows_report_replays_and_their_own_peaks() -> None:
         assert r["process_peak_allocated_bytes"] <= own_and_start, r
         if WORLD == 1:
             assert r["process_peak_allocated_bytes"] == own_and_start, r
-    # A row's own allocated peak is the same first in a process and after other rows: the
-    # main stream's cuBLAS workspaces exist before the first row (create_workspaces). The
-    # tolerance: a workspace of a stream only the first job's rows had used before (32 MiB
-    # per stream under CUBLAS_WORKSPACE_CONFIG=:4096:8), at most 3 such streams.
+    # A row's own allocated peak is the same first in a process and after other rows: each
+    # row starts without cuBLAS workspaces and pays for its own (RowMemory.start). The
+    # tolerance: bytes a process keeps once made that the first job's rows made before
+    # (TransformerEngine's workspace, NCCL's buffers), up to 3 x 32 MiB.
     a = rows["graph_fsdp eager"]
     b = next(r for r in after["rows"] if r["name"] == "graph_fsdp eager")
     assert b["start_allocated_bytes"] > 0, b  # the earlier rows left something

@@ -37,6 +37,13 @@ class FakeAllocator:
         self.free: list[int] = []  # free bytes per segment
         self.peak_allocated = self.peak_reserved = 0
         self.garbage: list[tuple[int, int]] = []  # blocks gc would free
+        self.workspaces: dict[str, tuple[int, int]] = {}  # cuBLAS's, per stream
+        self.log: list[str] = []
+
+    def gemm(self, stream: str) -> None:
+        """A GEMM on ``stream``: its 32 MiB workspace is made once and kept."""
+        if stream not in self.workspaces:
+            self.workspaces[stream] = self.malloc(32 * MiB)
 
     def malloc(self, size: int) -> tuple[int, int]:
         i = next((i for i, free in enumerate(self.free) if free >= size), None)
@@ -73,7 +80,14 @@ class FakeAllocator:
     def reset_peak_memory_stats(self) -> None:
         self.peak_allocated, self.peak_reserved = self.memory_allocated(), self.memory_reserved()
 
+    def clear_workspaces(self) -> None:
+        self.log.append("clear_workspaces")
+        for block in self.workspaces.values():
+            self.release(block)
+        self.workspaces = {}
+
     def empty_cache(self) -> None:
+        self.log.append("empty_cache")
         for block in self.garbage:  # (gc ran first: RowMemory.start collects)
             self.release(block)
         self.garbage = []
@@ -113,6 +127,23 @@ def test_own_peaks_subtract_what_the_row_started_with() -> None:
     assert first["own_peak_reserved_bytes"] == 564 * MiB
     assert second["own_peak_reserved_bytes"] == 564 * MiB - FakeAllocator.SEGMENT
     assert kept  # the first row's leftover is still live
+
+
+def test_every_row_pays_for_the_cublas_workspaces_it_makes() -> None:
+    """An eager row makes its stream's workspace; a graphed row after it its eager steps' and
+    its capture stream's: each counts its own, as if it ran alone in a process."""
+    alloc = FakeAllocator()
+    eager = RowMemory.start(alloc)
+    alloc.gemm("default")
+    eager = memory_fields(eager.stop(alloc).values())
+    graphed = RowMemory.start(alloc)
+    assert alloc.log == ["clear_workspaces", "empty_cache"] * 2  # cleared, then given back
+    alloc.gemm("default")
+    alloc.gemm("capture")
+    graphed = memory_fields(graphed.stop(alloc).values())
+    assert eager["own_peak_allocated_bytes"] == 32 * MiB
+    assert graphed["own_peak_allocated_bytes"] == 64 * MiB
+    assert graphed["start_allocated_bytes"] == 0  # the eager row's workspace went back
 
 
 def test_graph_verdicts() -> None:

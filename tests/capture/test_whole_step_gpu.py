@@ -373,12 +373,11 @@ def _rows(world: int) -> list[tuple]:
 
 
 def _timing_worker(rank: int, world: int) -> list[dict] | None:
-    from graph_fsdp.bench.verdicts import CudaCounters, RowMemory, create_workspaces
+    from graph_fsdp.bench.verdicts import CudaCounters, RowMemory
     from graph_fsdp.train import device_of
 
     device = torch.device("cuda", torch.cuda.current_device())
     counters = CudaCounters(device)
-    create_workspaces(device)
     out = []
     for name, runner, spec, kwargs in _rows(world):
         assert device_of(spec.cfg) == device
