@@ -53,9 +53,11 @@ def pool_bytes(pools: Iterable) -> dict[str, int]:
 # that block, so clearing the workspaces before a later capture - the next layer's graph, a
 # TransformerEngine graph, a user's - frees memory a live graph still writes. Measured on 2 H200s:
 # layerwise graphs of a 16-layer GPT failed with "unspecified launch failure" in the steps
-# after their captures while this function cleared them. So a graphed run keeps the set its
-# eager steps made on the caller's stream beside the capture stream's: on the pool test's small
-# GPT (4 layers, hidden 256) that is 64 MiB its eager twin does not hold.
+# after their captures while this function cleared them. So a graphed run whose eager steps
+# ran on the caller's stream keeps their set beside the capture stream's (64 MiB on the pool
+# test's small GPT, 4 layers, hidden 256): layerwise graphs and the whole-step graph do;
+# full_iteration runs its eager steps on the capture stream and makes one set
+# (full_iteration.py [Note: eager steps on the capture stream]).
 def release_cached_blocks() -> None:
     """Give the caching allocator's unused cached blocks back ([Note: capture memory])."""
     release_for_capture(())

@@ -49,10 +49,9 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
     from graph_fsdp.state import collect_states
 
     torch.cuda.synchronize()
-    # The eager run makes the caller's stream's cuBLAS workspaces (64 MiB here) and counts them;
-    # the graphed run after it finds them made and counts the capture stream's. A graphed run
-    # in a fresh process holds both sets (pools.py [Note: capture memory]): measured 214 vs 146
-    # MiB peak reserved on one H200, a cost this ratio leaves out.
+    # Each run pays for the cuBLAS workspaces it makes, as in a process of its own (no graph
+    # lives here: bench/verdicts.py [Note: a row's own peak]).
+    torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
