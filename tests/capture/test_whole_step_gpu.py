@@ -456,11 +456,29 @@ def test_whole_step_timing_and_memory():
         "one graph reserved / graph_fsdp eager reserved (<= 1.10)": _ratio(
             rows, one, "graph_fsdp eager", "own_peak_reserved_gib"
         ),
+        "layerwise reserved / graph_fsdp eager reserved (<= 1.10)": _ratio(
+            rows, "graph_fsdp layerwise (whole layers)", "graph_fsdp eager", "own_peak_reserved_gib"
+        ),
     }
     print(json.dumps({"targets (printed, not asserted)": targets}))
     # What must hold: every graphed row replayed once per timed step (or microbatch).
     for name in ("graph_fsdp full_iteration", "graph_fsdp layerwise (whole layers)"):
         assert rows[name]["replays"] and rows[name]["eager_fallbacks"] == 0, rows[name]
+    if WORLD == 2:
+        # Memory regressions, with room for drift between launches: on 2 H200s (2026-11-27)
+        # every graphed row reserved 0.79-0.86x of FSDP2 + graph's peak, and full_iteration
+        # and the one-graph step 1.11x and 1.12x of graph_fsdp eager's, layerwise 1.21x; the
+        # one-graph step's eager steps on its capture stream gave 1.19-1.21x, and before the
+        # capture's release order every graphed row was 1.36-1.47x.
+        for key, bound in (
+            ("full_iteration reserved / FSDP2+graph reserved (<= 1.0)", 1.0),
+            ("layerwise reserved / FSDP2+graph reserved (<= 1.0)", 1.0),
+            ("one graph reserved / FSDP2+graph reserved (<= 1.0)", 1.0),
+            ("full_iteration reserved / graph_fsdp eager reserved (<= 1.10)", 1.16),
+            ("one graph reserved / graph_fsdp eager reserved (<= 1.10)", 1.16),
+            ("layerwise reserved / graph_fsdp eager reserved (<= 1.10)", 1.26),
+        ):
+            assert targets[key] <= bound, (key, targets[key], bound)
     whole = [name for name in rows if name.startswith("graph_fsdp whole step")]
     for name in whole:
         assert rows[name]["captures"] == 1 and rows[name]["eager_fallbacks"] == 0, rows[name]
