@@ -228,8 +228,10 @@ class WholeStepGraph(RunnerLifecycle):
         self.learning_rates.sync()
         phase = self._phase()
         self.steps_seen += 1
-        if self.eager or phase == "eager":  # full_iteration.py [Note: eager steps on the
-            return self._result(*self._body(rec.fn, calls), owned=True)  # capture stream]
+        # Eager steps on the caller's stream (full_iteration.py [Note: eager steps on the
+        # capture stream] says why not on the capture stream here).
+        if self.eager or phase == "eager":
+            return self._result(*self._body(rec.fn, calls), owned=True)
         if phase == "warmup":
             # What the capture will need exists before it, made on its stream (per-stream
             # workspaces, NCCL's stream state); the cached blocks of earlier steps go back
