@@ -7,6 +7,7 @@ from graph_fsdp.fully_shard import FSDPModule, fully_shard, synchronize_param_ga
 from graph_fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.offload import iter_full_params
 from graph_fsdp.state import TrainingState
+from graph_fsdp.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
 
 __all__ = [
     "STRATEGIES",
@@ -14,6 +15,7 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "TrainingState",
+    "VocabParallelEmbedding",
     "clip_grad_norm_",
     "expert_mesh_from_groups",
     "fully_shard",
@@ -22,6 +24,7 @@ __all__ = [
     "iter_full_params",
     "mark_expert_params",
     "placements_for",
+    "shard_embedding_by_vocab",
     "synchronize_param_gather",
 ]
 __version__ = "0.1.0"

@@ -219,6 +219,29 @@ _RS_SUM_OPTIONS = _blocking(ReduceScatterOptions())
 _RS_SUM_OPTIONS.reduceOp = dist.ReduceOp.SUM
 
 
+def all_gather_into(
+    out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
+    """``dist.all_gather_into_tensor`` over ``group``, direct ([Note: direct collectives])."""
+    pg = _direct_group(group)
+    if pg is None:
+        dist.all_gather_into_tensor(out, shard, group=group)
+    else:
+        _wait(pg._allgather_base(out, shard, _AG_OPTIONS))
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
+    """``dist.reduce_scatter_tensor`` (SUM) over ``group``, direct ([Note: direct
+    collectives])."""
+    pg = _direct_group(group)
+    if pg is None:
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    else:
+        _wait(pg._reduce_scatter_base(out, full, _RS_SUM_OPTIONS))
+
+
 def all_gather(
     out: torch.Tensor,
     shard: torch.Tensor,
@@ -232,11 +255,7 @@ def all_gather(
     name = "all_gather_replicas" if over_replicas else "all_gather"
     with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
         if size > 1:
-            pg = _direct_group(group)
-            if pg is None:
-                dist.all_gather_into_tensor(out, shard, group=group)
-            else:
-                _wait(pg._allgather_base(out, shard, _AG_OPTIONS))
+            all_gather_into(out, shard, group)
         elif out.data_ptr() != shard.data_ptr():  # in place ([Note: copy-in all-gather])
             out.copy_(shard)
 
@@ -257,11 +276,7 @@ def reduce_scatter(
         if size == 1:
             out.copy_(full)
         else:
-            pg = _direct_group(group)
-            if pg is None:
-                dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
-            else:
-                _wait(pg._reduce_scatter_base(out, full, _RS_SUM_OPTIONS))
+            reduce_scatter_into(out, full, group)
 
 
 def all_to_all(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:

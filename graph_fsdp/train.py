@@ -40,6 +40,7 @@ from graph_fsdp.models import (
     transformer_layers,
 )
 from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
+from graph_fsdp.vocab_parallel import shard_embedding_by_vocab
 
 
 @dataclass(kw_only=True)
@@ -60,6 +61,11 @@ class TrainConfig(LoopConfig):
     """MoE models: partition the experts over expert-parallel groups of this many ranks and
     shard them over the expert-data-parallel group (world / this), the other parameters over
     the data-parallel group (graph_fsdp.experts). None: experts are sharded like the rest."""
+    vocab_parallel_embedding: bool = False
+    """The input embedding sharded by vocabulary rows over the data-parallel group and never
+    gathered: token ids and activations cross the group instead of the table
+    (vocab_parallel.py [Note: vocab-parallel embedding]). The vocabulary must be a multiple
+    of the world size; not with HSDP or tensor parallelism."""
     tensor_parallel: int | None = None
     """Dense models: torch DTensor tensor parallelism over groups of this many consecutive
     ranks (models/tp_plans.py ``parallelize_gpt``), then ``fully_shard`` of each TP rank's
@@ -98,6 +104,7 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         persist_on_alloc_fail=cfg.persist_on_alloc_fail,
     )
     mesh = data_parallel_mesh(cfg)
+    vocab_mesh = vocab_parallel_mesh(cfg) if cfg.vocab_parallel_embedding else None
     if cfg.tensor_parallel is not None:  # apply_tp, then fully_shard over the other dimension
         tp_mesh = tensor_parallel_mesh(cfg)
         parallelize_gpt(model, tp_mesh["tp"], sequence_parallel=cfg.sequence_parallel)
@@ -125,7 +132,27 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         fully_shard(
             unit, **placement, mp_policy=mp, buffer_policy=bp, reshard_after_forward=reshard
         )
+    if vocab_mesh is not None:  # the root unit holds the embedding
+        shard_embedding_by_vocab(model, "embedding", vocab_mesh["ep"].get_group())
+        placement["expert_mesh"] = vocab_mesh
     return fully_shard(model, **placement, mp_policy=mp, buffer_policy=bp)
+
+
+def vocab_parallel_mesh(cfg: TrainConfig):
+    """The ``(edp 1, ep world)`` expert mesh a vocab-parallel embedding's rows live on
+    (vocab_parallel.py [Note: vocab-parallel embedding])."""
+    world = dist.get_world_size()
+    given = {"mesh_shape": cfg.mesh_shape, "tensor_parallel": cfg.tensor_parallel}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given:
+        raise ValueError(
+            f"TrainConfig.vocab_parallel_embedding=True with {given}: the embedding's rows are "
+            "split over every rank, which HSDP and tensor parallelism split otherwise; drop "
+            "one of them"
+        )
+    return _cached_mesh(
+        cfg.device, (1, world), ("edp", "ep"), lambda: init_expert_mesh(cfg.device, world)
+    )
 
 
 def tensor_parallel_size(cfg: TrainConfig) -> int:

@@ -45,11 +45,12 @@ SMALL = GPTConfig(
 STEPS, WARMUP, INF_STEP, LOAD_STEP, EVAL_STEP = 30, 2, 12, 16, 20
 
 
-def _exact_cfg(grad_accum: int):
+def _exact_cfg(grad_accum: int, vocab_parallel: bool = False):
     from graph_fsdp.train import TrainConfig
 
     return TrainConfig(
         model=SMALL,
+        vocab_parallel_embedding=vocab_parallel,
         bf16=True,
         micro_batch_size=2,
         grad_accum=grad_accum,
@@ -89,12 +90,14 @@ def _snapshot(model, opt) -> dict:
     return {"weights": weights, "opt": state}
 
 
-def _train(rank: int, world: int, grad_accum: int, kind: str, clip, eager: bool) -> dict:
+def _train(
+    rank: int, world: int, grad_accum: int, kind: str, clip, vocab_parallel: bool, eager: bool
+) -> dict:
     from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
     from graph_fsdp.data import batch_for
     from graph_fsdp.train import build_for, device_of, shard_model
 
-    cfg = _exact_cfg(grad_accum)
+    cfg = _exact_cfg(grad_accum, vocab_parallel)
     device = device_of(cfg)
     model = shard_model(build_for(cfg, device), cfg)
     opt = _optimizer(kind, model)
@@ -141,15 +144,20 @@ def _train(rank: int, world: int, grad_accum: int, kind: str, clip, eager: bool)
 def _exact_worker(rank: int, world: int, variants: list[tuple]) -> dict:
     use_deterministic_kernels()  # eager must repeat itself before graphs can
     out = {}
-    for grad_accum, kind, clip in variants:
+    for variant in variants:
         for eager in (True, False):
-            key = (grad_accum, kind, clip, "eager" if eager else "graphed")
-            out[key] = _train(rank, world, grad_accum, kind, clip, eager)
+            out[(*variant, "eager" if eager else "graphed")] = _train(rank, world, *variant, eager)
             dist.barrier()
     return out
 
 
-VARIANTS = [(1, "adamw", 0.5), (4, "adamw", 0.5), (1, "sgd", None)]
+# (microbatches, optimizer, clip, vocab-parallel embedding: vocab_parallel.py)
+VARIANTS = [
+    (1, "adamw", 0.5, False),
+    (4, "adamw", 0.5, False),
+    (1, "sgd", None, False),
+    (4, "adamw", 0.5, True),
+]
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -168,10 +176,11 @@ def _differing(a: dict, b: dict) -> list[str]:
 def _check_exact(results: list[dict], variants: list[tuple]) -> None:
     expected_skips = torch.tensor([1.0 if i == INF_STEP else 0.0 for i in range(STEPS)])
     for rank, res in enumerate(results):
-        for grad_accum, kind, clip in variants:
-            eager = res[(grad_accum, kind, clip, "eager")]
-            graphed = res[(grad_accum, kind, clip, "graphed")]
+        for variant in variants:
+            grad_accum, kind, clip, vocab_parallel = variant
+            eager, graphed = res[(*variant, "eager")], res[(*variant, "graphed")]
             what = f"rank {rank}, {grad_accum} microbatch(es), {kind}, clip {clip}"
+            what += ", vocab-parallel embedding" if vocab_parallel else ""
             rows = [
                 i
                 for i in range(STEPS)
@@ -218,7 +227,9 @@ def test_whole_step_graph_is_bit_identical_to_eager():
 
 @needs_gpus(2)
 def test_whole_step_graph_is_bit_identical_to_eager_on_two_ranks():
-    variants = VARIANTS[:2]  # the skip decided from the norm all-reduced inside the graph
+    # the skip decided from the norm all-reduced inside the graph; the embedding's
+    # collectives inside it
+    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[3]]
     results = spawn(_exact_worker, 2, variants, backend="nccl")
     _check_exact(results, variants)
 
@@ -365,6 +376,20 @@ def _rows(world: int) -> list[tuple]:
             spec(strategy="optim_grads"),
             {},
         ),
+        # the embedding's rows never gathered: ids and activations cross the ranks instead
+        # (vocab_parallel.py [Note: vocab-parallel embedding])
+        (
+            "graph_fsdp full_iteration, vocab-parallel embedding",
+            run_graph_fsdp,
+            spec(vocab_parallel_embedding=True, **full),
+            {},
+        ),
+        (
+            "graph_fsdp whole step, vocab-parallel embedding",
+            _whole_step_row,
+            spec(vocab_parallel_embedding=True),
+            {},
+        ),
         ("reference x4 microbatches", run_unsharded_captured, spec(4), {}),
         ("graph_fsdp full_iteration x4 microbatches", run_graph_fsdp, spec(4, **full), {}),
         ("graph_fsdp whole step x4 microbatches", _whole_step_row, spec(4), {}),
@@ -435,6 +460,9 @@ def test_whole_step_timing_and_memory():
         "one graph optim_grads / reference": rows["graph_fsdp whole step, optim_grads"][
             "x_reference"
         ],
+        "one graph vocab-parallel embedding / reference": rows[
+            "graph_fsdp whole step, vocab-parallel embedding"
+        ]["x_reference"],
         "full_iteration reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
             rows,
             "graph_fsdp full_iteration",
@@ -462,7 +490,11 @@ def test_whole_step_timing_and_memory():
     }
     print(json.dumps({"targets (printed, not asserted)": targets}))
     # What must hold: every graphed row replayed once per timed step (or microbatch).
-    for name in ("graph_fsdp full_iteration", "graph_fsdp layerwise (whole layers)"):
+    for name in (
+        "graph_fsdp full_iteration",
+        "graph_fsdp layerwise (whole layers)",
+        "graph_fsdp full_iteration, vocab-parallel embedding",
+    ):
         assert rows[name]["replays"] and rows[name]["eager_fallbacks"] == 0, rows[name]
     if WORLD == 2:
         # Memory regressions, with room for drift between launches: on 2 H200s (2026-11-27)

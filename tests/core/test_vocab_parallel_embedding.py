@@ -1,0 +1,235 @@
+"""The vocab-parallel input embedding (graph_fsdp/vocab_parallel.py) on real gloo process groups.
+
+Each rank holds its rows of the table; token ids and activations cross the group instead of
+the table. The module alone equals ``nn.Embedding`` on the whole table (forward bit for bit,
+the rows' gradients the sum of every rank's); under ``fully_shard`` the rows are never
+gathered or reduce-scattered, and training matches the unsharded single-process reference
+(tolerance 1e-6, fp32, as every reference comparison of the suite) for ZeRO-3 and ZeRO-1,
+gradient accumulation and clipping; a checkpoint written with it loads without it, and the
+reverse. One spawn of 2 processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from graph_fsdp import fully_shard, init_expert_mesh, param_group, reduce
+from graph_fsdp.launch import spawn
+from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
+
+GPT = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+BASE = TrainConfig(model=GPT, steps=4, eval_interval=2, vocab_parallel_embedding=True)
+TOL = 1e-6
+SAVE_AT = 2
+
+
+def _case(**kw) -> TrainConfig:
+    return dataclasses.replace(BASE, **kw)
+
+
+CASES = {
+    "zero3": _case(),
+    "zero1": _case(strategy="optim"),
+    "accum": _case(grad_accum=2),
+    "clip": _case(clip_grad=0.05),
+    "double_buffer": _case(allocator="double_buffer"),
+}
+
+
+def _module(rank: int, world: int) -> dict:
+    """The module against nn.Embedding on the whole table, each rank with its own ids."""
+    torch.manual_seed(0)
+    full = nn.Embedding(12, 5, dtype=torch.float64)
+    ids = torch.randint(0, 12, (world, 3, 4))
+    vp = VocabParallelEmbedding(12, 5, dist.group.WORLD, dtype=torch.float64)
+    with torch.no_grad():
+        vp.weight.copy_(full.weight[vp.vocab_start : vp.vocab_start + vp.rows])
+    out = vp(ids[rank])
+    grad_out = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out) * (rank + 1)
+    out.backward(grad_out)
+    expected = full(ids[rank])
+    for r in range(world):  # every rank's tokens reach the rows' gradient
+        g = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out) * (r + 1)
+        full(ids[r]).backward(g)
+    rows = full.weight.grad[vp.vocab_start : vp.vocab_start + vp.rows]
+    return {
+        "forward_equal": torch.equal(out, expected),
+        "grad_diff": (vp.weight.grad - rows).abs().max().item(),
+        "rows": (vp.vocab_start, vp.rows),
+    }
+
+
+def _collectives(rank: int, world: int) -> dict:
+    """Over how many ranks each group's weights were gathered and gradients reduced (the
+    engine's real collectives, recorded by group name)."""
+    seen: dict[str, set] = {}
+
+    def record(fn):
+        def wrapped(*args, **kw):  # (out, in | full), ctx, fqn
+            ctx, fqn = args[-2:]
+            seen.setdefault(fqn, set()).add(ctx.world_size)
+            return fn(*args, **kw)
+
+        return wrapped
+
+    # The recipe of vocab_parallel.py's docstring, through the public API.
+    model = build_model(GPT)
+    mesh = init_expert_mesh("cpu", ep_size=world)
+    shard_embedding_by_vocab(model, "embedding", mesh["ep"].get_group())
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model, expert_mesh=mesh)
+    group = model.embedding.weight._graph_fsdp_group
+    originals = param_group.all_gather, reduce.reduce_scatter
+    param_group.all_gather, reduce.reduce_scatter = map(record, originals)
+    try:
+        x, y = synthetic_batch(GPT, 1, 0, rank=rank)
+        model(x, y).backward()
+    finally:
+        param_group.all_gather, reduce.reduce_scatter = originals
+    return {
+        "expert": group.expert is not None,
+        "group": group.fqn,
+        "seen": {k: sorted(v) for k, v in seen.items()},
+    }
+
+
+def _errors(rank: int, world: int) -> dict:
+    out = {}
+
+    def err(fn) -> str:
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return ""
+
+    out["vocab"] = err(lambda: VocabParallelEmbedding(129, 4, dist.group.WORLD))
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+    out["tied"] = err(lambda: shard_embedding_by_vocab(Tied(), "emb", dist.group.WORLD))
+    padded = nn.Sequential(nn.Embedding(8, 4, padding_idx=0))
+    out["padding"] = err(lambda: shard_embedding_by_vocab(padded, "0", dist.group.WORLD))
+    out["not_embedding"] = err(
+        lambda: shard_embedding_by_vocab(nn.Sequential(nn.Linear(2, 2)), "0", dist.group.WORLD)
+    )
+    out["hsdp"] = err(lambda: run(rank, world, _case(mesh_shape=(1, 2), steps=1)))
+    return out
+
+
+def _all(rank: int, world: int, root: str) -> dict:
+    out = {
+        "module": _module(rank, world),
+        "collectives": _collectives(rank, world),
+        "errors": _errors(rank, world),
+        "train": {k: run(rank, world, cfg) for k, cfg in CASES.items()},
+    }
+    for name, vp in (("with", True), ("without", False)):  # save one way, resume the other
+        out[f"saved:{name}"] = run(
+            rank,
+            world,
+            _case(
+                vocab_parallel_embedding=vp,
+                steps=SAVE_AT,
+                eval_interval=0,
+                save_path=os.path.join(root, name),
+                save_at=SAVE_AT,
+            ),
+        )
+        out[f"resume:{name}"] = run(
+            rank,
+            world,
+            _case(
+                vocab_parallel_embedding=not vp,
+                eval_interval=0,
+                load_path=os.path.join(root, name),
+                start_step=SAVE_AT,
+                steps=BASE.steps - SAVE_AT,
+            ),
+        )
+    return out
+
+
+def _load_on_four(rank: int, world: int, root: str) -> dict:
+    """The 2-rank vocab-parallel checkpoint loaded on 4 ranks, vocab-parallel (32 rows each)."""
+    cfg = _case(eval_interval=0, load_path=os.path.join(root, "with"), start_step=SAVE_AT, steps=0)
+    return run(rank, world, cfg)["params"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("vocab_parallel"))
+    ranks = spawn(_all, 2, root)
+    four = spawn(_load_on_four, 4, root)
+    reference = {
+        k: run(0, 2, dataclasses.replace(cfg, mode="reference")) for k, cfg in CASES.items()
+    }
+    return {"ranks": ranks, "reference": reference, "four": four}
+
+
+def test_module_equals_a_whole_table_embedding(results):
+    for rank, res in enumerate(results["ranks"]):
+        m = res["module"]
+        assert m["rows"] == (rank * 6, 6)
+        assert m["forward_equal"]
+        assert m["grad_diff"] <= 1e-12, m
+
+
+def test_the_table_is_never_gathered_or_reduced_over_the_group(results):
+    for res in results["ranks"]:
+        c = res["collectives"]
+        assert c["expert"], c  # an expert group, over an expert-data-parallel group of 1
+        assert c["seen"][c["group"]] == [1], c  # gathered and reduced over itself only
+        others = [v for k, v in c["seen"].items() if k != c["group"]]
+        assert others and all(v == [2] for v in others), c  # the rest over both ranks
+
+
+def test_training_matches_the_unsharded_reference(results):
+    for label, ref in results["reference"].items():
+        for res in results["ranks"]:
+            got = res["train"][label]
+            diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)]
+            assert max(diffs) <= TOL, (label, got["losses"], ref["losses"])
+            for name, value in ref["params"].items():
+                diff = (got["params"][name].float() - value.float()).abs().max().item()
+                assert diff <= TOL, (label, name, diff)
+
+
+def test_checkpoints_load_with_and_without_it(results):
+    ref = results["reference"]["zero3"]["losses"][SAVE_AT:]
+    for res in results["ranks"]:
+        for name in ("with", "without"):
+            losses = res[f"resume:{name}"]["losses"]
+            assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) <= TOL, (name, losses)
+
+
+def test_refusals_name_the_setting_and_the_fix(results):
+    errors = results["ranks"][0]["errors"]
+    assert "num_embeddings=129" in errors["vocab"] and "pad the vocabulary" in errors["vocab"]
+    assert "tied to ['head.weight']" in errors["tied"], errors["tied"]
+    assert "padding_idx" in errors["padding"], errors["padding"]
+    assert "not an nn.Embedding" in errors["not_embedding"], errors["not_embedding"]
+    assert "mesh_shape" in errors["hsdp"] and "drop" in errors["hsdp"], errors["hsdp"]
+
+
+def test_a_checkpoint_loads_on_another_world_size(results):
+    saved = results["ranks"][0]["saved:with"]["params"]
+    for params in results["four"]:
+        assert params.keys() == saved.keys()
+        assert all(torch.equal(params[k], saved[k]) for k in saved), [
+            k for k in saved if not torch.equal(params[k], saved[k])
+        ]
