@@ -138,12 +138,16 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return fully_shard(model, **placement, mp_policy=mp, buffer_policy=bp)
 
 
+def _given(cfg: TrainConfig, *fields: str) -> dict:
+    """Those of ``fields`` that ``cfg`` sets (not None), by name: for refusals."""
+    return {f: getattr(cfg, f) for f in fields if getattr(cfg, f) is not None}
+
+
 def vocab_parallel_mesh(cfg: TrainConfig):
     """The ``(edp 1, ep world)`` expert mesh a vocab-parallel embedding's rows live on
     (vocab_parallel.py [Note: vocab-parallel embedding])."""
     world = dist.get_world_size()
-    given = {"mesh_shape": cfg.mesh_shape, "tensor_parallel": cfg.tensor_parallel}
-    given = {k: v for k, v in given.items() if v is not None}
+    given = _given(cfg, "mesh_shape", "tensor_parallel")
     if given:
         raise ValueError(
             f"TrainConfig.vocab_parallel_embedding=True with {given}: the embedding's rows are "
@@ -175,11 +179,7 @@ def check_tensor_parallel(cfg: TrainConfig, world_size: int) -> None:
             f"TrainConfig.tensor_parallel={tp!r} must be a positive divisor of the world size "
             f"{world_size} (the data-parallel size is world / tensor_parallel)"
         )
-    others = {
-        "mesh_shape": cfg.mesh_shape,
-        "expert_parallel": cfg.expert_parallel,
-    }
-    given = {k: v for k, v in others.items() if v is not None}
+    given = _given(cfg, "mesh_shape", "expert_parallel")
     if given:
         raise ValueError(
             f"TrainConfig.tensor_parallel={tp} with {given}: a 3-D mesh (HSDP or expert "
