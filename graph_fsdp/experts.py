@@ -80,6 +80,9 @@ class ExpertLayout:
     template: str | None = None
     local_index: int = 0
     num_local: int = 1
+    partitioned_over: tuple[int, ...] | None = None
+    """The global ranks the parameter was partitioned over, when its holder knows them
+    (vocab_parallel.py): ``fully_shard`` refuses an expert mesh whose EP group is another."""
 
     def global_entry(
         self, fqn: str, shape: torch.Size, ep_rank: int, ep_size: int

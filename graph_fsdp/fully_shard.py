@@ -408,6 +408,23 @@ def _expert_layouts(
     return {fqn: layout_of(module, fqn, p, owners[0][0]) for fqn, owners, p in experts}
 
 
+def _check_partitions(
+    layouts: dict[str, ExpertLayout | None], experts: ExpertGroups, owner: str
+) -> None:
+    """Parameters partitioned over known ranks need the expert mesh's EP group to be those."""
+    ep_ranks = tuple(dist.get_process_group_ranks(experts.ep))
+    for fqn, layout in layouts.items():
+        if layout is not None and layout.partitioned_over not in (None, ep_ranks):
+            raise ValueError(
+                f"fully_shard({owner}): {fqn} was partitioned over ranks "
+                f"{list(layout.partitioned_over)}, but the expert mesh's EP group is ranks "
+                f"{list(ep_ranks)}: its pieces would be sharded and reduced as copies of one "
+                "another. Pass an expert mesh whose EP group is those ranks (for a "
+                "vocab-parallel embedding over every rank: init_expert_mesh(device, "
+                "ep_size=world size))"
+            )
+
+
 def _refuse_tp_experts(
     tp_specs: dict[str, TPSpec], layouts: dict[str, ExpertLayout | None], owner: str
 ) -> None:
@@ -538,6 +555,7 @@ def fully_shard(
     experts = None
     if expert_mesh is not None:
         experts = resolve_expert_mesh(expert_mesh, owner, _dense_ranks(mesh), device)
+        _check_partitions(layouts, experts, owner)
     groups = _make_groups(
         module,
         entries,

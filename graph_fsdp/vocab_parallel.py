@@ -34,7 +34,9 @@ collectives of ``world x batch x seq x hidden`` replace two of ``vocab x hidden`
 
 Not supported (refused when asked): a vocabulary the group size does not divide (pad it, as
 Megatron's ``make_vocab_size_divisible_by`` does), a weight tied to another module (an output
-projection needs the whole table), ``padding_idx``, ``max_norm`` and sparse gradients.
+projection needs the whole table), ``padding_idx``, ``max_norm`` and sparse gradients; and,
+by ``fully_shard``, an expert mesh whose EP group is not the embedding's group (an EDP
+group > 1 would shard the rows as copies of one another).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graph_fsdp.comm import all_gather_into, reduce_scatter_into
-from graph_fsdp.experts import mark_expert_params
+from graph_fsdp.experts import EXPERT_ATTR, ExpertLayout
 
 
 class _ReduceScatterTokens(torch.autograd.Function):
@@ -99,7 +101,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.rows, embedding_dim, device=device, dtype=dtype)
         )
-        mark_expert_params([self.weight])
+        ranks = tuple(dist.get_process_group_ranks(group))
+        setattr(self.weight, EXPERT_ATTR, ExpertLayout(partitioned_over=ranks))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = _all_gather(ids, self.group) - self.vocab_start

@@ -128,6 +128,13 @@ def _errors(rank: int, world: int) -> dict:
         lambda: shard_embedding_by_vocab(nn.Sequential(nn.Linear(2, 2)), "0", dist.group.WORLD)
     )
     out["hsdp"] = err(lambda: run(rank, world, _case(mesh_shape=(1, 2), steps=1)))
+
+    def wrong_mesh():  # EP 1 x EDP 2: the rows would be sharded as copies of one another
+        model = build_model(GPT)
+        shard_embedding_by_vocab(model, "embedding", dist.group.WORLD)
+        fully_shard(model, expert_mesh=init_expert_mesh("cpu", ep_size=1))
+
+    out["mesh"] = err(wrong_mesh)
     return out
 
 
@@ -224,6 +231,8 @@ def test_refusals_name_the_setting_and_the_fix(results):
     assert "padding_idx" in errors["padding"], errors["padding"]
     assert "not an nn.Embedding" in errors["not_embedding"], errors["not_embedding"]
     assert "mesh_shape" in errors["hsdp"] and "drop" in errors["hsdp"], errors["hsdp"]
+    assert "embedding.weight was partitioned over ranks [0, 1]" in errors["mesh"], errors["mesh"]
+    assert "EP group is ranks [0]" in errors["mesh"] and "ep_size=world" in errors["mesh"]
 
 
 def test_a_checkpoint_loads_on_another_world_size(results):
