@@ -104,7 +104,16 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         persist_on_alloc_fail=cfg.persist_on_alloc_fail,
     )
     mesh = data_parallel_mesh(cfg)
-    vocab_mesh = vocab_parallel_mesh(cfg) if cfg.vocab_parallel_embedding else None
+    vocab_mesh = None
+    if cfg.vocab_parallel_embedding:
+        given = _given(cfg, "mesh_shape", "tensor_parallel")
+        if given:
+            raise ValueError(
+                f"TrainConfig.vocab_parallel_embedding=True with {given}: the embedding's rows "
+                "are split over every rank, which HSDP and tensor parallelism split otherwise; "
+                "drop one of them"
+            )
+        vocab_mesh = vocab_parallel_mesh(cfg.device)
     if cfg.tensor_parallel is not None:  # apply_tp, then fully_shard over the other dimension
         tp_mesh = tensor_parallel_mesh(cfg)
         parallelize_gpt(model, tp_mesh["tp"], sequence_parallel=cfg.sequence_parallel)
@@ -143,20 +152,11 @@ def _given(cfg: TrainConfig, *fields: str) -> dict:
     return {f: getattr(cfg, f) for f in fields if getattr(cfg, f) is not None}
 
 
-def vocab_parallel_mesh(cfg: TrainConfig):
+def vocab_parallel_mesh(device: str):
     """The ``(edp 1, ep world)`` expert mesh a vocab-parallel embedding's rows live on
     (vocab_parallel.py [Note: vocab-parallel embedding])."""
     world = dist.get_world_size()
-    given = _given(cfg, "mesh_shape", "tensor_parallel")
-    if given:
-        raise ValueError(
-            f"TrainConfig.vocab_parallel_embedding=True with {given}: the embedding's rows are "
-            "split over every rank, which HSDP and tensor parallelism split otherwise; drop "
-            "one of them"
-        )
-    return _cached_mesh(
-        cfg.device, (1, world), ("edp", "ep"), lambda: init_expert_mesh(cfg.device, world)
-    )
+    return _cached_mesh(device, (1, world), ("edp", "ep"), lambda: init_expert_mesh(device, world))
 
 
 def tensor_parallel_size(cfg: TrainConfig) -> int:

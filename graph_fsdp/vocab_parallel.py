@@ -34,7 +34,7 @@ collectives of ``world x batch x seq x hidden`` replace two of ``vocab x hidden`
 
 Not supported (refused when asked): a vocabulary the group size does not divide (pad it, as
 Megatron's ``make_vocab_size_divisible_by`` does), a weight tied to another module (an output
-projection needs the whole table), ``padding_idx``, ``max_norm`` and sparse gradients; and,
+projection needs the whole table), ``max_norm`` and sparse gradients; and,
 by ``fully_shard``, an expert mesh whose EP group is not the embedding's group (an EDP
 group > 1 would shard the rows as copies of one another).
 """
@@ -84,6 +84,7 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         group: dist.ProcessGroup,
         *,
+        padding_idx: int | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -98,6 +99,12 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.rows = num_embeddings // world
         self.vocab_start = dist.get_rank(group) * self.rows
+        self.padding_idx = padding_idx
+        # nn.Embedding's padding row: its gradient stays zero, on the rank that holds it
+        local_pad = None if padding_idx is None else padding_idx % num_embeddings - self.vocab_start
+        self._local_padding_idx = (
+            local_pad if local_pad is not None and 0 <= local_pad < self.rows else None
+        )
         self.weight = nn.Parameter(
             torch.empty(self.rows, embedding_dim, device=device, dtype=dtype)
         )
@@ -107,7 +114,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = _all_gather(ids, self.group) - self.vocab_start
         mine = (local >= 0) & (local < self.rows)
-        rows = F.embedding(torch.where(mine, local, 0), self.weight)
+        rows = F.embedding(torch.where(mine, local, 0), self.weight, self._local_padding_idx)
         rows = rows.masked_fill(~mine.unsqueeze(-1), 0)
         return _ReduceScatterTokens.apply(rows, self.group)
 
@@ -131,16 +138,12 @@ def shard_embedding_by_vocab(
         raise TypeError(
             f"shard_embedding_by_vocab: {fqn} is {type(old).__name__}, not an nn.Embedding"
         )
-    unsupported = {
-        "padding_idx": old.padding_idx,
-        "max_norm": old.max_norm,
-        "sparse": old.sparse or None,
-    }
+    unsupported = {"max_norm": old.max_norm, "sparse": old.sparse or None}
     bad = {k: v for k, v in unsupported.items() if v is not None}
     if bad:
         raise ValueError(
             f"shard_embedding_by_vocab: {fqn} sets {bad}; a vocab-parallel embedding supports "
-            "none of padding_idx, max_norm, sparse: keep it a gathered nn.Embedding"
+            "neither max_norm nor sparse gradients: keep it a gathered nn.Embedding"
         )
     if getattr(old.weight, "_graph_fsdp_sharded", False) or old.weight.device.type == "meta":
         raise ValueError(
@@ -164,6 +167,7 @@ def shard_embedding_by_vocab(
         old.num_embeddings,
         old.embedding_dim,
         group,
+        padding_idx=old.padding_idx,
         device=old.weight.device,
         dtype=old.weight.dtype,
     )

@@ -29,7 +29,8 @@ from graph_fsdp.loop import (
     use_deterministic_kernels,
 )
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
-from graph_fsdp.train import MixedPrecisionReference, make_optimizer
+from graph_fsdp.train import MixedPrecisionReference, make_optimizer, vocab_parallel_mesh
+from graph_fsdp.vocab_parallel import shard_embedding_by_vocab
 
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0}
 """Config fields some families default to a dropout with (GPT-2, GPTBigCode, OPT): off, so
@@ -57,6 +58,9 @@ class HFTrainConfig(LoopConfig):
     """fsdp: graph_fsdp; reference: the unsharded model on the global batch."""
     device: str = "cpu"
     """cpu or cuda."""
+    vocab_parallel_embedding: bool = False
+    """The input embedding sharded by vocabulary rows over every rank, never gathered
+    (vocab_parallel.py); refused for tied embeddings."""
 
     @property
     def recompute(self) -> bool:
@@ -114,6 +118,12 @@ class HFAdapter(ModelAdapter):
         placement = dict(strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
         for layer in hf_decoder_layers(lm):
             fully_shard(layer, **placement)
+        if cfg.vocab_parallel_embedding:
+            mesh = vocab_parallel_mesh(cfg.device)
+            embedding = lm.get_input_embeddings()
+            fqn = next(n for n, m in model.named_modules() if m is embedding)
+            shard_embedding_by_vocab(model, fqn, mesh["ep"].get_group())
+            placement["expert_mesh"] = mesh
         fully_shard(model, **placement)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:

@@ -44,12 +44,15 @@ CASES = {
 }
 
 
-def _module(rank: int, world: int) -> dict:
+def _module(rank: int, world: int, padding_idx: int | None) -> dict:
     """The module against nn.Embedding on the whole table, each rank with its own ids."""
     torch.manual_seed(0)
-    full = nn.Embedding(12, 5, dtype=torch.float64)
+    full = nn.Embedding(12, 5, padding_idx=padding_idx, dtype=torch.float64)
     ids = torch.randint(0, 12, (world, 3, 4))
-    vp = VocabParallelEmbedding(12, 5, dist.group.WORLD, dtype=torch.float64)
+    ids[:, 0, 0] = 7  # the padding row, when there is one, is looked up
+    vp = VocabParallelEmbedding(
+        12, 5, dist.group.WORLD, padding_idx=padding_idx, dtype=torch.float64
+    )
     with torch.no_grad():
         vp.weight.copy_(full.weight[vp.vocab_start : vp.vocab_start + vp.rows])
     out = vp(ids[rank])
@@ -64,6 +67,7 @@ def _module(rank: int, world: int) -> dict:
         "forward_equal": torch.equal(out, expected),
         "grad_diff": (vp.weight.grad - rows).abs().max().item(),
         "rows": (vp.vocab_start, vp.rows),
+        "row_7_grad": full.weight.grad[7].abs().max().item(),
     }
 
 
@@ -122,8 +126,8 @@ def _errors(rank: int, world: int) -> dict:
             self.head.weight = self.emb.weight
 
     out["tied"] = err(lambda: shard_embedding_by_vocab(Tied(), "emb", dist.group.WORLD))
-    padded = nn.Sequential(nn.Embedding(8, 4, padding_idx=0))
-    out["padding"] = err(lambda: shard_embedding_by_vocab(padded, "0", dist.group.WORLD))
+    normed = nn.Sequential(nn.Embedding(8, 4, max_norm=1.0))
+    out["max_norm"] = err(lambda: shard_embedding_by_vocab(normed, "0", dist.group.WORLD))
     out["not_embedding"] = err(
         lambda: shard_embedding_by_vocab(nn.Sequential(nn.Linear(2, 2)), "0", dist.group.WORLD)
     )
@@ -140,7 +144,7 @@ def _errors(rank: int, world: int) -> dict:
 
 def _all(rank: int, world: int, root: str) -> dict:
     out = {
-        "module": _module(rank, world),
+        "module": {pad: _module(rank, world, pad) for pad in (None, 7)},
         "collectives": _collectives(rank, world),
         "errors": _errors(rank, world),
         "train": {k: run(rank, world, cfg) for k, cfg in CASES.items()},
@@ -190,10 +194,12 @@ def results(tmp_path_factory) -> dict:
 
 def test_module_equals_a_whole_table_embedding(results):
     for rank, res in enumerate(results["ranks"]):
-        m = res["module"]
-        assert m["rows"] == (rank * 6, 6)
-        assert m["forward_equal"]
-        assert m["grad_diff"] <= 1e-12, m
+        for padding_idx, m in res["module"].items():
+            assert m["rows"] == (rank * 6, 6)
+            assert m["forward_equal"], padding_idx
+            assert m["grad_diff"] <= 1e-12, (padding_idx, m)
+            # the padding row's gradient stays zero (on rank 1, which holds it), as nn.Embedding's
+            assert (m["row_7_grad"] == 0) == (padding_idx == 7), (padding_idx, m)
 
 
 def test_the_table_is_never_gathered_or_reduced_over_the_group(results):
@@ -228,7 +234,7 @@ def test_refusals_name_the_setting_and_the_fix(results):
     errors = results["ranks"][0]["errors"]
     assert "num_embeddings=129" in errors["vocab"] and "pad the vocabulary" in errors["vocab"]
     assert "tied to ['head.weight']" in errors["tied"], errors["tied"]
-    assert "padding_idx" in errors["padding"], errors["padding"]
+    assert "{'max_norm': 1.0}" in errors["max_norm"], errors["max_norm"]
     assert "not an nn.Embedding" in errors["not_embedding"], errors["not_embedding"]
     assert "mesh_shape" in errors["hsdp"] and "drop" in errors["hsdp"], errors["hsdp"]
     assert "embedding.weight was partitioned over ranks [0, 1]" in errors["mesh"], errors["mesh"]
