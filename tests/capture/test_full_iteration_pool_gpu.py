@@ -44,17 +44,15 @@ def _build(device: torch.device):
 
 
 def _train(graphed: bool, device: torch.device, rank: int) -> dict:
+    from graph_fsdp.bench.verdicts import CudaCounters, RowMemory
     from graph_fsdp.capture import FullIterationGraphs
     from graph_fsdp.models import synthetic_batch
     from graph_fsdp.state import collect_states
 
-    torch.cuda.synchronize()
-    # Each run pays for the cuBLAS workspaces it makes, as in a process of its own (no graph
-    # lives here: bench/verdicts.py [Note: a row's own peak]).
-    torch._C._cuda_clearCublasWorkspaces()
-    torch.cuda.empty_cache()
-    start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    torch.cuda.reset_peak_memory_stats()
+    # Each run pays for the cuBLAS workspaces it makes, as in a process of its own, like a
+    # bench row (no graph lives here: bench/verdicts.py [Note: a row's own peak]).
+    counters = CudaCounters(device)
+    memory = RowMemory.start(counters)
     model, opt = _build(device)
     graphs = FullIterationGraphs(model, warmup_steps=2, eager=not graphed)
     groups = [g for s in collect_states(model) for g in s.groups]
@@ -66,10 +64,11 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    own_allocated, own_reserved = memory.stop(counters).values()[:2]
     out = {
         "losses": losses,
-        "own_peak_allocated": torch.cuda.max_memory_allocated() - start[0],
-        "own_peak_reserved": torch.cuda.max_memory_reserved() - start[1],
+        "own_peak_allocated": own_allocated,
+        "own_peak_reserved": own_reserved,
         "replays": graphs.report()["replays"],
     }
     if graphed:

@@ -56,12 +56,14 @@ def _module(rank: int, world: int, padding_idx: int | None) -> dict:
     with torch.no_grad():
         vp.weight.copy_(full.weight[vp.vocab_start : vp.vocab_start + vp.rows])
     out = vp(ids[rank])
-    grad_out = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out) * (rank + 1)
-    out.backward(grad_out)
+
+    def grad_out(r: int) -> torch.Tensor:  # rank r's output gradient
+        return torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out) * (r + 1)
+
+    out.backward(grad_out(rank))
     expected = full(ids[rank])
     for r in range(world):  # every rank's tokens reach the rows' gradient
-        g = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out) * (r + 1)
-        full(ids[r]).backward(g)
+        full(ids[r]).backward(grad_out(r))
     rows = full.weight.grad[vp.vocab_start : vp.vocab_start + vp.rows]
     return {
         "forward_equal": torch.equal(out, expected),
