@@ -200,9 +200,11 @@ def tensor_parallel_mesh(cfg: TrainConfig):
 
 
 def placement_label(cfg: TrainConfig) -> str:
-    """The strategy and, for HSDP, the mesh (and the EP and TP sizes): for summaries and
-    reports."""
+    """The strategy and, for HSDP, the mesh (and the EP and TP sizes, the vocab-parallel
+    embedding): for summaries and reports."""
     ep = "" if cfg.expert_parallel is None else f", expert parallel {cfg.expert_parallel}"
+    if cfg.vocab_parallel_embedding:
+        ep += ", vocab-parallel embedding"
     if cfg.tensor_parallel is not None:
         sp = " with sequence parallel" if cfg.sequence_parallel else ""
         ep += f", tensor parallel {cfg.tensor_parallel}{sp}"

@@ -121,7 +121,7 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
         f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights, "
         f"{reduction_label(cfg)}; strategy "
-        f"{placement_label(cfg)}, allocator {cfg.allocator}, "
+        f"{placement_label(cfg)}{embedding_label(cfg)}, allocator {cfg.allocator}, "
         f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "
@@ -136,6 +136,11 @@ def reduction_label(cfg) -> str:
     if cfg.grad_comm_dtype == "bf16":
         return "gradients reduced in bf16 (graph_fsdp rows)"
     return "fp32 gradient reduction"
+
+
+def embedding_label(cfg) -> str:
+    """--vocab-parallel-embedding is graph_fsdp's rows' only (the peers gather the table)."""
+    return " (graph_fsdp rows only)" if cfg.vocab_parallel_embedding else ""
 
 
 TP_ROWS = ("graph_fsdp", "graph_fsdp_graphed")

@@ -309,6 +309,11 @@ def reject_unwired_flags(args: argparse.Namespace) -> None:
             "against an eager run of it); Megatron's schedule runs its own: drop "
             "--use-megatron-schedule or --cuda-graph-verify"
         )
+    if args.vocab_parallel_embedding:
+        raise CLIError(
+            "--vocab-parallel-embedding is not wired for Megatron-Core models (their embedding "
+            "is Megatron's VocabParallelEmbedding, split by --tensor-model-parallel-size); drop it"
+        )
     if args.ddp_reduce_scatter_with_fp32_accumulation:
         raise CLIError(
             "--ddp-reduce-scatter-with-fp32-accumulation is not wired for Megatron-Core models "

@@ -232,6 +232,15 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "split over the sequence (N must divide --seq-length).",
     )
     g.add_argument(
+        "--vocab-parallel-embedding",
+        action="store_true",
+        help="The input embedding's rows split over the ranks and never gathered: token ids "
+        "and activations cross the ranks instead of the vocab x hidden table and its fp32 "
+        "gradient (the first all-gather and the last reduce-scatter of a ZeRO-3 step). "
+        "--vocab-size must be a multiple of the ranks; not with HSDP or tensor parallelism; "
+        "graph_fsdp's GPT only.",
+    )
+    g.add_argument(
         "--fsdp-buffer",
         choices=BUFFER_ALLOCATORS,
         default=None,
@@ -485,6 +494,27 @@ def check_tensor_parallel_flags(args: argparse.Namespace, world_size: int) -> in
                     "of them (HSDP + TP: the library API, docs/tensor_parallel.md)"
                 )
     return world_size // tp
+
+
+def check_vocab_parallel(args: argparse.Namespace, model: GPTConfig, world_size: int) -> None:
+    """--vocab-parallel-embedding against the ranks and the other parallelisms (the refusals
+    of train.shard_model and VocabParallelEmbedding, said with the flags' names)."""
+    if not args.vocab_parallel_embedding:
+        return
+    for flag, value, plain in (
+        ("--num-distributed-optimizer-instances", args.num_distributed_optimizer_instances, 1),
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size, 1),
+    ):
+        if value != plain:
+            raise CLIError(
+                f"--vocab-parallel-embedding with {flag} {value}: the embedding's rows are split "
+                "over every rank, which that setting splits otherwise; drop one of them"
+            )
+    if model.vocab_size % world_size:
+        raise CLIError(
+            f"--vocab-parallel-embedding: --vocab-size {model.vocab_size} is not a multiple of "
+            f"the {world_size} ranks; pad the vocabulary to a multiple of {world_size}"
+        )
 
 
 def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_size: int) -> None:
@@ -958,6 +988,7 @@ def resolve(
         check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
+    check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(
         model=model,
         strategy=args.data_parallel_sharding_strategy,
@@ -991,5 +1022,6 @@ def resolve(
         cuda_graph_comm=args.cuda_graph_comm,
         cuda_graph_optimizer=args.cuda_graph_optimizer,
         fused_optimizer=args.cuda_graph_optimizer,  # the whole step's update is AdamW(fused)
+        vocab_parallel_embedding=args.vocab_parallel_embedding,
     )
     return Resolved(plan=plan, cfg=cfg)

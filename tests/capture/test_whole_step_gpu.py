@@ -390,6 +390,18 @@ def _rows(world: int) -> list[tuple]:
             spec(vocab_parallel_embedding=True),
             {},
         ),
+        (
+            "graph_fsdp layerwise, vocab-parallel embedding",
+            run_graph_fsdp,
+            spec(vocab_parallel_embedding=True, **layers),
+            {},
+        ),
+        (
+            "graph_fsdp whole step, optim_grads, vocab-parallel embedding",
+            _whole_step_row,
+            spec(strategy="optim_grads", vocab_parallel_embedding=True),
+            {},
+        ),
         ("reference x4 microbatches", run_unsharded_captured, spec(4), {}),
         ("graph_fsdp full_iteration x4 microbatches", run_graph_fsdp, spec(4, **full), {}),
         ("graph_fsdp whole step x4 microbatches", _whole_step_row, spec(4), {}),
@@ -463,6 +475,9 @@ def test_whole_step_timing_and_memory():
         "one graph vocab-parallel embedding / reference": rows[
             "graph_fsdp whole step, vocab-parallel embedding"
         ]["x_reference"],
+        "one graph optim_grads vocab-parallel embedding / reference": rows[
+            "graph_fsdp whole step, optim_grads, vocab-parallel embedding"
+        ]["x_reference"],
         "full_iteration reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
             rows,
             "graph_fsdp full_iteration",
@@ -487,6 +502,13 @@ def test_whole_step_timing_and_memory():
         "layerwise reserved / graph_fsdp eager reserved (<= 1.10)": _ratio(
             rows, "graph_fsdp layerwise (whole layers)", "graph_fsdp eager", "own_peak_reserved_gib"
         ),
+        **{
+            f"{name} reserved / graph_fsdp eager reserved": _ratio(
+                rows, name, "graph_fsdp eager", "own_peak_reserved_gib"
+            )
+            for name in rows
+            if name.startswith("graph_fsdp") and "vocab-parallel" in name
+        },
     }
     print(json.dumps({"targets (printed, not asserted)": targets}))
     # What must hold: every graphed row replayed once per timed step (or microbatch).

@@ -150,6 +150,19 @@ FP32_ACCUM = "--ddp-reduce-scatter-with-fp32-accumulation"
             ["--bf16", FP32_ACCUM, "--num-distributed-optimizer-instances", "2"],
             ["(HSDP) drop it"],
         ),
+        # the vocab-parallel embedding
+        (
+            ["--vocab-parallel-embedding", "--num-distributed-optimizer-instances", "2"],
+            ["--num-distributed-optimizer-instances 2", "drop one of them"],
+        ),
+        (
+            ["--vocab-parallel-embedding", "--tensor-model-parallel-size", "2"],
+            ["--tensor-model-parallel-size 2", "drop one of them"],
+        ),
+        (
+            ["--vocab-parallel-embedding", "--vocab-size", "127"],
+            ["--vocab-size 127 is not a multiple of the 2 ranks", "multiple of 2"],
+        ),
         (["--save-interval", "2"], ["--save-interval is given without --save"]),
         (["--clip-grad", "-1"], ["--clip-grad -1.0 must be a finite norm >= 0"]),
         (["--clip-grad", "nan"], ["--clip-grad nan must be a finite norm >= 0"]),
@@ -362,6 +375,18 @@ def test_fsdp_buffer_sets_the_buffer_policy(argv: list[str], allocator: str) -> 
 
     for command in ("train", "compare", "bench", "profile"):
         assert resolve(_args(command, *argv)).cfg.allocator == allocator
+
+
+def test_vocab_parallel_embedding_reaches_the_config() -> None:
+    from graph_fsdp.cli.options import resolve
+    from graph_fsdp.train import placement_label
+
+    for command in ("train", "compare", "bench", "profile"):
+        assert resolve(_args(command)).cfg.vocab_parallel_embedding is False
+        flag = "--vocab-parallel-embedding"
+        cfg = resolve(_args(command, flag)).cfg
+        assert cfg.vocab_parallel_embedding is True
+        assert placement_label(cfg) == "optim_grads_params, vocab-parallel embedding"
 
 
 def test_deterministic_is_opt_in_for_train_and_default_for_compare() -> None:

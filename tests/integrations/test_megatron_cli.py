@@ -178,6 +178,7 @@ GRAPHED += ["--fsdp-db-use-persist-buf-on-alloc-fail"]
         ([*GRAPHED, "--cuda-graph-verify", "--use-megatron-schedule"], "drop --use-megatron"),
         ([*GRAPHED, "--cuda-graph-verify", "always"], "invalid choice: 'always'"),
         (["--ddp-reduce-scatter-with-fp32-accumulation"], "is not wired for Megatron-Core"),
+        (["--vocab-parallel-embedding"], "split by --tensor-model-parallel-size); drop it"),
     ],
 )
 def test_cuda_graph_verify_is_checked(capsys, argv: list[str], expected: str) -> None:
