@@ -81,7 +81,8 @@ reuse them; before the first, what the model's build cached on the caller's stre
 The caller's stream waits for each step (``on_side_stream``): the optimizer and the caller
 read its results in order. ``eager=True`` runs on the caller's stream. Measured, each row
 paying for its own workspaces: the pool test's small GPT reserved 148 MiB, was 214 (eager:
-146); the 16-layer GPT of the whole-step timing test 3.252 GiB on 2 H200s, was 3.578 (eager:
+146; a window that left the eager run's garbage uncollected: 174 after, in the bench rows'
+window); the 16-layer GPT of the whole-step timing test 3.252 GiB on 2 H200s, was 3.578 (eager:
 2.93 - 2.98); the MoE benchmark's dropless GPT 0.93x its eager row's peak, was 1.17x.
 The whole-step runner (whole_step.py) keeps its eager steps on the caller's stream: on the
 capture stream its row reserved 3.539 GiB, against 3.293 on the caller's stream (with its
