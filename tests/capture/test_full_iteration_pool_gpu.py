@@ -4,9 +4,10 @@ gradients in the step's pool]), on one GPU: a ZeRO-3 GPT trained 8 steps with
 gradients lie inside a segment of the runner's pool and are pinned; after ``close()`` they are
 unpinned and the next forward releases them. Each run's own peak allocated and reserved bytes
 are printed as a JSON line (``-s``); the graphed run's peak reserved is at most 1.10x the
-eager run's plus one 20 MiB segment. On CPU (gloo): pins are counted per holder. And ``release_for_capture`` frees no
-allocated byte while a graph lives: a graph captured after a warmup on its stream replays its
-matmuls into the cuBLAS workspace that warmup made (pools.py [Note: capture memory]).
+eager run's plus one 20 MiB segment. On CPU (gloo): pins are counted per holder. And
+``release_for_capture`` frees no allocated byte while a graph lives: a graph captured after a
+warmup on its stream replays its matmuls into the cuBLAS workspace that warmup made (pools.py
+[Note: capture memory]).
 
     GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_full_iteration_pool_gpu.py
 """
