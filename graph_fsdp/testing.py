@@ -62,6 +62,16 @@ def cli_error(capsys, *argv: str) -> str:
     return err.split("error:", 1)[1].replace("\n", " ")
 
 
+def error_of(fn: Callable[[], object]) -> str:
+    """The message ``fn()`` is refused with (ValueError, RuntimeError or TypeError), or "no
+    error": for tests that collect refusals in a worker and assert on them after."""
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError) as err:
+        return str(err)
+    return "no error"
+
+
 def saved_tensor_bytes(fn: Callable[[], object], exclude=()) -> tuple[object, int]:
     """``(fn(), bytes)``: the bytes of the tensors autograd keeps for backward while ``fn``
     runs (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once (views and

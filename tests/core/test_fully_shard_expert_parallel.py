@@ -36,6 +36,7 @@ from graph_fsdp import (
 from graph_fsdp import reduce as reduction
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, partition_experts, synthetic_batch
+from graph_fsdp.testing import error_of
 from graph_fsdp.train import TrainConfig, run, shard_model
 
 MOE = GPTConfig(
@@ -208,14 +209,6 @@ def test_expert_parallel_checkpoint_loads_without_ep_and_on_two_ranks(results):
 
 
 # ----------------------------------------------------------------- groups, gradients, errors
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError, TypeError) as err:
-        return str(err)
-    return "no error"
-
-
 def _ep_model(ep: int, strategy: str = "optim_grads_params"):
     torch.manual_seed(0)
     cfg = _case(ep, strategy)
@@ -399,17 +392,17 @@ def _megatron_marks(rank: int) -> dict:
     installed in CI) is refused."""
     model = _PerExpertModel(2, 0)
     del model.experts  # only Megatron-marked experts
-    out = {"no_mesh": _error(lambda: fully_shard(model))}
+    out = {"no_mesh": error_of(lambda: fully_shard(model))}
     name = "megatron.core.parallel_state"
     if name in sys.modules:
         return out
     try:
         sys.modules[name] = _stub_megatron(4)
-        out["mismatch"] = _error(
+        out["mismatch"] = error_of(
             lambda: fully_shard(_PerExpertModel(2, 0), expert_mesh=init_expert_mesh("cpu", 2))
         )
         sys.modules[name] = _stub_megatron(2)
-        out["match"] = _error(
+        out["match"] = error_of(
             lambda: fully_shard(_PerExpertModel(2, 0), expert_mesh=init_expert_mesh("cpu", 2))
         )
     finally:
@@ -449,32 +442,32 @@ def _errors(rank: int, world: int) -> dict:
 
     six = dataclasses.replace(MOE, num_experts=6)
     return {
-        "no_mesh": _error(marked_without_mesh),
-        "mesh_1d": _error(
+        "no_mesh": error_of(marked_without_mesh),
+        "mesh_1d": error_of(
             lambda: with_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("edp",)))
         ),
-        "mesh_names": _error(
+        "mesh_names": error_of(
             lambda: with_mesh(
                 init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
             )
         ),
-        "mesh_ranks": _error(
+        "mesh_ranks": error_of(
             lambda: with_mesh(DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("edp", "ep")))
         ),
-        "mesh_type": _error(lambda: with_mesh(42)),
-        "ep_divisor": _error(lambda: init_expert_mesh("cpu", 3)),
-        "partition": _error(
+        "mesh_type": error_of(lambda: with_mesh(42)),
+        "ep_divisor": error_of(lambda: init_expert_mesh("cpu", 3)),
+        "partition": error_of(
             lambda: partition_experts(
                 build_model(six, device=CPU), init_expert_mesh("cpu", 4)["ep"].get_group()
             )
         ),
-        "mark_after": _error(mark_after),
-        "children": _error(lambda: mark_expert_params(nn.Linear(2, 2), per_expert_children=True)),
-        "dense_model": _error(
+        "mark_after": error_of(mark_after),
+        "children": error_of(lambda: mark_expert_params(nn.Linear(2, 2), per_expert_children=True)),
+        "dense_model": error_of(
             lambda: run(rank, world, _case(2, model=dataclasses.replace(MOE, num_experts=None)))
         ),
-        "unknown_layout_save": _error(lambda: unknown_layout(False)),
-        "unknown_layout_export": _error(lambda: unknown_layout(True)),
+        "unknown_layout_save": error_of(lambda: unknown_layout(False)),
+        "unknown_layout_export": error_of(lambda: unknown_layout(True)),
         "megatron": _megatron_marks(rank),
     }
 
@@ -504,7 +497,7 @@ def _from_groups(rank: int, world: int) -> dict:
     return {
         "mesh": mesh.mesh.tolist(),
         "same": loss == expected_loss and _equal(params, expected),
-        "untiled": _error(
+        "untiled": error_of(
             lambda: expert_mesh_from_groups("cpu", ep_group=ep, edp_group=dist.group.WORLD)
         ),
     }

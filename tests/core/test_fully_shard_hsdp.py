@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from graph_fsdp import fully_shard
 from graph_fsdp.checkpoint import full_state_dict
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.testing import CaseResults, spawn_cases
+from graph_fsdp.testing import CaseResults, error_of, spawn_cases
 from graph_fsdp.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
@@ -168,14 +168,6 @@ def test_replicate_size_one_is_bit_identical_to_1d(results):
 
 
 # ----------------------------------------------------------------- errors and meta-device init
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as err:
-        return str(err)
-    return "no error"
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return build_model(TINY, device=torch.device("cpu"))
@@ -192,26 +184,26 @@ def _errors_and_meta_init(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     flat = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
     out = {
-        "3d": _error(lambda: fully_shard(_model(), mesh=init_device_mesh("cpu", (1, 2, 2)))),
-        "replicate_1": _error(lambda: fully_shard(_model(), mesh=flat, optim_over_replicas=True)),
-        "no_mesh": _error(lambda: fully_shard(_model(), optim_over_replicas=True)),
-        "no_shard": _error(
+        "3d": error_of(lambda: fully_shard(_model(), mesh=init_device_mesh("cpu", (1, 2, 2)))),
+        "replicate_1": error_of(lambda: fully_shard(_model(), mesh=flat, optim_over_replicas=True)),
+        "no_mesh": error_of(lambda: fully_shard(_model(), optim_over_replicas=True)),
+        "no_shard": error_of(
             lambda: fully_shard(_model(), mesh=mesh, strategy="no_shard", optim_over_replicas=True)
         ),
-        "swapped": _error(
+        "swapped": error_of(
             lambda: fully_shard(
                 _model(),
                 mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate")),
             )
         ),
-        "size": _error(lambda: fully_shard(_model(), mesh=DeviceMesh("cpu", [0, 1, 2]))),
-        "device": _error(
+        "size": error_of(lambda: fully_shard(_model(), mesh=DeviceMesh("cpu", [0, 1, 2]))),
+        "device": error_of(
             lambda: fully_shard(
                 _model(), mesh=DeviceMesh("meta", [[0, 1], [2, 3]], mesh_dim_names=("r", "s"))
             )
         ),
-        "mismatch": _error(lambda: _shard_layers_then_root(mesh, flat)),
-        "train_shape": _error(
+        "mismatch": error_of(lambda: _shard_layers_then_root(mesh, flat)),
+        "train_shape": error_of(
             lambda: run(rank, world, dataclasses.replace(BASE, mesh_shape=(3, 2)))
         ),
     }

@@ -50,6 +50,7 @@ from graph_fsdp.models import (
     synthetic_batch,
 )
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
+from graph_fsdp.testing import error_of
 
 GPT = GPTConfig(
     vocab_size=128,
@@ -464,14 +465,6 @@ def test_resume_across_tp_shapes(results, label):
 
 
 # ----------------------------------------------------------------------------- errors
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError, TypeError) as err:
-        return str(err)
-    return "no error"
-
-
 def _errors() -> dict[str, str]:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -481,10 +474,10 @@ def _errors() -> dict[str, str]:
     def tp_model() -> nn.Module:
         return parallelize_gpt(build_model(GPT), mesh["tp"])
 
-    out["world mesh"] = _error(lambda: fully_shard(tp_model().layers[0]))
-    out["tp mesh"] = _error(lambda: fully_shard(tp_model().layers[0], mesh=mesh["tp"]))
+    out["world mesh"] = error_of(lambda: fully_shard(tp_model().layers[0]))
+    out["tp mesh"] = error_of(lambda: fully_shard(tp_model().layers[0], mesh=mesh["tp"]))
     cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    out["3-D mesh"] = _error(lambda: fully_shard(tp_model().layers[0], mesh=cube))
+    out["3-D mesh"] = error_of(lambda: fully_shard(tp_model().layers[0], mesh=cube))
 
     def two_dim() -> None:
         layer = build_model(GPT).layers[0]
@@ -492,13 +485,13 @@ def _errors() -> dict[str, str]:
         layer.mlp.fc1.weight = nn.Parameter(distribute_tensor(w, mesh, [Shard(0), Replicate()]))
         fully_shard(layer, mesh=mesh["dp"])
 
-    out["2-D DTensor"] = _error(two_dim)
+    out["2-D DTensor"] = error_of(two_dim)
     odd = replace(GPT, num_attention_heads=2)
     four = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
-    out["heads"] = _error(lambda: parallelize_gpt(build_model(odd), four["tp"]))
+    out["heads"] = error_of(lambda: parallelize_gpt(build_model(odd), four["tp"]))
     if hf_family_available("qwen3"):
         qwen3 = hf_decoder("qwen3", **LLAMA)
-        out["qwen3"] = _error(lambda: parallelize_hf_decoder(qwen3, mesh["tp"]))
+        out["qwen3"] = error_of(lambda: parallelize_hf_decoder(qwen3, mesh["tp"]))
     return out
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from graph_fsdp import fully_shard, init_expert_mesh, param_group, reduce
 from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.testing import error_of
 from graph_fsdp.train import TrainConfig, run
 from graph_fsdp.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
 
@@ -114,15 +115,7 @@ def _collectives(rank: int, world: int) -> dict:
 
 def _errors(rank: int, world: int) -> dict:
     out = {}
-
-    def err(fn) -> str:
-        try:
-            fn()
-        except (ValueError, TypeError) as e:
-            return str(e)
-        return ""
-
-    out["vocab"] = err(lambda: VocabParallelEmbedding(129, 4, dist.group.WORLD))
+    out["vocab"] = error_of(lambda: VocabParallelEmbedding(129, 4, dist.group.WORLD))
 
     class Tied(nn.Module):
         def __init__(self):
@@ -131,20 +124,20 @@ def _errors(rank: int, world: int) -> dict:
             self.head = nn.Linear(4, 8, bias=False)
             self.head.weight = self.emb.weight
 
-    out["tied"] = err(lambda: shard_embedding_by_vocab(Tied(), "emb", dist.group.WORLD))
+    out["tied"] = error_of(lambda: shard_embedding_by_vocab(Tied(), "emb", dist.group.WORLD))
     normed = nn.Sequential(nn.Embedding(8, 4, max_norm=1.0))
-    out["max_norm"] = err(lambda: shard_embedding_by_vocab(normed, "0", dist.group.WORLD))
-    out["not_embedding"] = err(
+    out["max_norm"] = error_of(lambda: shard_embedding_by_vocab(normed, "0", dist.group.WORLD))
+    out["not_embedding"] = error_of(
         lambda: shard_embedding_by_vocab(nn.Sequential(nn.Linear(2, 2)), "0", dist.group.WORLD)
     )
-    out["hsdp"] = err(lambda: run(rank, world, _case(mesh_shape=(1, 2), steps=1)))
+    out["hsdp"] = error_of(lambda: run(rank, world, _case(mesh_shape=(1, 2), steps=1)))
 
     def wrong_mesh():  # EP 1 x EDP 2: the rows would be sharded as copies of one another
         model = build_model(GPT)
         shard_embedding_by_vocab(model, "embedding", dist.group.WORLD)
         fully_shard(model, expert_mesh=init_expert_mesh("cpu", ep_size=1))
 
-    out["mesh"] = err(wrong_mesh)
+    out["mesh"] = error_of(wrong_mesh)
     return out
 
 
