@@ -31,6 +31,11 @@ TIMEOUT_ENV = "GRAPH_FSDP_PG_TIMEOUT_S"
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 """Set (unless already set) before an NCCL group is created: see [Note: failure bounds]."""
 
+GRAPH_REGISTER_ENV = "NCCL_GRAPH_REGISTER"
+"""NCCL's registration of the buffers of graph-captured collectives; 0 is what a graph that
+captures an all-to-all needs (capture/step.py [Note: NCCL graph registration and the
+all-to-all])."""
+
 
 def init_distributed(
     backend: str | None = None,

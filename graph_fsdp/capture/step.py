@@ -8,12 +8,14 @@ every capture needs of the model; ``verify`` options and results are handled ali
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -25,8 +27,9 @@ from graph_fsdp.capture.scopes import (
     check_static_buffers,
 )
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
+from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.fully_shard import FSDPModule
-from graph_fsdp.state import FSDPState
+from graph_fsdp.state import FSDPState, collect_states
 
 
 @dataclass
@@ -145,4 +148,45 @@ def check_capturable(
             "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU, or eager=True to run the "
             "same step API without graphs"
         )
+    if "full_iteration" in scopes:
+        check_graphed_all_to_all(model)
     return root
+
+
+# [Note: NCCL graph registration and the all-to-all]
+# With reduce_scatter_fp32_accumulation the gradients go through dist.all_to_all_single
+# (reduce.py [Note: reduce-scatter with fp32 accumulation]); a full_iteration or whole-step
+# graph captures it. NCCL registers the buffers of collectives captured in a graph by itself
+# (NCCL_GRAPH_REGISTER, on by default), and with that registration the replay of the
+# all-to-all never finished on two H200s (NCCL 2.28.9, the 16-layer GPT: both ranks wait in
+# the graph; a 2-layer GPT of hidden 256 replayed). With NCCL_GRAPH_REGISTER=0 the same graph
+# replays (21 timed replays per row). Eager and layerwise steps run the all-to-all outside
+# any graph and need nothing. The reduce-scatters and all-gathers the graphs capture
+# otherwise replay either way, equally fast (bench/results/whole_step_nccl_graph_register_*).
+
+
+def check_graphed_all_to_all(model: nn.Module) -> None:
+    """Refuse to capture an NCCL all-to-all of gradients while NCCL would register its
+    buffers in the graph (a replay that hangs: the note above)."""
+    if os.environ.get(GRAPH_REGISTER_ENV) == "0":
+        return
+    units = [
+        group.fqn or "root"
+        for state in collect_states(model)
+        for group in state.groups
+        if group.fp32_accumulating
+        and group.comm.world_size > 1
+        and dist.get_backend(group.comm.group) == "nccl"
+    ]
+    if units:
+        raise GraphConfigError(
+            f"reduce_scatter_fp32_accumulation sends the gradients of {units[0]}"
+            f"{f' and {len(units) - 1} more units' if len(units) > 1 else ''} through an NCCL "
+            "all-to-all that a full_iteration graph captures; with NCCL's graph buffer "
+            f"registration on ({GRAPH_REGISTER_ENV}="
+            f"{os.environ.get(GRAPH_REGISTER_ENV, 'unset')}) its replay hangs. Set "
+            f"{GRAPH_REGISTER_ENV}=0 in the environment before the process group is created "
+            "(graph-fsdp's commands do it for --ddp-reduce-scatter-with-fp32-accumulation), "
+            "or drop reduce_scatter_fp32_accumulation (on 2 ranks the fp32 reduce-scatter "
+            "gives the same bits), or capture layerwise scopes (the collectives stay eager)"
+        )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from typing import get_args
@@ -29,6 +30,7 @@ from graph_fsdp.capture.scopes import (
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.launch import LaunchPlan
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.models.tp_plans import check_gpt_plan
@@ -988,6 +990,11 @@ def resolve(
         check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
+    if fp32_accumulation and any("full_iteration" in p.scopes for p in policies):
+        # capture/step.py [Note: NCCL graph registration and the all-to-all]: set here, before
+        # the launcher's ranks (or this torchrun rank) create their NCCL groups; a value the
+        # user exported is kept (and refused at capture unless it is 0).
+        os.environ.setdefault(GRAPH_REGISTER_ENV, "0")
     check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(
         model=model,

@@ -7,13 +7,17 @@ microbatches, fused AdamW with clipping and fused SGD without, an LR schedule (t
 rate a device tensor the scheduler fills), and an Inf injected into one microbatch of rank
 0 at one step (the update is skipped on every rank, the optimizer state left as it was), and
 a checkpoint-style ``load_state_dict`` mid-run (new state tensors: the step captures again).
-Every graphed step after the warmup is exactly one replay. The 2-rank variant (the skip
-decided from an all-reduced norm inside the graph) skips below 2 GPUs.
+Every graphed step after the warmup is exactly one replay. The 2-rank variants (the skip
+decided from an all-reduced norm inside the graph; the reduce-scatter with fp32
+accumulation, its all-to-all inside the graph) and the refusal of that all-to-all while NCCL
+registers graph buffers skip below 2 GPUs.
 
 Timing: one launch, the rows side by side on the 16-layer GPT (hidden 1024, seq 1024, micro
 batch 1, bf16 compute, fp32 main weights, fused AdamW everywhere), each row's own peak
 allocated and reserved memory (bench/verdicts.py [Note: a row's own peak]), printed as JSON
-lines (run pytest with ``-s``); the targets are printed, not asserted.
+lines (run pytest with ``-s``); the targets are printed, not asserted. Run with
+``NCCL_GRAPH_REGISTER=0`` on 2 GPUs to add the rows whose graphs capture the gradients'
+all-to-all (capture/step.py [Note: NCCL graph registration and the all-to-all]).
 
     GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_whole_step_gpu.py
 """
@@ -24,6 +28,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import time
 from statistics import median
 
@@ -45,12 +50,13 @@ SMALL = GPTConfig(
 STEPS, WARMUP, INF_STEP, LOAD_STEP, EVAL_STEP = 30, 2, 12, 16, 20
 
 
-def _exact_cfg(grad_accum: int, vocab_parallel: bool = False):
+def _exact_cfg(grad_accum: int, vocab_parallel: bool = False, fp32_accumulation: bool = False):
     from graph_fsdp.train import TrainConfig
 
     return TrainConfig(
         model=SMALL,
         vocab_parallel_embedding=vocab_parallel,
+        reduce_scatter_fp32_accumulation=fp32_accumulation,
         bf16=True,
         micro_batch_size=2,
         grad_accum=grad_accum,
@@ -91,13 +97,20 @@ def _snapshot(model, opt) -> dict:
 
 
 def _train(
-    rank: int, world: int, grad_accum: int, kind: str, clip, vocab_parallel: bool, eager: bool
+    rank: int,
+    world: int,
+    grad_accum: int,
+    kind: str,
+    clip,
+    vocab_parallel: bool,
+    fp32_accumulation: bool,
+    eager: bool,
 ) -> dict:
     from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
     from graph_fsdp.data import batch_for
     from graph_fsdp.train import build_for, device_of, shard_model
 
-    cfg = _exact_cfg(grad_accum, vocab_parallel)
+    cfg = _exact_cfg(grad_accum, vocab_parallel, fp32_accumulation)
     device = device_of(cfg)
     model = shard_model(build_for(cfg, device), cfg)
     opt = _optimizer(kind, model)
@@ -151,12 +164,14 @@ def _exact_worker(rank: int, world: int, variants: list[tuple]) -> dict:
     return out
 
 
-# (microbatches, optimizer, clip, vocab-parallel embedding: vocab_parallel.py)
+# (microbatches, optimizer, clip, vocab-parallel embedding: vocab_parallel.py, reduce-scatter
+# with fp32 accumulation: an all-to-all inside the graph on 2 ranks, reduce.py)
 VARIANTS = [
-    (1, "adamw", 0.5, False),
-    (4, "adamw", 0.5, False),
-    (1, "sgd", None, False),
-    (4, "adamw", 0.5, True),
+    (1, "adamw", 0.5, False, False),
+    (4, "adamw", 0.5, False, False),
+    (1, "sgd", None, False, False),
+    (4, "adamw", 0.5, True, False),
+    (4, "adamw", 0.5, True, True),
 ]
 
 
@@ -177,10 +192,11 @@ def _check_exact(results: list[dict], variants: list[tuple]) -> None:
     expected_skips = torch.tensor([1.0 if i == INF_STEP else 0.0 for i in range(STEPS)])
     for rank, res in enumerate(results):
         for variant in variants:
-            grad_accum, kind, clip, vocab_parallel = variant
+            grad_accum, kind, clip, vocab_parallel, fp32_accumulation = variant
             eager, graphed = res[(*variant, "eager")], res[(*variant, "graphed")]
             what = f"rank {rank}, {grad_accum} microbatch(es), {kind}, clip {clip}"
             what += ", vocab-parallel embedding" if vocab_parallel else ""
+            what += ", reduce-scatter with fp32 accumulation" if fp32_accumulation else ""
             rows = [
                 i
                 for i in range(STEPS)
@@ -221,17 +237,44 @@ def _check_exact(results: list[dict], variants: list[tuple]) -> None:
 
 
 def test_whole_step_graph_is_bit_identical_to_eager():
-    results = spawn(_exact_worker, 1, VARIANTS, backend="nccl")
-    _check_exact(results, VARIANTS)
+    variants = VARIANTS[:4]  # one rank: fp32 accumulation is a copy, nothing to exchange
+    results = spawn(_exact_worker, 1, variants, backend="nccl")
+    _check_exact(results, variants)
 
 
 @needs_gpus(2)
-def test_whole_step_graph_is_bit_identical_to_eager_on_two_ranks():
+def test_whole_step_graph_is_bit_identical_to_eager_on_two_ranks(monkeypatch):
     # the skip decided from the norm all-reduced inside the graph; the embedding's
-    # collectives inside it
-    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[3]]
+    # collectives and the gradients' all-to-all inside it (the all-to-all needs NCCL's graph
+    # registration off: capture/step.py [Note: NCCL graph registration and the all-to-all])
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[3], VARIANTS[4]]
     results = spawn(_exact_worker, 2, variants, backend="nccl")
     _check_exact(results, variants)
+
+
+def _refusal_worker(rank: int, world: int) -> str:
+    from graph_fsdp.capture.scopes import GraphConfigError
+    from graph_fsdp.capture.whole_step import WholeStepGraph
+    from graph_fsdp.train import build_for, device_of, shard_model
+
+    cfg = _exact_cfg(1, fp32_accumulation=True)
+    model = shard_model(build_for(cfg, device_of(cfg)), cfg)
+    try:
+        WholeStepGraph(model, _optimizer("adamw", model), warmup_steps=WARMUP)
+    except GraphConfigError as err:
+        return str(err)
+    return ""
+
+
+@needs_gpus(2)
+def test_a_graphed_all_to_all_is_refused_while_nccl_registers_graph_buffers(monkeypatch):
+    """On real NCCL groups, NCCL_GRAPH_REGISTER unset: refused before anything is captured
+    (a replay that would hang), naming the variable and the fixes."""
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    for err in spawn(_refusal_worker, 2, backend="nccl"):
+        assert "(NCCL_GRAPH_REGISTER=unset) its replay hangs" in err, err
+        assert "Set NCCL_GRAPH_REGISTER=0" in err, err
 
 
 def _loop_worker(rank: int, world: int) -> dict:
@@ -406,7 +449,21 @@ def _rows(world: int) -> list[tuple]:
         ("graph_fsdp full_iteration x4 microbatches", run_graph_fsdp, spec(4, **full), {}),
         ("graph_fsdp whole step x4 microbatches", _whole_step_row, spec(4), {}),
     ]
+    if world > 1 and os.environ.get("NCCL_GRAPH_REGISTER") == "0":
+        # The bf16 gradients over the wire by an all-to-all, each rank's shard summed in fp32
+        # (reduce.py [Note: reduce-scatter with fp32 accumulation]): half the bytes of the fp32
+        # reduce-scatter, the same bits on 2 ranks. Inside a graph it needs NCCL's graph
+        # registration off (capture/step.py [Note: NCCL graph registration and the
+        # all-to-all]), a process-wide setting: run with NCCL_GRAPH_REGISTER=0 to add them.
+        a2a = {"vocab_parallel_embedding": True, "reduce_scatter_fp32_accumulation": True}
+        rows += [
+            (A2A_ROW, _whole_step_row, spec(**a2a), {}),
+            (f"{A2A_ROW}, optim_grads", _whole_step_row, spec(strategy="optim_grads", **a2a), {}),
+        ]
     return rows
+
+
+A2A_ROW = "graph_fsdp whole step, vocab-parallel embedding, bf16 all-to-all + fp32 sums"
 
 
 def _timing_worker(rank: int, world: int) -> list[dict] | None:
@@ -509,6 +566,7 @@ def test_whole_step_timing_and_memory():
             for name in rows
             if name.startswith("graph_fsdp") and "vocab-parallel" in name
         },
+        **{f"{name} / reference": rows[name]["x_reference"] for name in rows if A2A_ROW in name},
     }
     print(json.dumps({"targets (printed, not asserted)": targets}))
     # What must hold: every graphed row replayed once per timed step (or microbatch).

@@ -422,3 +422,33 @@ def test_scope_rules_are_the_engines(scopes: list[str]) -> None:
     with pytest.raises(CLIError) as cli_err:
         options.check_scopes(scopes, GPTConfig(num_experts=4), flag="--scopes")
     assert str(cli_err.value) == str(engine_err.value)
+
+
+@pytest.mark.parametrize(
+    ("scopes", "given", "expected"),
+    [
+        (["full_iteration"], None, "0"),  # the graph captures the all-to-all: registration off
+        (["full_iteration"], "1", "1"),  # the user's value is kept (refused at capture)
+        ([], None, None),  # whole-layer graphs: the all-to-all runs eagerly, nothing set
+    ],
+)
+def test_fp32_accumulation_in_a_full_iteration_graph_sets_nccl_graph_register(
+    monkeypatch, scopes: list[str], given: str | None, expected: str | None
+) -> None:
+    """capture/step.py [Note: NCCL graph registration and the all-to-all]: the command sets
+    NCCL_GRAPH_REGISTER=0 before its ranks make their groups, only where a graph captures the
+    all-to-all, and never over a value the user exported."""
+    import os
+
+    from graph_fsdp.cli.main import build_parser
+    from graph_fsdp.cli.options import resolve
+
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    if given is not None:
+        monkeypatch.setenv("NCCL_GRAPH_REGISTER", given)
+    args = build_parser().parse_args(
+        ["compare", *TINY, "--bf16", FP32_ACCUM, "--cuda-graph-impl", "torch", *STATIC]
+    )
+    cfg = resolve(args, graph_scope_sets=[scopes], graphs_optional=True).cfg
+    assert cfg.reduce_scatter_fp32_accumulation
+    assert os.environ.get("NCCL_GRAPH_REGISTER") == expected
