@@ -44,6 +44,7 @@ from graph_fsdp.cli.options import (
     scope_sets_from,
 )
 from graph_fsdp.cli.paths import check_output_dir
+from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.launch import launch
 from graph_fsdp.train import placement_label
 
@@ -126,7 +127,17 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "
         f"{UNSHARDED_SCHEME if cfg.bf16 else 'fp32 weights and compute, fused AdamW'}."
+        f"{environment_label()}"
     )
+
+
+def environment_label() -> str:
+    """NCCL settings of the whole process, so of every row, the peers' included: NCCL's
+    graph buffer registration, which --ddp-reduce-scatter-with-fp32-accumulation turns off
+    for a full_iteration graph (capture/step.py [Note: NCCL graph registration and the
+    all-to-all])."""
+    value = os.environ.get(GRAPH_REGISTER_ENV)
+    return f" Every row (the peers' too): {GRAPH_REGISTER_ENV}={value}." if value else ""
 
 
 def reduction_label(cfg) -> str:

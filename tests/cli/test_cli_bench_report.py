@@ -187,3 +187,13 @@ def test_host_numbers_per_layer_and_direction() -> None:
     assert out["host_fwd_us_per_layer"] == pytest.approx(100.0)
     assert "host_bwd_us_per_layer" not in out
     assert host_numbers({}, cfg) == {}
+
+
+def test_the_bench_header_names_nccl_graph_registration(monkeypatch) -> None:
+    """A process-wide NCCL setting is every row's, the peers' too: the bench says it."""
+    from graph_fsdp.cli.bench_cmd import environment_label
+
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    assert environment_label() == ""
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    assert environment_label() == " Every row (the peers' too): NCCL_GRAPH_REGISTER=0."
