@@ -369,6 +369,9 @@ def _whole_step_row(rank: int, world: int, spec, *, clip=None) -> dict:
     return out
 
 
+A2A_ROW = "graph_fsdp whole step, vocab-parallel embedding, bf16 all-to-all + fp32 sums"
+
+
 def _rows(world: int) -> list[tuple]:
     """(name, runner, spec, kwargs): the peers' rows (eager, captured reference, full_iteration,
     FSDP2 + graph) and the whole-step rows."""
@@ -461,9 +464,6 @@ def _rows(world: int) -> list[tuple]:
             (f"{A2A_ROW}, optim_grads", _whole_step_row, spec(strategy="optim_grads", **a2a), {}),
         ]
     return rows
-
-
-A2A_ROW = "graph_fsdp whole step, vocab-parallel embedding, bf16 all-to-all + fp32 sums"
 
 
 def _timing_worker(rank: int, world: int) -> list[dict] | None:

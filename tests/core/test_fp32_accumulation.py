@@ -148,19 +148,18 @@ def _graph_register_check(rank: int, world: int) -> dict:
         fully_shard(model, mp_policy=mp)
         for backend in ("gloo", "nccl"):
             for env in (None, "1", "0"):
-                saved = os.environ.pop(step.GRAPH_REGISTER_ENV, None)
-                if env is not None:
-                    os.environ[step.GRAPH_REGISTER_ENV] = env
-                try:
-                    with mock.patch.object(step.dist, "get_backend", lambda group=None: backend):
-                        step.check_graphed_all_to_all(model)
-                    verdict = ""
-                except GraphConfigError as err:
-                    verdict = str(err)
-                finally:
+                with (
+                    mock.patch.dict(os.environ),  # restored on exit
+                    mock.patch.object(step.dist, "get_backend", lambda group=None: backend),
+                ):
                     os.environ.pop(step.GRAPH_REGISTER_ENV, None)
-                    if saved is not None:
-                        os.environ[step.GRAPH_REGISTER_ENV] = saved
+                    if env is not None:
+                        os.environ[step.GRAPH_REGISTER_ENV] = env
+                    try:
+                        step.check_graphed_all_to_all(model)
+                        verdict = ""
+                    except GraphConfigError as err:
+                        verdict = str(err)
                 out[(fp32_accumulation, backend, env)] = verdict
     return out
 
