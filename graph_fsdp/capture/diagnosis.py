@@ -55,6 +55,8 @@ from torch.nn.modules.module import (
 )
 from torch.utils._pytree import tree_flatten
 
+from graph_fsdp.capture.scopes import GraphConfigError
+
 _QUERY_OWNERS = (torch.cuda, torch.cuda.graphs)
 """Modules exporting ``is_current_stream_capturing`` (see [Note: capture-state queries])."""
 _OURS = (
@@ -405,8 +407,9 @@ def release_generators() -> None:
 
 def explain_capture_failure(
     err: BaseException, tracker: ModuleTracker, *, what: str, layerwise: bool
-) -> CaptureFailedError:
-    """A :class:`CaptureFailedError` for ``err``, raised while capturing ``what``; the CUDA
+) -> Exception:
+    """A :class:`CaptureFailedError` for ``err``, raised while capturing ``what`` (a
+    :class:`GraphConfigError` graph_fsdp raised during the capture as it is); the CUDA
     generators are usable again ([Note: RNG after a failed capture])."""
     try:
         release_generators()
@@ -417,6 +420,9 @@ def explain_capture_failure(
             "may fail until the process restarts)"
         )
     chain = _chain(err)
+    if isinstance(chain[-1], GraphConfigError):
+        # graph_fsdp's own refusal raised during the capture (it names its cause and fix)
+        return type(chain[-1])(f"{chain[-1]}{unreleased}")
     low = "\n".join(str(e) for e in chain).lower()
     cause = _rng_cause(chain, low) or next(
         (hint for keys, hint in _CAUSES if any(k in low for k in keys)),

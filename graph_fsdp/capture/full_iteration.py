@@ -121,6 +121,7 @@ from graph_fsdp.capture.step import (
     eager_forward_backward,
     fn_name,
     record_verification,
+    refusing_registered_all_to_all,
 )
 from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
@@ -442,6 +443,7 @@ class FullIterationGraphs(RunnerLifecycle):
             with (
                 capture.refreshing_weights(),
                 self._tracker.active(),
+                refusing_registered_all_to_all(self._tracker, "a full_iteration graph"),
                 self._checksums(),
                 self._allocator.owning_capture(),
             ):

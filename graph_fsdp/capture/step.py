@@ -8,10 +8,14 @@ every capture needs of the model; ``verify`` options and results are handled ali
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +33,7 @@ from graph_fsdp.capture.scopes import (
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.fully_shard import FSDPModule
-from graph_fsdp.state import FSDPState, collect_states
+from graph_fsdp.state import FSDPState
 
 
 @dataclass
@@ -148,45 +152,82 @@ def check_capturable(
             "cuda_graph_impl='none' (--cuda-graph-impl none) on CPU, or eager=True to run the "
             "same step API without graphs"
         )
-    if "full_iteration" in scopes:
-        check_graphed_all_to_all(model)
     return root
 
 
 # [Note: NCCL graph registration and the all-to-all]
-# With reduce_scatter_fp32_accumulation the gradients go through dist.all_to_all_single
-# (reduce.py [Note: reduce-scatter with fp32 accumulation]); a full_iteration or whole-step
-# graph captures it. NCCL registers the buffers of collectives captured in a graph by itself
-# (NCCL_GRAPH_REGISTER, on by default), and with that registration the replay of the
-# all-to-all never finished on two H200s (NCCL 2.28.9, the 16-layer GPT: both ranks wait in
-# the graph; a 2-layer GPT of hidden 256 replayed). With NCCL_GRAPH_REGISTER=0 the same graph
-# replays (21 timed replays per row). Eager and layerwise steps run the all-to-all outside
-# any graph and need nothing. The reduce-scatters and all-gathers the graphs capture
-# otherwise replay either way, equally fast (bench/results/whole_step_nccl_graph_register_*).
+# NCCL registers the buffers of collectives captured in a graph by itself (NCCL_GRAPH_REGISTER,
+# on by default). With that registration, replays of full_iteration and whole-step graphs
+# holding NCCL all-to-alls never finished on two H200s (NCCL 2.28.9): both ranks wait in the
+# graph. Seen twice: the gradients' all-to-all of reduce_scatter_fp32_accumulation (reduce.py
+# [Note: reduce-scatter with fp32 accumulation]) on the 16-layer GPT, and the expert-parallel
+# token dispatch (models/ep_dispatch.py) of an 8-layer MoE GPT of hidden 1024, EP 2; the
+# 2-layer (hidden 256) and 4-layer MoE (hidden 256) versions of both replayed. With
+# NCCL_GRAPH_REGISTER=0 the same graphs replay, bit-identical to eager. Layer graphs holding
+# the same dispatch (whole layers, ``attn moe``) replayed with registration on, and the
+# reduce-scatters and all-gathers that graphs capture replay either way, equally fast
+# (bench/results/whole_step_nccl_graph_register_*). NCCL reads the variable once per process,
+# at its first captured collective: set at a capture it could come too late (an earlier
+# capture in the process read it), so graph_fsdp reads it only to refuse. While a full_iteration or whole-step graph is captured, every
+# ``torch.distributed`` all-to-all is watched, whoever issues it (FSDP's reduction, a model's
+# dispatch, Megatron's token dispatcher): one over NCCL and more than one rank is refused
+# before NCCL sees it, naming where it was issued, unless the registration is off.
+_ALL_TO_ALLS = ("all_to_all_single", "all_to_all")
 
 
-def check_graphed_all_to_all(model: nn.Module) -> None:
-    """Refuse to capture an NCCL all-to-all of gradients while NCCL would register its
-    buffers in the graph (a replay that hangs: the note above)."""
-    if os.environ.get(GRAPH_REGISTER_ENV) == "0":
+@contextmanager
+def refusing_registered_all_to_all(tracker: ModuleTracker, what: str) -> Iterator[None]:
+    """While ``what`` (a full_iteration or whole-step graph) is captured: an NCCL all-to-all
+    over more than one rank raises :class:`GraphConfigError` unless NCCL's graph buffer
+    registration is off (the note above)."""
+    value = os.environ.get(GRAPH_REGISTER_ENV)
+    if value == "0":
+        yield
         return
-    units = [
-        group.fqn or "root"
-        for state in collect_states(model)
-        for group in state.groups
-        if group.fp32_accumulating
-        and group.comm.world_size > 1
-        and dist.get_backend(group.comm.group) == "nccl"
-    ]
-    if units:
-        raise GraphConfigError(
-            f"reduce_scatter_fp32_accumulation sends the gradients of {units[0]}"
-            f"{f' and {len(units) - 1} more units' if len(units) > 1 else ''} through an NCCL "
-            "all-to-all that a full_iteration graph captures; with NCCL's graph buffer "
-            f"registration on ({GRAPH_REGISTER_ENV}="
-            f"{os.environ.get(GRAPH_REGISTER_ENV, 'unset')}) its replay hangs. Set "
-            f"{GRAPH_REGISTER_ENV}=0 in the environment before the process group is created "
-            "(graph-fsdp's commands do it for --ddp-reduce-scatter-with-fp32-accumulation), "
-            "or drop reduce_scatter_fp32_accumulation (on 2 ranks the fp32 reduce-scatter "
-            "gives the same bits), or capture layerwise scopes (the collectives stay eager)"
+    modules = (dist, dist.distributed_c10d)
+    originals = [(m, name, getattr(m, name)) for m in modules for name in _ALL_TO_ALLS]
+
+    def watched(name, original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            if dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl":
+                raise GraphConfigError(
+                    _registered_all_to_all(name, sys._getframe(1), tracker, what, group, value)
+                )
+            return original(*args, **kwargs)
+
+        return call
+
+    for m, name, original in originals:
+        setattr(m, name, watched(name, original))
+    try:
+        yield
+    finally:
+        for m, name, original in originals:
+            setattr(m, name, original)
+
+
+def _registered_all_to_all(name, frame, tracker, what, group, value) -> str:
+    module, phase = tracker.running()
+    inside = f"the {phase} of {module}" if module else "the step function"
+    site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    fp32 = frame.f_globals.get("__name__") == "graph_fsdp.comm"
+    who = "FSDP's gradient reduction with reduce_scatter_fp32_accumulation calls " if fp32 else ""
+    return (
+        f"{who}torch.distributed.{name} over {dist.get_world_size(group)} NCCL ranks (called "
+        f"at {site}, in {inside}) is captured into {what} with NCCL's graph buffer "
+        f"registration on ({GRAPH_REGISTER_ENV}={value if value is not None else 'unset'}): "
+        f"its replay hangs. Set {GRAPH_REGISTER_ENV}=0 in the environment before the process "
+        "group is created (graph-fsdp's commands do it for --expert-model-parallel-size > 1 and "
+        "--ddp-reduce-scatter-with-fp32-accumulation)"
+        + (
+            ", or drop reduce_scatter_fp32_accumulation (on 2 ranks the fp32 reduce-scatter "
+            "gives the same bits), or capture layerwise scopes (FSDP's collectives stay eager)"
+            if fp32
+            else ", or capture layerwise scopes (layer graphs holding this dispatch replayed "
+            "with registration on)"
         )
+    )

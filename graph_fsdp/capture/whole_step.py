@@ -88,7 +88,13 @@ from graph_fsdp.capture.diagnosis import (
 from graph_fsdp.capture.full_iteration import same_step_fn
 from graph_fsdp.capture.pools import pool_bytes, release_for_capture
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.capture.step import StepFn, check_capturable, detached, fn_name
+from graph_fsdp.capture.step import (
+    StepFn,
+    check_capturable,
+    detached,
+    fn_name,
+    refusing_registered_all_to_all,
+)
 from graph_fsdp.capture.step_optimizer import (
     DeviceLearningRates,
     capturable_for_capture,
@@ -394,7 +400,11 @@ class WholeStepGraph(RunnerLifecycle):
         for g in groups:
             g.dirty = True  # [Note: weight refresh in the step graph]
         try:
-            with self._tracker.active(), self._allocator.owning_capture():
+            with (
+                self._tracker.active(),
+                refusing_registered_all_to_all(self._tracker, "the whole-step graph"),
+                self._allocator.owning_capture(),
+            ):
                 with nvtx_range("graph_fsdp/capture/whole_step"), no_collection():
                     with (
                         capturable_for_capture(self.optimizer),

@@ -990,10 +990,12 @@ def resolve(
         check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
-    if fp32_accumulation and any("full_iteration" in p.scopes for p in policies):
-        # capture/step.py [Note: NCCL graph registration and the all-to-all]: set here, before
-        # the launcher's ranks (or this torchrun rank) create their NCCL groups; a value the
-        # user exported is kept (and refused at capture unless it is 0).
+    all_to_all = fp32_accumulation or args.expert_model_parallel_size > 1
+    if all_to_all and any("full_iteration" in p.scopes for p in policies):
+        # capture/step.py [Note: NCCL graph registration and the all-to-all]: the gradients'
+        # or the expert dispatch's all-to-all in a graph. Set here, before the launcher's ranks
+        # (or this torchrun rank) create their NCCL groups; a value the user exported is kept
+        # (and refused at capture unless it is 0).
         os.environ.setdefault(GRAPH_REGISTER_ENV, "0")
     check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(

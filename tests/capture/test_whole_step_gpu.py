@@ -254,26 +254,41 @@ def test_whole_step_graph_is_bit_identical_to_eager_on_two_ranks(monkeypatch):
 
 
 def _refusal_worker(rank: int, world: int) -> str:
+    """``"<step> <message>"`` of the refusal, the step at which it came ("" if none)."""
     from graph_fsdp.capture.scopes import GraphConfigError
     from graph_fsdp.capture.whole_step import WholeStepGraph
+    from graph_fsdp.data import batch_for
     from graph_fsdp.train import build_for, device_of, shard_model
 
     cfg = _exact_cfg(1, fp32_accumulation=True)
-    model = shard_model(build_for(cfg, device_of(cfg)), cfg)
-    try:
-        WholeStepGraph(model, _optimizer("adamw", model), warmup_steps=WARMUP)
-    except GraphConfigError as err:
-        return str(err)
+    device = device_of(cfg)
+    model = shard_model(build_for(cfg, device), cfg)
+    runner = WholeStepGraph(model, _optimizer("adamw", model), warmup_steps=WARMUP)
+
+    def step_fn(x, y):
+        loss = model(x, y)
+        loss.backward()
+        return loss.detach()
+
+    step = runner.capture(step_fn)
+    for i in range(WARMUP + 1):
+        try:
+            step([batch_for(cfg, i, rank, device)])
+        except GraphConfigError as err:
+            return f"{i} {err}"
     return ""
 
 
 @needs_gpus(2)
 def test_a_graphed_all_to_all_is_refused_while_nccl_registers_graph_buffers(monkeypatch):
-    """On real NCCL groups, NCCL_GRAPH_REGISTER unset: refused before anything is captured
-    (a replay that would hang), naming the variable and the fixes."""
+    """On real NCCL groups, NCCL_GRAPH_REGISTER unset: the warmup steps run eagerly, the
+    capture is refused at the all-to-all (a replay that would hang), naming the caller, the
+    variable and the fixes."""
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
     for err in spawn(_refusal_worker, 2, backend="nccl"):
-        assert "(NCCL_GRAPH_REGISTER=unset) its replay hangs" in err, err
+        assert err.startswith(f"{WARMUP} FSDP's gradient reduction with reduce_scatter"), err
+        assert "(NCCL_GRAPH_REGISTER=unset): its replay hangs" in err, err
+        assert "is captured into the whole-step graph" in err, err
         assert "Set NCCL_GRAPH_REGISTER=0" in err, err
 
 

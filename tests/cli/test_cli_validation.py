@@ -424,6 +424,10 @@ def test_scope_rules_are_the_engines(scopes: list[str]) -> None:
     assert str(cli_err.value) == str(engine_err.value)
 
 
+EXPERT_PARALLEL = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("flags", [[FP32_ACCUM], EXPERT_PARALLEL], ids=["fp32_accum", "ep2"])
 @pytest.mark.parametrize(
     ("scopes", "given", "expected"),
     [
@@ -432,12 +436,13 @@ def test_scope_rules_are_the_engines(scopes: list[str]) -> None:
         ([], None, None),  # whole-layer graphs: the all-to-all runs eagerly, nothing set
     ],
 )
-def test_fp32_accumulation_in_a_full_iteration_graph_sets_nccl_graph_register(
-    monkeypatch, scopes: list[str], given: str | None, expected: str | None
+def test_an_all_to_all_in_a_full_iteration_graph_sets_nccl_graph_register(
+    monkeypatch, flags: list[str], scopes: list[str], given: str | None, expected: str | None
 ) -> None:
     """capture/step.py [Note: NCCL graph registration and the all-to-all]: the command sets
-    NCCL_GRAPH_REGISTER=0 before its ranks make their groups, only where a graph captures the
-    all-to-all, and never over a value the user exported."""
+    NCCL_GRAPH_REGISTER=0 before its ranks make their groups, only where a graph captures an
+    all-to-all (the gradients' with fp32 accumulation, the expert dispatch's with EP > 1), and
+    never over a value the user exported."""
     import os
 
     from graph_fsdp.cli.main import build_parser
@@ -447,8 +452,9 @@ def test_fp32_accumulation_in_a_full_iteration_graph_sets_nccl_graph_register(
     if given is not None:
         monkeypatch.setenv("NCCL_GRAPH_REGISTER", given)
     args = build_parser().parse_args(
-        ["compare", *TINY, "--bf16", FP32_ACCUM, "--cuda-graph-impl", "torch", *STATIC]
+        ["compare", *TINY, "--bf16", *flags, "--cuda-graph-impl", "torch", *STATIC]
     )
     cfg = resolve(args, graph_scope_sets=[scopes], graphs_optional=True).cfg
-    assert cfg.reduce_scatter_fp32_accumulation
+    assert cfg.reduce_scatter_fp32_accumulation == (flags == [FP32_ACCUM])
+    assert cfg.expert_parallel == (2 if flags == EXPERT_PARALLEL else None)
     assert os.environ.get("NCCL_GRAPH_REGISTER") == expected

@@ -92,10 +92,13 @@ def _train(rank: int, world: int, ep: int) -> dict:
 
 
 @pytest.mark.parametrize("label", list(LAYOUTS))
-def test_expert_parallel_graphs_are_bit_exact_with_eager(label):
+def test_expert_parallel_graphs_are_bit_exact_with_eager(label, monkeypatch):
     world, ep = LAYOUTS[label]
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA GPUs")
+    # full_iteration captures the dispatch's all-to-all: capture/step.py [Note: NCCL graph
+    # registration and the all-to-all] (process-wide: the layerwise variants run under it too)
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
     results = spawn(_train, world, ep, backend="nccl", timeout=1200)
     failures = []
     for rank, res in enumerate(results):
@@ -124,3 +127,58 @@ def test_expert_parallel_graphs_are_bit_exact_with_eager(label):
             if problems:
                 failures.append(f"{label} rank {rank} {key}: {'; '.join(problems)}")
     assert not failures, "\n".join(failures)
+
+
+HUNG = dataclasses.replace(
+    MOE,
+    vocab_size=32000,
+    num_layers=8,
+    hidden_size=1024,
+    num_attention_heads=16,
+    seq_length=1024,
+    num_experts=8,
+    moe_layer_freq=1,
+)
+"""The size at which a full_iteration graph holding the dispatch hung with NCCL's graph
+registration on (2 H200s; MOE above replayed)."""
+
+
+def _full_iteration_at(rank: int, world: int, model: GPTConfig, steps: int) -> dict:
+    from graph_fsdp.capture.scopes import GraphConfigError
+
+    base = dataclasses.replace(
+        _cfg(2), model=model, steps=steps, micro_batch_size=1, grad_accum=1, eval_interval=0
+    )
+    out = {"eager": run(rank, world, base)}
+    graphed = dataclasses.replace(
+        base, cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"]
+    )
+    try:
+        out["graphed"] = run(rank, world, graphed)
+    except GraphConfigError as err:
+        out["refused"] = str(err)
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_graphed_dispatch_replays_with_nccl_graph_registration_off(monkeypatch):
+    """EP 2, 8 MoE layers of hidden 1024: full_iteration equals eager bit for bit and every
+    graphed step replays - the size whose replay hung with the registration on."""
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    for rank, res in enumerate(spawn(_full_iteration_at, 2, HUNG, 6, backend="nccl", timeout=600)):
+        report = res["graphed"]["cuda_graphs"]
+        assert report["replays"] > 0 and report["eager_fallbacks"] == 0, (rank, report)
+        assert res["graphed"]["losses"] == res["eager"]["losses"], rank
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_graphed_dispatch_is_refused_while_nccl_registers_graph_buffers(monkeypatch):
+    """NCCL_GRAPH_REGISTER unset: the capture stops at the dispatch's all-to-all, naming the
+    module, the call site and the fix (eager steps before it ran)."""
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    for res in spawn(_full_iteration_at, 2, MOE, 4, backend="nccl", timeout=600):
+        err = res["refused"]
+        assert "all_to_all_single over 2 NCCL ranks" in err and "ep_dispatch.py:" in err, err
+        assert "in the forward of layers.0.moe.experts" in err, err
+        assert "(NCCL_GRAPH_REGISTER=unset): its replay hangs" in err, err
+        assert len(res["eager"]["losses"]) == 4, res["eager"]["losses"]

@@ -51,7 +51,6 @@ def two_ranks():
         {
             **_both(TWO_RANK_CONFIGS),
             "grad_comm_bytes": (_grad_comm_bytes,),
-            "graph_register": (_graph_register_check,),
         },
         2,
     )
@@ -125,54 +124,3 @@ def test_a_second_reduction_dtype_is_refused():
             grad_comm_dtype=torch.bfloat16,
             reduce_scatter_fp32_accumulation=True,
         )
-
-
-def _graph_register_check(rank: int, world: int) -> dict:
-    """capture/step.py's check before a full_iteration capture, on real gloo groups: what it
-    says with the group's real backend, and with the backend reported as NCCL (the case it
-    guards, which the GPU test runs for real) under each NCCL_GRAPH_REGISTER value."""
-    import os
-    from unittest import mock
-
-    from graph_fsdp.capture import step
-    from graph_fsdp.capture.scopes import GraphConfigError
-
-    out = {}
-    for fp32_accumulation in (False, True):
-        model = build_model(TINY, device="cpu")
-        mp = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_scatter_fp32_accumulation=fp32_accumulation
-        )
-        for layer in transformer_layers(model):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        for backend in ("gloo", "nccl"):
-            for env in (None, "1", "0"):
-                with (
-                    mock.patch.dict(os.environ),  # restored on exit
-                    mock.patch.object(step.dist, "get_backend", lambda group=None: backend),
-                ):
-                    os.environ.pop(step.GRAPH_REGISTER_ENV, None)
-                    if env is not None:
-                        os.environ[step.GRAPH_REGISTER_ENV] = env
-                    try:
-                        step.check_graphed_all_to_all(model)
-                        verdict = ""
-                    except GraphConfigError as err:
-                        verdict = str(err)
-                out[(fp32_accumulation, backend, env)] = verdict
-    return out
-
-
-def test_a_graphed_nccl_all_to_all_needs_graph_registration_off(two_ranks):
-    """capture/step.py [Note: NCCL graph registration and the all-to-all]: only the NCCL
-    all-to-all with NCCL's graph registration on (unset or 1) is refused, naming the value
-    and the fixes; gloo, the plain reduce-scatter and NCCL_GRAPH_REGISTER=0 pass."""
-    out = two_ranks["graph_register"][0]
-    refused = {key for key, verdict in out.items() if verdict}
-    assert refused == {(True, "nccl", None), (True, "nccl", "1")}, refused
-    for env, shown in ((None, "unset"), ("1", "1")):
-        err = out[(True, "nccl", env)]
-        assert f"(NCCL_GRAPH_REGISTER={shown}) its replay hangs" in err, err
-        assert "Set NCCL_GRAPH_REGISTER=0" in err and "layerwise scopes" in err, err
-        assert "reduce_scatter_fp32_accumulation sends the gradients of" in err, err
