@@ -49,6 +49,7 @@ from graph_fsdp.cli.options import (
     check_whole_step_flag,
     grad_accumulation,
     graph_policy,
+    registration_off_for_all_to_alls,
     scope_sets_from,
 )
 from graph_fsdp.cli.train_options import (
@@ -280,6 +281,7 @@ def check_graph_set(
     excludes."""
     if impl == "none":
         return
+    registration_off_for_all_to_alls(args.expert_model_parallel_size > 1, [scopes])
     policy = graph_policy(args, impl, scopes)
     try:
         check_mcore_scopes(model, scopes)

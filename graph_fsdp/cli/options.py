@@ -920,6 +920,16 @@ def check_fp32_accumulation(args: argparse.Namespace, mesh_shape) -> bool:
     return True
 
 
+def registration_off_for_all_to_alls(all_to_all: bool, scope_sets) -> None:
+    """``NCCL_GRAPH_REGISTER=0`` when a ``full_iteration`` graph of this command captures an
+    all-to-all (the gradients' with fp32 accumulation, an expert dispatch's): capture/step.py
+    [Note: NCCL graph registration and the all-to-all]. Set before the launcher's ranks (or
+    this torchrun rank) create their NCCL groups; a value the user exported is kept (and
+    refused at capture unless it is 0)."""
+    if all_to_all and any("full_iteration" in scopes for scopes in scope_sets):
+        os.environ.setdefault(GRAPH_REGISTER_ENV, "0")
+
+
 def resolve(
     args: argparse.Namespace,
     *,
@@ -990,13 +1000,9 @@ def resolve(
         check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
     fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
-    all_to_all = fp32_accumulation or args.expert_model_parallel_size > 1
-    if all_to_all and any("full_iteration" in p.scopes for p in policies):
-        # capture/step.py [Note: NCCL graph registration and the all-to-all]: the gradients'
-        # or the expert dispatch's all-to-all in a graph. Set here, before the launcher's ranks
-        # (or this torchrun rank) create their NCCL groups; a value the user exported is kept
-        # (and refused at capture unless it is 0).
-        os.environ.setdefault(GRAPH_REGISTER_ENV, "0")
+    registration_off_for_all_to_alls(
+        fp32_accumulation or args.expert_model_parallel_size > 1, [p.scopes for p in policies]
+    )
     check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(
         model=model,
