@@ -168,10 +168,11 @@ def check_capturable(
 # reduce-scatters and all-gathers that graphs capture replay either way, equally fast
 # (bench/results/whole_step_nccl_graph_register_*). NCCL reads the variable once per process,
 # at its first captured collective: set at a capture it could come too late (an earlier
-# capture in the process read it), so graph_fsdp reads it only to refuse. While a full_iteration or whole-step graph is captured, every
-# ``torch.distributed`` all-to-all is watched, whoever issues it (FSDP's reduction, a model's
-# dispatch, Megatron's token dispatcher): one over NCCL and more than one rank is refused
-# before NCCL sees it, naming where it was issued, unless the registration is off.
+# capture in the process read it), so graph_fsdp reads it only to refuse. While a
+# full_iteration or whole-step graph is captured, every ``torch.distributed`` all-to-all is
+# watched, whoever issues it (FSDP's reduction, a model's dispatch, Megatron's token
+# dispatcher): one over NCCL and more than one rank is refused before NCCL sees it, naming
+# where it was issued, unless the registration is off.
 _ALL_TO_ALLS = ("all_to_all_single", "all_to_all")
 
 
@@ -192,7 +193,10 @@ def refusing_registered_all_to_all(tracker: ModuleTracker, what: str) -> Iterato
 
         @functools.wraps(original)
         def call(*args, **kwargs):
-            group = signature.bind(*args, **kwargs).arguments.get("group")
+            try:
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+            except TypeError:  # a wrong call: torch's own error says what is wrong
+                return original(*args, **kwargs)
             if dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl":
                 raise GraphConfigError(
                     _registered_all_to_all(name, sys._getframe(1), tracker, what, group, value)
