@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.cuda_streams import stream_capturing
+from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 
 KINDS = ("params", "buffers", "graphs", "grads", "optim")
 ONLOAD_CALL = {
@@ -263,7 +264,7 @@ def _no_nccl_graph_registration() -> None:
     """NCCL registers the buffers of collectives captured in a graph with its peers; a graph
     replayed over new physical pages at the old addresses would use stale registrations
     (torch-memory-saver's documented hang). Set before the first capture reads it."""
-    os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
+    os.environ.setdefault(GRAPH_REGISTER_ENV, "0")
 
 
 _ANNOUNCED: set[str] = set()

@@ -197,9 +197,10 @@ def refusing_registered_all_to_all(tracker: ModuleTracker, what: str) -> Iterato
                 group = signature.bind(*args, **kwargs).arguments.get("group")
             except TypeError:  # a wrong call: torch's own error says what is wrong
                 return original(*args, **kwargs)
-            if dist.get_world_size(group) > 1 and dist.get_backend(group) == "nccl":
+            ranks = dist.get_world_size(group)
+            if ranks > 1 and dist.get_backend(group) == "nccl":
                 raise GraphConfigError(
-                    _registered_all_to_all(name, sys._getframe(1), tracker, what, group, value)
+                    _registered_all_to_all(name, sys._getframe(1), tracker, what, ranks, value)
                 )
             return original(*args, **kwargs)
 
@@ -214,14 +215,14 @@ def refusing_registered_all_to_all(tracker: ModuleTracker, what: str) -> Iterato
             setattr(m, name, original)
 
 
-def _registered_all_to_all(name, frame, tracker, what, group, value) -> str:
+def _registered_all_to_all(name, frame, tracker, what, ranks, value) -> str:
     module, phase = tracker.running()
     inside = f"the {phase} of {module}" if module else "the step function"
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     fp32 = frame.f_globals.get("__name__") == "graph_fsdp.comm"
     who = "FSDP's gradient reduction with reduce_scatter_fp32_accumulation calls " if fp32 else ""
     return (
-        f"{who}torch.distributed.{name} over {dist.get_world_size(group)} NCCL ranks (called "
+        f"{who}torch.distributed.{name} over {ranks} NCCL ranks (called "
         f"at {site}, in {inside}) is captured into {what} with NCCL's graph buffer "
         f"registration on ({GRAPH_REGISTER_ENV}={value if value is not None else 'unset'}): "
         f"its replay hangs. Set {GRAPH_REGISTER_ENV}=0 in the environment before the process "

@@ -133,9 +133,8 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
 
 def environment_label() -> str:
     """NCCL settings of the whole process, so of every row, the peers' included: NCCL's
-    graph buffer registration, which --ddp-reduce-scatter-with-fp32-accumulation turns off
-    for a full_iteration graph (capture/step.py [Note: NCCL graph registration and the
-    all-to-all])."""
+    graph buffer registration, which the commands turn off for a full_iteration graph that
+    captures an all-to-all (cli/options.py: registration_off_for_all_to_alls)."""
     value = os.environ.get(GRAPH_REGISTER_ENV)
     return f" Every row (the peers' too): {GRAPH_REGISTER_ENV}={value}." if value else ""
 
