@@ -52,11 +52,11 @@ from graph_fsdp import (  # noqa: E402
     iter_full_params,
     offload,
 )
-from graph_fsdp.address_keeping import preload_library  # noqa: E402
 from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs  # noqa: E402
+from graph_fsdp.fsdp.address_keeping import preload_library  # noqa: E402
+from graph_fsdp.fsdp.state import collect_states  # noqa: E402
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch  # noqa: E402
 from graph_fsdp.models.gpt import sharding_units  # noqa: E402
-from graph_fsdp.state import collect_states  # noqa: E402
 
 PRESETS = {
     "tiny": (

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 ZERO = {
     "no_shard": "DDP",

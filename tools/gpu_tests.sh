@@ -22,7 +22,7 @@
 # them into one archive, for a runner that returns few files); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
 # WORLD=1 runs the 2-rank tests with one rank on one GPU (a smoke run on a single-GPU
-# machine: GRAPH_FSDP_GPU_TEST_WORLD, graph_fsdp/testing.py); tests that need 2 ranks skip.
+# machine: GRAPH_FSDP_GPU_TEST_WORLD, tests/graph_fsdp_testing.py); tests that need 2 ranks skip.
 #
 # Every log starts with the commit it tested (graph_fsdp/bench/provenance.py [Note:
 # provenance]): git where the tree has .git, else GRAPH_FSDP_COMMIT, which the caller sets on

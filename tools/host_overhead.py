@@ -117,7 +117,7 @@ def install_fakes(cuda_comm: bool) -> None:
     layerwise.check_capturable = lambda model, *a, **k: model._fsdp_state
     if cuda_comm:
         import graph_fsdp.buffers.allocator as alloc  # noqa: PLC0415
-        import graph_fsdp.comm as comm  # noqa: PLC0415
+        import graph_fsdp.fsdp.comm as comm  # noqa: PLC0415
 
         orig_init = comm.CommContext.__init__
 
@@ -172,7 +172,7 @@ def _timed(cls, name: str, label: str) -> None:
 def install_timers() -> None:
     """Wrap the pieces that run per layer (before the model is built: hooks bind methods)."""
     from graph_fsdp.capture import torch_backend  # noqa: PLC0415
-    from graph_fsdp.state import FSDPState  # noqa: PLC0415
+    from graph_fsdp.fsdp.state import FSDPState  # noqa: PLC0415
 
     for name, label in [
         ("pre_forward", "fwd: pre_forward (gather, prefetch)"),
@@ -217,7 +217,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.c10d:
-        import graph_fsdp.comm as comm  # noqa: PLC0415
+        import graph_fsdp.fsdp.comm as comm  # noqa: PLC0415
 
         comm.DIRECT_COLLECTIVES = False
 
@@ -241,7 +241,7 @@ def main() -> None:
 
     from graph_fsdp.capture.layerwise import LayerwiseGraphs  # noqa: PLC0415
     from graph_fsdp.models import GPTConfig, build_model  # noqa: PLC0415
-    from graph_fsdp.train import TrainConfig, make_optimizer, shard_model  # noqa: PLC0415
+    from graph_fsdp.training.train import TrainConfig, make_optimizer, shard_model  # noqa: PLC0415
 
     mcfg = GPTConfig(
         vocab_size=args.vocab,

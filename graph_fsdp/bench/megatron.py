@@ -9,7 +9,7 @@ mcore-gpt|mcore-moe``; the flags are read by cli/mcore.py).
         --warmup-iters 5 --train-iters 20
 
 One launch trains the same model, seed and data once per row, back to back in the same
-processes (:func:`graph_fsdp.integrations.megatron_train.run`): graph_fsdp eager, one graphed
+processes (:func:`graph_fsdp.integrations.megatron.train.run`): graph_fsdp eager, one graphed
 row per ``--graph-impls`` x ``--scopes`` set, and megatron_fsdp eager (when importable and
 asked for with ``--rows``). Each row reports the median and minimum time of its timed steps
 (the ``--warmup-iters`` before them include the capture), its own peak memory, allocated and
@@ -36,7 +36,7 @@ from graph_fsdp.bench.runner import measure_row
 from graph_fsdp.bench.verdicts import CudaCounters, graph_label, graph_verdict
 from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import scope_label
-from graph_fsdp.integrations.megatron_train import run
+from graph_fsdp.integrations.megatron.train import run
 
 MCORE_ROWS = ("graph_fsdp", "graph_fsdp_graphed", "megatron_fsdp")
 """The bench rows a Megatron-Core model has (the others need graph_fsdp's own GPT)."""

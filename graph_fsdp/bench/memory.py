@@ -127,7 +127,7 @@ def slot_roles(allocator) -> list[tuple[str, torch.Tensor]]:
 
 
 def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
-    from graph_fsdp.state import collect_states  # noqa: PLC0415
+    from graph_fsdp.fsdp.state import collect_states  # noqa: PLC0415
 
     states = collect_states(model)
     out: list[Known] = []
@@ -397,7 +397,7 @@ def role_from_frames(frames: list[dict]) -> str:
             return name[len(TAG_PREFIX) :]
     for f in frames:
         path, name = f.get("filename", "").replace("\\", "/"), f.get("name", "")
-        if name == "ensure_main_grad" and path.endswith("graph_fsdp/param_group.py"):
+        if name == "ensure_main_grad" and path.endswith("graph_fsdp/fsdp/param_group.py"):
             return "main_grads"
         if "fsdp/_fully_shard/" in path:
             if "reduce" in name:
@@ -644,10 +644,10 @@ class MemoryJob:
 def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
     from graph_fsdp.capture.step import eager_forward_backward  # noqa: PLC0415
     from graph_fsdp.capture.whole_step import WholeStepGraph  # noqa: PLC0415
-    from graph_fsdp.data import batch_for  # noqa: PLC0415
-    from graph_fsdp.loop import whole_step_microbatch  # noqa: PLC0415
-    from graph_fsdp.state import collect_states  # noqa: PLC0415
-    from graph_fsdp.train import (  # noqa: PLC0415
+    from graph_fsdp.fsdp.state import collect_states  # noqa: PLC0415
+    from graph_fsdp.training.data import batch_for  # noqa: PLC0415
+    from graph_fsdp.training.loop import whole_step_microbatch  # noqa: PLC0415
+    from graph_fsdp.training.train import (  # noqa: PLC0415
         build_for,
         make_graphs,
         make_optimizer,
@@ -705,7 +705,7 @@ def _start_history(max_entries: int) -> None:
 
 
 def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
-    from graph_fsdp.train import device_of  # noqa: PLC0415
+    from graph_fsdp.training.train import device_of  # noqa: PLC0415
 
     if job.engine not in ENGINES:
         raise ValueError(f"memory engine {job.engine!r}: choose one of {', '.join(ENGINES)}")

@@ -1,7 +1,7 @@
 """Benchmark runners for the engines graph_fsdp is measured against.
 
 Every runner builds the same model (:func:`graph_fsdp.models.build_model`, same config and
-seed), feeds the same synthetic batches as :func:`graph_fsdp.train.run` (step ``i``, this
+seed), feeds the same synthetic batches as :func:`graph_fsdp.training.train.run` (step ``i``, this
 rank), trains ``warmup + steps`` optimizer steps with AdamW and times each step with
 ``synchronize`` + ``perf_counter`` (as ``train.run`` does). It returns the timed steps'
 times (warmup dropped), the host time until each step's work was issued (before the
@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from graph_fsdp.bench.verdicts import COMM_INSIDE, COMM_NONE
-from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
+from graph_fsdp.integrations.megatron.megatron_fsdp import megatron_fsdp_shard
 from graph_fsdp.models import TransformerLayer, sharding_units, synthetic_batch
-from graph_fsdp.train import TrainConfig, build_for, device_of, run
+from graph_fsdp.training.train import TrainConfig, build_for, device_of, run
 
 
 class Skip(Exception):  # a verdict, not an error
@@ -137,7 +137,7 @@ def _accumulating_step(
 
 
 # --------------------------------------------------------------------------------------------
-# graph_fsdp itself and the unsharded reference (both through graph_fsdp.train.run)
+# graph_fsdp itself and the unsharded reference (both through graph_fsdp.training.train.run)
 # --------------------------------------------------------------------------------------------
 
 

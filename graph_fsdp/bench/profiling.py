@@ -25,7 +25,7 @@ from torch import nn
 from graph_fsdp.bench.trace import summarize_trace
 from graph_fsdp.cuda_streams import STEP_RANGE_PREFIX
 from graph_fsdp.models import synthetic_batch, transformer_layers
-from graph_fsdp.train import (
+from graph_fsdp.training.train import (
     TrainConfig,
     build_for,
     device_of,

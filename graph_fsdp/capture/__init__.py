@@ -27,9 +27,6 @@ from graph_fsdp.capture.teardown import (
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
 from graph_fsdp.capture.whole_step import StepPolicy, StepResult, WholeStep, WholeStepGraph
 
-# Live graphs keep NCCL communicators alive: destroy_process_group closes them first.
-install_shutdown_guard()
-
 __all__ = [
     "GRAPH_IMPLS",
     "MOE_SCOPES",

@@ -101,7 +101,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import graph_capture, static_memory
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -134,8 +133,9 @@ from graph_fsdp.capture.verify import (
     verify_step,
 )
 from graph_fsdp.cuda_streams import nvtx_range, on_side_stream
-from graph_fsdp.state import collect_states
-from graph_fsdp.tensor_parallel import data_address
+from graph_fsdp.fsdp.address_keeping import graph_capture, static_memory
+from graph_fsdp.fsdp.state import collect_states
+from graph_fsdp.fsdp.tensor_parallel import data_address
 
 
 def same_step_fn(a: StepFn, b: StepFn) -> bool:

@@ -36,9 +36,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp.address_keeping import capture_segments, graph_capture, static_memory
 from graph_fsdp.capture.comm_graphs import CommGraphs
 from graph_fsdp.capture.diagnosis import ModuleTracker, explain_capture_failure, no_collection
+from graph_fsdp.capture.module_hooks import (
+    capture_time_hooks,
+    extract_module_hooks,
+    restore_module_hooks,
+)
 from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks, release_for_capture
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
@@ -72,9 +76,9 @@ from graph_fsdp.capture.verify import (
     verify_step,
 )
 from graph_fsdp.cuda_streams import nvtx_range
-from graph_fsdp.hooks import capture_time_hooks, extract_module_hooks, restore_module_hooks
-from graph_fsdp.state import FSDPState, collect_states, in_backward
-from graph_fsdp.tensor_parallel import data_address
+from graph_fsdp.fsdp.address_keeping import capture_segments, graph_capture, static_memory
+from graph_fsdp.fsdp.state import FSDPState, collect_states, in_backward
+from graph_fsdp.fsdp.tensor_parallel import data_address
 
 
 class LayerwiseGraphs(RunnerLifecycle):

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.full_iteration import FullIterationGraphs
 from graph_fsdp.capture.layerwise import LayerwiseGraphs
 from graph_fsdp.capture.scopes import (
@@ -37,6 +36,7 @@ from graph_fsdp.capture.scopes import (
 )
 from graph_fsdp.capture.step import check_verify_option
 from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
+from graph_fsdp.fsdp.api import BufferPolicy
 
 
 def capture_impl(impl: str, scopes) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from graph_fsdp.api import BufferPolicy
+from graph_fsdp.fsdp.api import BufferPolicy
 
 SCOPES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "full_iteration")
 """Accepted scope names; an empty list means whole layers."""

@@ -32,8 +32,8 @@ from graph_fsdp.capture.scopes import (
 )
 from graph_fsdp.capture.verify import GraphVerificationError, VerifyResult
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
-from graph_fsdp.fully_shard import FSDPModule
-from graph_fsdp.state import FSDPState
+from graph_fsdp.fsdp.fully_shard import FSDPModule
+from graph_fsdp.fsdp.state import FSDPState
 
 
 @dataclass
@@ -219,7 +219,7 @@ def _registered_all_to_all(name, frame, tracker, what, ranks, value) -> str:
     module, phase = tracker.running()
     inside = f"the {phase} of {module}" if module else "the step function"
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-    fp32 = frame.f_globals.get("__name__") == "graph_fsdp.comm"
+    fp32 = frame.f_globals.get("__name__") == "graph_fsdp.fsdp.comm"
     who = "FSDP's gradient reduction with reduce_scatter_fp32_accumulation calls " if fp32 else ""
     return (
         f"{who}torch.distributed.{name} over {ranks} NCCL ranks (called "

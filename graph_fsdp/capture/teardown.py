@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from graph_fsdp.state import refuse_offloaded
+from graph_fsdp.fsdp.state import refuse_offloaded
 
 _RUNNERS: weakref.WeakSet = weakref.WeakSet()
 _GUARD_ATTR = "_graph_fsdp_shutdown_guard"
@@ -39,11 +39,6 @@ class RunnerLifecycle:
     """
 
     closed = False
-
-    def __new__(cls, *args, **kwargs):
-        runner = super().__new__(cls)
-        _RUNNERS.add(runner)
-        return runner
 
     def close(self) -> None:
         """Free every CUDA graph and its memory pool and restore the modules (idempotent).
@@ -72,11 +67,16 @@ class RunnerLifecycle:
         return root.allocator if root is not None else None
 
     def _register_with_units(self) -> None:
-        """Register with every unit of ``self.states``: offload suspends a unit's runners
-        before it moves the buffers their graphs address (offload.py [Note: CUDA graphs
-        across offload])."""
+        """The last step of a runner's ``__init__``: register with every unit of
+        ``self.states`` (offload suspends a unit's runners before it moves the buffers their
+        graphs address: offload.py [Note: CUDA graphs across offload]) and as a live runner.
+        Live graphs keep NCCL communicators alive, so from the first runner on
+        ``destroy_process_group`` closes the runners first (:func:`install_shutdown_guard`).
+        A runner whose ``__init__`` raised is neither: there is nothing to close."""
         for state in self.states:
             state.graph_runners.add(self)
+        install_shutdown_guard()
+        _RUNNERS.add(self)
 
     def _free_graphs(self) -> None:
         raise NotImplementedError

@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from graph_fsdp.capture.diagnosis import CAPTURE_ERROR_MODE, ModuleTracker, new_cuda_graph
 from graph_fsdp.capture.scopes import GraphConfigError, Target
 from graph_fsdp.cuda_streams import nvtx_range
-from graph_fsdp.tensor_parallel import data_address
+from graph_fsdp.fsdp.tensor_parallel import data_address
 
 CaptureHooks = dict[str, dict[int, Callable[[nn.Module], None]]]
 

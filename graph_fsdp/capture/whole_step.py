@@ -77,7 +77,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import graph_capture
 from graph_fsdp.capture.diagnosis import (
     CAPTURE_ERROR_MODE,
     ModuleTracker,
@@ -107,9 +106,10 @@ from graph_fsdp.capture.te_backend import attention_capture_guard
 from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
 from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.cuda_streams import nvtx_range, on_side_stream
-from graph_fsdp.grad_norm import clip_grads_, global_grad_norm
-from graph_fsdp.state import collect_states
-from graph_fsdp.tensor_parallel import data_address
+from graph_fsdp.fsdp.address_keeping import graph_capture
+from graph_fsdp.fsdp.grad_norm import clip_grads_, global_grad_norm
+from graph_fsdp.fsdp.state import collect_states
+from graph_fsdp.fsdp.tensor_parallel import data_address
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -45,8 +45,8 @@ from graph_fsdp.cli.options import (
 )
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
-from graph_fsdp.launch import launch
-from graph_fsdp.train import placement_label
+from graph_fsdp.training.processes import launch
+from graph_fsdp.training.train import placement_label
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:

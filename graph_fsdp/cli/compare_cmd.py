@@ -32,7 +32,6 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from graph_fsdp.api import STRATEGIES
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.verdicts import graph_verdict
 from graph_fsdp.capture.policy import capture_impl
@@ -40,11 +39,12 @@ from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
-from graph_fsdp.integrations.megatron_train import MCoreTrainConfig
-from graph_fsdp.integrations.megatron_train import run as run_mcore
-from graph_fsdp.launch import launch
-from graph_fsdp.loop import LoopConfig
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.fsdp.api import STRATEGIES
+from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
+from graph_fsdp.integrations.megatron.train import run as run_mcore
+from graph_fsdp.training.loop import LoopConfig
+from graph_fsdp.training.processes import launch
+from graph_fsdp.training.train import TrainConfig, run
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:

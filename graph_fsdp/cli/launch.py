@@ -1,8 +1,8 @@
-"""Where the ranks of a CLI command run: the :class:`~graph_fsdp.launch.LaunchPlan` of
+"""Where the ranks of a CLI command run: the :class:`~graph_fsdp.training.processes.LaunchPlan` of
 ``--device``, ``--nproc`` and the launcher's environment.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) every process runs its own rank in-process;
-without a launcher :func:`graph_fsdp.launch.launch` spawns the local ranks: one NCCL process
+without a launcher :func:`graph_fsdp.training.processes.launch` spawns the local ranks: one NCCL process
 per GPU, or ``--nproc`` gloo processes on a CPU-only machine.
 """
 
@@ -13,7 +13,7 @@ import os
 import torch
 
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.launch import LaunchPlan
+from graph_fsdp.training.processes import LaunchPlan
 
 DEFAULT_CPU_NPROC = 2
 

@@ -24,7 +24,7 @@ import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import apply_megatron_graph_spellings
-from graph_fsdp.supervision import VERBOSE_ENV, Interrupted, RankFailure
+from graph_fsdp.training.supervision import VERBOSE_ENV, Interrupted, RankFailure
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     if getattr(args, "verbose", False):
-        os.environ[VERBOSE_ENV] = "1"  # read by the launcher (graph_fsdp/supervision.py)
+        os.environ[VERBOSE_ENV] = "1"  # read by the launcher (graph_fsdp/training/supervision.py)
     try:
         apply_megatron_graph_spellings(args)
         return args.handler(args)

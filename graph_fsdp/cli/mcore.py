@@ -68,8 +68,8 @@ from graph_fsdp.integrations.megatron import (
     MCoreGPTConfig,
     check_mcore_scopes,
 )
-from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
-from graph_fsdp.launch import launch
+from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, run
+from graph_fsdp.training.processes import launch
 
 MODELS = ("gpt", "mcore-gpt", "mcore-moe")
 """--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""
@@ -151,7 +151,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
         "--optimizer-cpu-offload",
         action="store_true",
         help="Keep the AdamW state of --optimizer-offload-fraction of the local shards in "
-        "pinned CPU memory and step it there (graph_fsdp.optim_offload.CPUOffloadOptimizer; "
+        "pinned CPU memory and step it there (graph_fsdp.fsdp.optim_offload.CPUOffloadOptimizer; "
         "needs no --recompute-activations).",
     )
     g.add_argument(
@@ -188,7 +188,7 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
             "add --optimizer-cpu-offload"
         )
     if args.optimizer_cpu_offload and args.recompute_activations:
-        # graph_fsdp.optim_offload.check_offload_config's rule, said with the flags.
+        # graph_fsdp.fsdp.optim_offload.check_offload_config's rule, said with the flags.
         raise CLIError(
             "--optimizer-cpu-offload is supported with activation recompute off: drop "
             "--recompute-activations or --optimizer-cpu-offload"

@@ -17,7 +17,6 @@ import re
 from dataclasses import dataclass
 from typing import get_args
 
-from graph_fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
 from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import (
     GRAPH_IMPLS,
@@ -31,10 +30,11 @@ from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
-from graph_fsdp.launch import LaunchPlan
+from graph_fsdp.fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.models.tp_plans import check_gpt_plan
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.processes import LaunchPlan
+from graph_fsdp.training.train import TrainConfig
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 """Megatron's --transformer-impl: the reference torch layers or TransformerEngine layers."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-from graph_fsdp import checkpoint
 from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.fsdp import checkpoint
 
 
 def _existing_ancestor(path: str) -> str:
@@ -72,7 +72,7 @@ def check_save_dir(flag: str, path: str) -> None:
     """A checkpoint directory ``--save`` writes (and replaces atomically: renames next to it).
 
     It must be absent, empty, or a checkpoint graph-fsdp wrote (recognised by
-    :data:`graph_fsdp.checkpoint.META_FILE`): a save replaces its target, so anything else -
+    :data:`graph_fsdp.fsdp.checkpoint.META_FILE`): a save replaces its target, so anything else -
     a directory of other files, a regular file - is refused, naming it.
     """
     if os.path.isdir(path) and not checkpoint.is_checkpoint_dir(path, require_meta=True):

@@ -48,7 +48,7 @@ from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import add_common_args, add_fused_adamw_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.cuda_streams import NVTX_ENV
-from graph_fsdp.launch import LaunchPlan, launch
+from graph_fsdp.training.processes import LaunchPlan, launch
 
 UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"
 """Set in the environment of the re-executed command, so it does not re-exec again."""

@@ -33,10 +33,10 @@ from graph_fsdp.cli.train_options import (
     verification_lines,
     verify_option,
 )
-from graph_fsdp.launch import launch
 from graph_fsdp.models import model_flops_per_token
-from graph_fsdp.supervision import Interrupted, console
-from graph_fsdp.train import TrainConfig, placement_label, run
+from graph_fsdp.training.processes import launch
+from graph_fsdp.training.supervision import Interrupted, console
+from graph_fsdp.training.train import TrainConfig, placement_label, run
 
 
 def add_parser(subparsers, formatter) -> argparse.ArgumentParser:

@@ -15,13 +15,13 @@ import json
 import os
 import sys
 
-from graph_fsdp import checkpoint
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import check_optimizer_args, check_positive
 from graph_fsdp.cli.paths import check_output_file, check_save_dir
-from graph_fsdp.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
+from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
 
 CHECKPOINT_META = checkpoint.META_FILE
 """In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
@@ -66,7 +66,7 @@ def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
         why = "has no iteration" if os.path.isfile(meta_path) else "is missing"
         raise CLIError(
             f"--load {path}: {meta_path} {why}, so the iteration to resume at is unknown "
-            "(graph-fsdp train --save writes it; graph_fsdp.checkpoint.save only with meta=). "
+            "(graph-fsdp train --save writes it; graph_fsdp.fsdp.checkpoint.save only with meta=). "
             f'If this is a checkpoint of this model, write {{"iteration": N, "model": '
             f'"{model}"}} there; else pass a DIR a graph-fsdp train --save run wrote'
         )

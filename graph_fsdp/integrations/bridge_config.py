@@ -15,8 +15,8 @@ Pure logic: no torch.distributed, no CUDA, no Megatron import.
 
 from __future__ import annotations
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError, check_scopes, check_static_buffers
+from graph_fsdp.fsdp.api import BufferPolicy
 
 DCP_CKPT_FORMATS = ("fsdp_dtensor", "torch_dcp")
 """Checkpoint formats graph_fsdp writes: sharded torch.distributed.checkpoint (DCP)
@@ -55,7 +55,7 @@ def validate_fsdp_config(
     ``cfg.model.*``). ``ckpt_format=None`` means no checkpointing is configured;
     ``recompute_granularity`` is ``None``, ``"full"`` or ``"selective"``; ``cpu_offload`` is
     Bridge's activation CPU offloading (``model.cpu_offloading``), whose rules these are
-    (optimizer-state offload, graph_fsdp.optim_offload, has its own check).
+    (optimizer-state offload, graph_fsdp.fsdp.optim_offload, has its own check).
     """
     problems: list[str] = []
     if not use_graph_fsdp:

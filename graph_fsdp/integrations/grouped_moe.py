@@ -7,7 +7,7 @@
     out = grouped_mlp(rows, probs, fc1_weight, fc2_weight, sort.offsets, activation=F.gelu)
     y = combine(out, sort)                                        # [tokens, hidden]
 
-The Megatron-Core layer built on these is graph_fsdp.integrations.megatron_moe; these functions
+The Megatron-Core layer built on these is graph_fsdp.integrations.megatron.moe; these functions
 need no megatron-core and run on CPU (``torch._grouped_mm``'s fallback) as on CUDA.
 
 [Note: static-size dropless routing]

@@ -1,7 +1,7 @@
-"""HuggingFace decoders (graph_fsdp.models.hf) under the training loop (graph_fsdp.loop)::
+"""HuggingFace decoders (graph_fsdp.models.hf) under the training loop (graph_fsdp.training.loop)::
 
     cfg = HFTrainConfig(family="qwen2", steps=10, grad_accum=2, clip_grad=1.0)
-    result = run(rank, world_size, cfg)         # under graph_fsdp.launch.spawn or torchrun
+    result = run(rank, world_size, cfg)         # under graph_fsdp.training.processes.spawn or torchrun
 
 ``fully_shard`` per decoder layer, then the root; ``mode="reference"`` trains the unsharded
 model on the global batch through the loop's mixed-precision reference placement (the one
@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graph_fsdp import checkpoint as ckpt
-from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.loop import (
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fsdp.fully_shard import fully_shard
+from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
+from graph_fsdp.parallel.vocab_parallel import shard_embedding_by_vocab
+from graph_fsdp.training.loop import (
     LoopConfig,
     ModelAdapter,
     ShardedTrainer,
@@ -28,9 +30,7 @@ from graph_fsdp.loop import (
     run_loop,
     use_deterministic_kernels,
 )
-from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
-from graph_fsdp.train import MixedPrecisionReference, make_optimizer, vocab_parallel_mesh
-from graph_fsdp.vocab_parallel import shard_embedding_by_vocab
+from graph_fsdp.training.train import MixedPrecisionReference, make_optimizer, vocab_parallel_mesh
 
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0}
 """Config fields some families default to a dropout with (GPT-2, GPTBigCode, OPT): off, so
@@ -40,7 +40,7 @@ that sharded and reference runs compute the same function."""
 @dataclass(kw_only=True)
 class HFTrainConfig(LoopConfig):
     """A HuggingFace decoder family at a given size under the loop (random init, no
-    download); the loop's fields are :class:`~graph_fsdp.loop.LoopConfig`'s."""
+    download); the loop's fields are :class:`~graph_fsdp.training.loop.LoopConfig`'s."""
 
     family: str = "llama"
     """A key of graph_fsdp.models.hf.HF_DECODERS."""
@@ -159,5 +159,5 @@ class HFAdapter(ModelAdapter):
 
 
 def run(rank: int, world_size: int, cfg: HFTrainConfig) -> dict:
-    """Train ``cfg`` on this rank (graph_fsdp.loop.run_loop over :class:`HFAdapter`)."""
+    """Train ``cfg`` on this rank (graph_fsdp.training.loop.run_loop over :class:`HFAdapter`)."""
     return run_loop(HFAdapter(cfg), rank, world_size)

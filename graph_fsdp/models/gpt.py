@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from graph_fsdp.experts import mark_expert_params
-from graph_fsdp.models.ep_dispatch import dispatch_to_experts
+from graph_fsdp.fsdp.experts import mark_expert_params
+from graph_fsdp.parallel.ep_dispatch import dispatch_to_experts
 
 __all__ = [
     "MLP",
@@ -683,7 +683,7 @@ def build_model(
 def partition_experts(model: nn.Module, ep_group: dist.ProcessGroup) -> nn.Module:
     """Expert parallelism: every ``MoEExperts`` of ``model`` keeps only its rank's experts of
     ``ep_group`` (an all-to-all reaches the others) and is marked for ``fully_shard``'s
-    ``expert_mesh`` (graph_fsdp.experts). Before ``fully_shard``; returns ``model``."""
+    ``expert_mesh`` (graph_fsdp.fsdp.experts). Before ``fully_shard``; returns ``model``."""
     found = [m for m in model.modules() if isinstance(m, MoEExperts)]
     if not found:
         raise ValueError(

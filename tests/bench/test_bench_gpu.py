@@ -16,15 +16,15 @@ import json
 import os
 
 import pytest
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.bench.memory import MemoryJob, memory_worker
 from graph_fsdp.bench.peers import BenchSpec, run_unsharded, run_unsharded_captured
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig
 
 for _var, _value in (
     ("NCCL_NVLS_ENABLE", "0"),

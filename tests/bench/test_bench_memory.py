@@ -24,9 +24,9 @@ from graph_fsdp.bench.memory import (
     write_result,
 )
 from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig
 
 GPT = "/src/graph_fsdp/models/gpt.py"
 OPTIM = "/site-packages/torch/optim/adamw.py"
@@ -49,7 +49,7 @@ def free(addr: int) -> list[dict]:
 
 
 EVENTS = [
-    alloc(1000, 400, frame("/x/graph_fsdp/param_group.py", "__init__")),  # main_params
+    alloc(1000, 400, frame("/x/graph_fsdp/fsdp/param_group.py", "__init__")),  # main_params
     alloc(
         2000,
         800,
@@ -210,8 +210,8 @@ def test_attribute_by_address_then_by_stack() -> None:
     assert out["by_role"]["activations (forward)"] == 300
 
 
-PARAM_GROUP = "/x/graph_fsdp/param_group.py"
-REDUCE = "/x/graph_fsdp/reduce.py"
+PARAM_GROUP = "/x/graph_fsdp/fsdp/param_group.py"
+REDUCE = "/x/graph_fsdp/fsdp/reduce.py"
 ALLOCATOR = "/x/graph_fsdp/buffers/allocator.py"
 MEMORY = "/x/graph_fsdp/bench/memory.py"
 

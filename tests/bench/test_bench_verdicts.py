@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from graph_fsdp_testing import spawn_cases
 
 from graph_fsdp.bench import runner as bench_runner
 from graph_fsdp.bench.peers import BenchSpec
@@ -19,8 +20,7 @@ from graph_fsdp.bench.verdicts import (
     memory_fields,
 )
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.train import TrainConfig
 
 MiB = 2**20
 

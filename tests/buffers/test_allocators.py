@@ -415,7 +415,7 @@ def test_double_buffer_roles_are_separate_classes() -> None:
 
 def test_double_buffer_tagged_keys_get_their_own_rings() -> None:
     """A unit holding a dense and an expert group of one size (keys tagged "experts",
-    graph_fsdp/experts.py): while unit 0's two buffers are held, unit 1's prefetch gets two
+    graph_fsdp/fsdp/experts.py): while unit 0's two buffers are held, unit 1's prefetch gets two
     other slots - one ring per tag - and unit 2 reuses unit 0's."""
     allocator = DoubleBufferAllocator()
     keys = [[(f"l{i}", "param", F32), (f"l{i}.experts", "param", F32, "experts")] for i in range(3)]

@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from graph_fsdp.capture.layerwise import under_activation_checkpoint
-from graph_fsdp.launch import spawn
+from graph_fsdp.training.processes import spawn
 
 
 def test_checkpoint_regions_are_recognised():
@@ -35,7 +35,7 @@ def _checkpointed(rank: int, world: int) -> str:
     from graph_fsdp.capture.layerwise import LayerwiseGraphs
     from graph_fsdp.capture.scopes import GraphConfigError
     from graph_fsdp.models import GPTConfig, build_model
-    from graph_fsdp.train import TrainConfig, shard_model
+    from graph_fsdp.training.train import TrainConfig, shard_model
 
     mcfg = GPTConfig(
         vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_fsdp_testing import spawn_cases
 from torch import nn
 
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, shard_model
+from graph_fsdp.training.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,7 +35,7 @@ STEPS, ACCUM = 10, 2
 
 
 def _setup(rank: int):
-    from graph_fsdp.train import TrainConfig, build_for, shard_model
+    from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
     use_deterministic_kernels()
     cfg = TrainConfig(
@@ -71,7 +71,7 @@ def _capturing_changes(module: torch.nn.Module) -> None:
 
 def _train(rank: int, kind: str, scopes: list[str], verify, perturb: bool) -> dict:
     from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs
-    from graph_fsdp.data import batch_for
+    from graph_fsdp.training.data import batch_for
 
     cfg, device, model, opt = _setup(rank)
     if perturb:
@@ -164,7 +164,7 @@ def test_verification_names_the_module_that_differs_under_capture(results, key):
 
 def _fail(rank: int, world: int, kind: str, fault: str) -> dict:
     from graph_fsdp.capture import CaptureFailedError, FullIterationGraphs, LayerwiseGraphs
-    from graph_fsdp.data import batch_for
+    from graph_fsdp.training.data import batch_for
 
     cfg, device, model, opt = _setup(rank)
     mlp = model.layers[2].mlp

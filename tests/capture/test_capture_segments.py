@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graph_fsdp import address_keeping as ak
+from graph_fsdp.fsdp import address_keeping as ak
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ def _flow_with_fake_graphs(rank: int, world: int) -> dict:
     install_fakes(cuda_comm=True)
     from graph_fsdp.capture.layerwise import LayerwiseGraphs
     from graph_fsdp.models import GPTConfig, build_model, transformer_layers
-    from graph_fsdp.train import TrainConfig, make_optimizer, shard_model
+    from graph_fsdp.training.train import TrainConfig, make_optimizer, shard_model
 
     mcfg = GPTConfig(
         vocab_size=64, num_layers=3, hidden_size=16, num_attention_heads=2, seq_length=8
@@ -95,7 +95,7 @@ def _flow_with_fake_graphs(rank: int, world: int) -> dict:
 
 
 def test_layer_graphs_chain_and_fall_back_when_the_chain_breaks():
-    from graph_fsdp.launch import spawn
+    from graph_fsdp.training.processes import spawn
 
     r = spawn(_flow_with_fake_graphs, 1)[0]
     assert r["chained"] == [(), ((0, 0),), ((0, 0),)], r

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_fsdp_testing import spawn_cases
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.capture.comm_graphs import MAX_CAPTURES, CommGraphs
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
-from graph_fsdp.testing import spawn_cases
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 

@@ -17,11 +17,11 @@ import os
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 for _var, _value in (
     ("NCCL_NVLS_ENABLE", "0"),
@@ -37,9 +37,9 @@ STEPS = 6
 
 def _train(rank: int, lend: bool, accumulate: bool) -> dict:
     from graph_fsdp.capture.comm_graphs import CommGraphs
-    from graph_fsdp.data import batch_for
     from graph_fsdp.models import GPTConfig
-    from graph_fsdp.train import TrainConfig, build_for, shard_model
+    from graph_fsdp.training.data import batch_for
+    from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
     cfg = TrainConfig(
         model=GPTConfig(

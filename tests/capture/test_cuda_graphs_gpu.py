@@ -14,13 +14,13 @@ import tempfile
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -172,7 +172,7 @@ def _lockstep(
 
     from graph_fsdp.capture import LayerwiseGraphs
     from graph_fsdp.models import build_model, synthetic_batch
-    from graph_fsdp.train import shard_model
+    from graph_fsdp.training.train import shard_model
 
     use_deterministic_kernels()
     cfg = _cfg(MODELS["gpt"])

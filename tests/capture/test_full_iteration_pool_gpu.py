@@ -19,10 +19,10 @@ import json
 
 import pytest
 import torch
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.training.processes import spawn
 
 CFG = GPTConfig(
     vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
@@ -47,8 +47,8 @@ def _build(device: torch.device):
 def _train(graphed: bool, device: torch.device, rank: int) -> dict:
     from graph_fsdp.bench.verdicts import CudaCounters, RowMemory
     from graph_fsdp.capture import FullIterationGraphs
+    from graph_fsdp.fsdp.state import collect_states
     from graph_fsdp.models import synthetic_batch
-    from graph_fsdp.state import collect_states
 
     # Each run pays for the cuBLAS workspaces it makes, as in a process of its own, like a
     # bench row (no graph lives here: bench/verdicts.py [Note: a row's own peak]).
@@ -166,7 +166,7 @@ def test_full_iteration_reserves_at_most_a_tenth_more_than_eager():
 
 def _release_with_a_graph_alive(rank: int, world: int) -> dict:
     from graph_fsdp.capture.pools import release_for_capture
-    from graph_fsdp.loop import use_deterministic_kernels
+    from graph_fsdp.training.loop import use_deterministic_kernels
 
     use_deterministic_kernels()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -202,8 +202,8 @@ def test_release_for_capture_frees_nothing_a_live_graph_addresses():
 
 
 def _pins(rank: int, world: int) -> dict:
+    from graph_fsdp.fsdp.state import collect_states
     from graph_fsdp.models import synthetic_batch
-    from graph_fsdp.state import collect_states
 
     model, opt = _build(torch.device("cpu"))
     groups = [g for s in collect_states(model) for g in s.groups]

@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import spawn_cases
 from torch import nn
 
 from graph_fsdp import MixedPrecisionPolicy, fully_shard
@@ -21,8 +22,7 @@ from graph_fsdp.capture import step
 from graph_fsdp.capture.diagnosis import ModuleTracker
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
-from graph_fsdp.models.ep_dispatch import _AllToAll
-from graph_fsdp.testing import spawn_cases
+from graph_fsdp.parallel.ep_dispatch import _AllToAll
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 ENVS = (None, "1", "0")

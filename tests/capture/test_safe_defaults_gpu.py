@@ -21,11 +21,11 @@ import sys
 
 import pytest
 import torch
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
@@ -38,10 +38,10 @@ def _batch(step: int, micro: int, device: torch.device) -> torch.Tensor:
 
 
 def _hf_run(family: str, graphed: bool) -> dict:
-    from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.capture import FullIterationGraphs
-    from graph_fsdp.checkpoint import full_state_dict
-    from graph_fsdp.fully_shard import fully_shard
+    from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+    from graph_fsdp.fsdp.checkpoint import full_state_dict
+    from graph_fsdp.fsdp.fully_shard import fully_shard
 
     device = torch.device("cuda", torch.cuda.current_device())
     model = hf_decoder(
@@ -137,7 +137,7 @@ def _megatron_capture(rank: int, world: int, graph_safe: bool) -> dict:
 
     from graph_fsdp.capture import CaptureFailedError
     from graph_fsdp.integrations import megatron as gm
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, batch, build_sharded
+    from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, batch, build_sharded
 
     model = gm.MCoreGPTConfig(
         num_layers=2,

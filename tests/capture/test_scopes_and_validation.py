@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from graph_fsdp_testing import spawn_cases
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
 from graph_fsdp.capture.torch_backend import CallSignature
+from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
 MOE = dataclasses.replace(TINY, num_experts=4, moe_layer_freq=2, ffn_hidden_size=None)
@@ -176,7 +176,7 @@ def test_te_attention_capture_check_for_the_reference_model(
     with TE's cuDNN 9.10 (set here; TE is not installed) faults under a torch capture and
     differs under TE's; the fix it names is NVTE_FUSED_ATTN=0."""
     from graph_fsdp.capture import te_backend
-    from graph_fsdp.train import make_graphs
+    from graph_fsdp.training.train import make_graphs
 
     monkeypatch.setattr(te_backend, "te_cudnn_version", lambda: (9, 10, 2))
     monkeypatch.setattr(te_backend, "_warned", set())  # warnings come once per process

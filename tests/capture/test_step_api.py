@@ -12,13 +12,13 @@ import importlib.util
 
 import pytest
 import torch
+from graph_fsdp_testing import spawn_cases
 
 from graph_fsdp.capture import FullIterationGraphs, GraphConfigError
 from graph_fsdp.capture.step import eager_forward_backward
-from graph_fsdp.data import batch_for
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, build_for, shard_model
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
 CFG = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
@@ -192,8 +192,8 @@ def _hf_model(layers: int = 2):
 
 
 def _shard_hf(model, cfg: TrainConfig):
-    from graph_fsdp.api import BufferPolicy
-    from graph_fsdp.fully_shard import fully_shard
+    from graph_fsdp.fsdp.api import BufferPolicy
+    from graph_fsdp.fsdp.fully_shard import fully_shard
 
     bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
     for layer in model.model.layers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_fsdp_testing import spawn_cases
 from torch import nn
 from torch.nn.modules import module as module_globals
 
@@ -24,11 +25,10 @@ from graph_fsdp.capture.verify import (
     tensor_checksum,
     verify_step,
 )
-from graph_fsdp.data import batch_for
+from graph_fsdp.fsdp.state import collect_states
 from graph_fsdp.models import GPTConfig, build_model
-from graph_fsdp.state import collect_states
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, build_for, shard_model
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
 

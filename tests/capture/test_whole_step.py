@@ -24,11 +24,11 @@ from graph_fsdp.capture.step_optimizer import (
     hyperparameters,
 )
 from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
-from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.data import batch_for
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp.checkpoint import full_state_dict
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.train import TrainConfig, build_for, shard_model
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
 TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
 STEPS, INF_STEP = 6, 3

@@ -35,12 +35,12 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
@@ -51,7 +51,7 @@ STEPS, WARMUP, INF_STEP, LOAD_STEP, EVAL_STEP = 30, 2, 12, 16, 20
 
 
 def _exact_cfg(grad_accum: int, vocab_parallel: bool = False, fp32_accumulation: bool = False):
-    from graph_fsdp.train import TrainConfig
+    from graph_fsdp.training.train import TrainConfig
 
     return TrainConfig(
         model=SMALL,
@@ -83,7 +83,7 @@ def _poison(step: int, micro: int, rank: int, device) -> torch.Tensor:
 
 
 def _snapshot(model, opt) -> dict:
-    from graph_fsdp.checkpoint import full_state_dict
+    from graph_fsdp.fsdp.checkpoint import full_state_dict
 
     params = [p for g in opt.param_groups for p in g["params"]]
     state = {
@@ -107,8 +107,8 @@ def _train(
     eager: bool,
 ) -> dict:
     from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
-    from graph_fsdp.data import batch_for
-    from graph_fsdp.train import build_for, device_of, shard_model
+    from graph_fsdp.training.data import batch_for
+    from graph_fsdp.training.train import build_for, device_of, shard_model
 
     cfg = _exact_cfg(grad_accum, vocab_parallel, fp32_accumulation)
     device = device_of(cfg)
@@ -257,8 +257,8 @@ def _refusal_worker(rank: int, world: int) -> str:
     """``"<step> <message>"`` of the refusal, the step at which it came ("" if none)."""
     from graph_fsdp.capture.scopes import GraphConfigError
     from graph_fsdp.capture.whole_step import WholeStepGraph
-    from graph_fsdp.data import batch_for
-    from graph_fsdp.train import build_for, device_of, shard_model
+    from graph_fsdp.training.data import batch_for
+    from graph_fsdp.training.train import build_for, device_of, shard_model
 
     cfg = _exact_cfg(1, fp32_accumulation=True)
     device = device_of(cfg)
@@ -295,7 +295,7 @@ def test_a_graphed_all_to_all_is_refused_while_nccl_registers_graph_buffers(monk
 def _loop_worker(rank: int, world: int) -> dict:
     """The training loop (train.run) with --cuda-graph-optimizer: graphed whole steps against
     the same loop's eager whole steps (cuda_graph_impl "none"), 4 microbatches, clipping."""
-    from graph_fsdp.train import run
+    from graph_fsdp.training.train import run
 
     base = dataclasses.replace(
         _exact_cfg(4),
@@ -341,7 +341,7 @@ def _whole_step_row(rank: int, world: int, spec, *, clip=None) -> dict:
     untimed, then ``spec.steps`` timed steps, each generating its batches as the other rows."""
     from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
     from graph_fsdp.models import synthetic_batch
-    from graph_fsdp.train import build_for, device_of, shard_model
+    from graph_fsdp.training.train import build_for, device_of, shard_model
 
     cfg = spec.cfg
     device = device_of(cfg)
@@ -397,7 +397,7 @@ def _rows(world: int) -> list[tuple]:
         run_unsharded,
         run_unsharded_captured,
     )
-    from graph_fsdp.train import TrainConfig
+    from graph_fsdp.training.train import TrainConfig
 
     base = TrainConfig(
         model=GPTConfig(),  # 16 layers, hidden 1024, seq 1024, vocab 32000
@@ -483,7 +483,7 @@ def _rows(world: int) -> list[tuple]:
 
 def _timing_worker(rank: int, world: int) -> list[dict] | None:
     from graph_fsdp.bench.verdicts import CudaCounters, RowMemory
-    from graph_fsdp.train import device_of
+    from graph_fsdp.training.train import device_of
 
     device = torch.device("cuda", torch.cuda.current_device())
     counters = CudaCounters(device)

@@ -9,7 +9,7 @@ import pytest
 from graph_fsdp.bench.report import gpu_tag, markdown, with_ratios, write_report
 from graph_fsdp.bench.runner import host_numbers
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.train import TrainConfig
 
 
 def ok(

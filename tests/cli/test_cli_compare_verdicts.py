@@ -11,7 +11,7 @@ from graph_fsdp.cli.compare_cmd import (
     format_verdict,
     summary_line,
 )
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.train import TrainConfig
 
 
 def result(losses: list[float], **params: torch.Tensor) -> dict:

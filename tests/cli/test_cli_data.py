@@ -1,4 +1,4 @@
-"""Token files (graph_fsdp.data): deterministic (step, rank) batches; batch_for, train.run's
+"""Token files (graph_fsdp.training.data): deterministic (step, rank) batches; batch_for, train.run's
 data source (token file or synthetic)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from graph_fsdp.data import EVAL_STEP_OFFSET, TokenFileDataset, batch_for, check_token_file
 from graph_fsdp.models import GPTConfig, synthetic_batch
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.data import EVAL_STEP_OFFSET, TokenFileDataset, batch_for, check_token_file
+from graph_fsdp.training.train import TrainConfig
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ import json
 
 import pytest
 from _cli_helpers import TINY, run_cli
-
-from graph_fsdp.testing import cli_error
+from graph_fsdp_testing import cli_error
 
 FOUR = [a if a != "2" or TINY[i - 1] != "--nproc" else "4" for i, a in enumerate(TINY)]
 """TINY with --nproc 4."""

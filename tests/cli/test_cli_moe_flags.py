@@ -11,11 +11,11 @@ import re
 
 import pytest
 from _cli_helpers import TINY, run_cli
+from graph_fsdp_testing import cli_error
 
 from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.main import build_parser
 from graph_fsdp.cli.options import resolve
-from graph_fsdp.testing import cli_error
 
 MCORE_MOE = ["--model", "mcore-moe", "--device", "cpu", "--nproc", "2"]
 STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]

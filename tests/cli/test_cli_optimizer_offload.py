@@ -1,5 +1,5 @@
 """``graph-fsdp train --optimizer-cpu-offload``: Megatron-LM's optimizer-offload flags reach
-graph_fsdp.optim_offload.CPUOffloadOptimizer (2 gloo ranks, real processes)."""
+graph_fsdp.fsdp.optim_offload.CPUOffloadOptimizer (2 gloo ranks, real processes)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ import time
 import pytest
 from _cli_helpers import REPO, TINY, run_cli
 
-from graph_fsdp import checkpoint
 from graph_fsdp.cli.main import main
+from graph_fsdp.fsdp import checkpoint
 
 
 def _refused(capsys: pytest.CaptureFixture, *argv: str) -> str:

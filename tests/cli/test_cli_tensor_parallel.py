@@ -10,11 +10,11 @@ import re
 
 import pytest
 from _cli_helpers import TINY, run_cli
+from graph_fsdp_testing import cli_error
 
 from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.main import build_parser
 from graph_fsdp.cli.options import resolve
-from graph_fsdp.testing import cli_error
 
 MCORE = ["--model", "mcore-gpt", "--device", "cpu", "--nproc", "2"]
 FOUR = [*TINY[:-1], "4"]  # TINY on 4 ranks (validation only: nothing is launched)

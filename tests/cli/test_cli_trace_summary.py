@@ -128,7 +128,7 @@ def test_the_training_loop_names_each_step_for_the_profiler(tmp_path) -> None:
 
     from graph_fsdp.cuda_streams import STEP_RANGE_PREFIX, step_range
     from graph_fsdp.models import GPTConfig
-    from graph_fsdp.train import TrainConfig, run
+    from graph_fsdp.training.train import TrainConfig, run
 
     model = GPTConfig(
         vocab_size=64, num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8

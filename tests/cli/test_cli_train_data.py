@@ -9,10 +9,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from _cli_helpers import TINY, run_cli
+from graph_fsdp_testing import spawn_cases
 
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.train import TrainConfig, run
 
 MODEL = GPTConfig(
     vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _cli_helpers import TINY
+from graph_fsdp_testing import cli_error
 
 from graph_fsdp.cli.main import main
-from graph_fsdp.testing import cli_error
 
 MOE = ["--num-experts", "4"]
 STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]
@@ -379,7 +379,7 @@ def test_fsdp_buffer_sets_the_buffer_policy(argv: list[str], allocator: str) -> 
 
 def test_vocab_parallel_embedding_reaches_the_config() -> None:
     from graph_fsdp.cli.options import resolve
-    from graph_fsdp.train import placement_label
+    from graph_fsdp.training.train import placement_label
 
     for command in ("train", "compare", "bench", "profile"):
         assert resolve(_args(command)).cfg.vocab_parallel_embedding is False

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 from _cli_helpers import TINY
+from graph_fsdp_testing import cli_error
 
 from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.main import build_parser
-from graph_fsdp.testing import cli_error
 
 FULL = ["--cuda-graph-impl", "torch", "--cuda-graph-scope", "full_iteration"]
 STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]

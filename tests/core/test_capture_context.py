@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graph_fsdp.api import BufferPolicy
-from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp.api import BufferPolicy
+from graph_fsdp.fsdp.fully_shard import fully_shard
+from graph_fsdp.training.processes import spawn
 
 
 class _Recorder:

@@ -20,9 +20,9 @@ import dataclasses
 import pytest
 import torch
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 pytestmark = pytest.mark.gpu
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from graph_fsdp_testing import CaseResults, spawn_cases
 
-from graph_fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import CaseResults, spawn_cases
-from graph_fsdp.train import TrainConfig, run, shard_model
+from graph_fsdp.training.train import TrainConfig, run, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 CPU = torch.device("cpu")

@@ -2,7 +2,7 @@
 data-parallel group, expert parameters over the expert-data-parallel group, in one unit.
 
 A 3-layer MoE GPT (layers 0 and 2 MoE, 4 experts top-2) with its experts partitioned over
-EP groups (an all-to-all dispatch, graph_fsdp/models/ep_dispatch.py) trains on 4 ranks -
+EP groups (an all-to-all dispatch, graph_fsdp/parallel/ep_dispatch.py) trains on 4 ranks -
 EP = 2 x EDP = 2, EP = 1 x EDP = 4, EP = 4 x EDP = 1 - and matches the unsharded
 single-process reference on the global batch. Tolerance 1e-6 (fp32), as every reference
 comparison of the suite: the sharded runs sum the ranks' gradients in the collectives' order,
@@ -22,10 +22,10 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import error_of
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from graph_fsdp import checkpoint as ckpt
 from graph_fsdp import (
     expert_mesh_from_groups,
     fully_shard,
@@ -33,11 +33,11 @@ from graph_fsdp import (
     iter_full_params,
     mark_expert_params,
 )
-from graph_fsdp import reduce as reduction
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp import reduce as reduction
 from graph_fsdp.models import GPTConfig, build_model, partition_experts, synthetic_batch
-from graph_fsdp.testing import error_of
-from graph_fsdp.train import TrainConfig, run, shard_model
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run, shard_model
 
 MOE = GPTConfig(
     vocab_size=128,

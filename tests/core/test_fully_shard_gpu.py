@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,7 +39,7 @@ def _profile_overlap(rank: int, world: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from graph_fsdp.models import build_model, synthetic_batch
-    from graph_fsdp.train import shard_model
+    from graph_fsdp.training.train import shard_model
 
     cfg = TrainConfig(
         model=dataclasses.replace(
@@ -93,9 +93,9 @@ def test_all_gather_and_reduce_scatter_overlap_compute():
 
 
 def _addresses(rank: int, world: int, allocator: str, pin: bool) -> dict:
+    from graph_fsdp.fsdp.state import collect_states
     from graph_fsdp.models import build_model, synthetic_batch
-    from graph_fsdp.state import collect_states
-    from graph_fsdp.train import shard_model
+    from graph_fsdp.training.train import shard_model
 
     cfg = TrainConfig(
         model=dataclasses.replace(SMALL, num_experts=4, moe_layer_freq=2),

@@ -16,9 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_fully_shard_checkpoint import CPU, EVAL_STEP, TINY, _load, _train_and_save
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import build_model, synthetic_batch
-from graph_fsdp.train import TrainConfig
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig
 
 SAVED = {
     # HFSDP: ZeRO-3, optimizer sharded over both dims -> 1x4 ZeRO-2 (optimizer over 4 shards).

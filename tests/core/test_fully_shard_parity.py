@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from graph_fsdp_testing import spawn_cases
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 # Parameters far smaller than 4 ranks x 64-element alignment: most ranks own nothing of

@@ -21,7 +21,7 @@ data-parallel reduction), summed and divided by their number:
   through the chain; training resumed at dp 2 x tp 2 is bit-identical to the uninterrupted
   run, at other TP sizes within 1e-5 (TP size changes the GEMMs' split).
 
-Everything runs in one spawn of 4 processes (graph_fsdp.launch.spawn).
+Everything runs in one spawn of 4 processes (graph_fsdp.training.processes.spawn).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from graph_fsdp_testing import error_of
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from graph_fsdp import checkpoint as ckpt
 from graph_fsdp import fully_shard
-from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.checkpoint import full_state_dict
 from graph_fsdp.models import (
     GPTConfig,
     build_model,
@@ -50,7 +50,7 @@ from graph_fsdp.models import (
     synthetic_batch,
 )
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
-from graph_fsdp.testing import error_of
+from graph_fsdp.training.processes import spawn
 
 GPT = GPTConfig(
     vocab_size=128,
@@ -518,7 +518,7 @@ def test_errors_name_the_fix(results, case, words):
 def test_flat_boxes_and_runs_cover_a_range_once():
     """The checkpoint decomposition (tensor_parallel.flat_boxes / box_runs) on every range
     of a 3-D tensor: boxes in order, contiguous, their runs the range's elements."""
-    from graph_fsdp.tensor_parallel import box_runs, flat_boxes
+    from graph_fsdp.fsdp.tensor_parallel import box_runs, flat_boxes
 
     shape = (3, 4, 5)
     index = torch.arange(60).view(shape)
@@ -542,7 +542,7 @@ def _dtensor_addresses(rank: int, world: int) -> dict:
     from types import SimpleNamespace
 
     from graph_fsdp.capture.torch_backend import CallSignature, _Replay
-    from graph_fsdp.tensor_parallel import data_address
+    from graph_fsdp.fsdp.tensor_parallel import data_address
 
     mesh = init_device_mesh("cpu", (world,))
     a, b = (DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)]) for _ in range(2))

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import spawn_cases
 from torch import nn
 
 import graph_fsdp
-from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.testing import spawn_cases
+from graph_fsdp.fsdp.checkpoint import full_state_dict
+from graph_fsdp.fsdp.fully_shard import fully_shard
 
 VOCAB, HIDDEN, STEPS, MAX_NORM = 32, 16, 3, 0.05
 

@@ -19,9 +19,9 @@ import tempfile
 import pytest
 import torch
 
-from graph_fsdp.launch import spawn
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 pytestmark = [pytest.mark.gpu]
 needs_2 = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -154,7 +154,7 @@ def _profile_replica_reduction(rank: int, world: int, over: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from graph_fsdp.models import build_model, synthetic_batch
-    from graph_fsdp.train import shard_model
+    from graph_fsdp.training.train import shard_model
 
     model_cfg = dataclasses.replace(
         SMALL, hidden_size=2048, num_attention_heads=16, num_layers=4, seq_length=2048

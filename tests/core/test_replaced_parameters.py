@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import spawn_cases
 from torch import nn
 
-from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.testing import spawn_cases
+from graph_fsdp.fsdp.checkpoint import full_state_dict
+from graph_fsdp.fsdp.fully_shard import fully_shard
 
 VOCAB, HIDDEN, LAYERS, STEPS = 32, 16, 2, 3
 

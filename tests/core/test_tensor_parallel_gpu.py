@@ -30,10 +30,10 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import megatron_stack_missing, needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
-from graph_fsdp.testing import megatron_stack_missing, needs_gpus
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 pytestmark = [pytest.mark.gpu]
 
@@ -106,7 +106,7 @@ def _runner(model, mode: str):
 
 
 def _dtensor_train(name: str, dp: int, tp: int, mode: str) -> dict:
-    from graph_fsdp.checkpoint import full_state_dict
+    from graph_fsdp.fsdp.checkpoint import full_state_dict
 
     device = torch.device("cuda", torch.cuda.current_device())
     mesh = _mesh(dp, tp)
@@ -203,7 +203,7 @@ MCORE_VARIANTS = {
 
 def _mcore_all(rank: int, world: int, tp: int) -> dict:
     from graph_fsdp.integrations.megatron import MCoreGPTConfig
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig, run
+    from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, run
 
     model = MCoreGPTConfig(
         num_layers=4,

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
 from graph_fsdp.models.hf import HF_DECODERS, hf_decoder, hf_decoder_layers, hf_family_available
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,8 +59,8 @@ def _decoder(family: str):
 
 
 def _model(device: torch.device, family: str = "llama", checkpointing: bool = False):
-    from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-    from graph_fsdp.fully_shard import fully_shard
+    from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+    from graph_fsdp.fsdp.fully_shard import fully_shard
 
     model = _decoder(family).to(device)
     if checkpointing:  # HuggingFace's activation checkpointing of every decoder layer
@@ -95,7 +95,7 @@ def _train(
 ) -> dict:
     from graph_fsdp.capture import CaptureFailedError, FullIterationGraphs, LayerwiseGraphs
     from graph_fsdp.capture.scopes import GraphConfigError
-    from graph_fsdp.checkpoint import full_state_dict
+    from graph_fsdp.fsdp.checkpoint import full_state_dict
 
     device = torch.device("cuda", rank)
     model = _model(device, family, checkpointing)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp.checkpoint import full_state_dict
+from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models.hf import HF_DECODERS, hf_decoder, hf_decoder_layers, hf_family_available
+from graph_fsdp.training.processes import spawn
 
 transformers = pytest.importorskip("transformers")
 

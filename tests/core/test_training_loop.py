@@ -1,4 +1,4 @@
-"""The one training loop (graph_fsdp/loop.py) and the GraphPolicy it builds its runner from
+"""The one training loop (graph_fsdp/training/loop.py) and the GraphPolicy it builds its runner from
 (graph_fsdp/capture/policy.py): the whole-step runner driven by the loop on 2 gloo ranks, and
 the policy's rules, which the command line applies before launch."""
 
@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 import torch
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.train import TrainConfig, run
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)

@@ -1,4 +1,4 @@
-"""The vocab-parallel input embedding (graph_fsdp/vocab_parallel.py) on real gloo process groups.
+"""The vocab-parallel input embedding (graph_fsdp/parallel/vocab_parallel.py) on real gloo process groups.
 
 Each rank holds its rows of the table; token ids and activations cross the group instead of
 the table. The module alone equals ``nn.Embedding`` on the whole table (forward bit for bit,
@@ -18,14 +18,15 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import error_of
 from torch import nn
 
-from graph_fsdp import fully_shard, init_expert_mesh, param_group, reduce
-from graph_fsdp.launch import spawn
+from graph_fsdp import fully_shard, init_expert_mesh
+from graph_fsdp.fsdp import param_group, reduce
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import error_of
-from graph_fsdp.train import TrainConfig, run
-from graph_fsdp.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
+from graph_fsdp.parallel.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, run
 
 GPT = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 BASE = TrainConfig(model=GPT, steps=4, eval_interval=2, vocab_parallel_embedding=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_fsdp_testing import saved_tensor_bytes
 
 from graph_fsdp.integrations import grouped_moe as gmoe
-from graph_fsdp.testing import saved_tensor_bytes
 
 H, FFN, E = 16, 32, 4
 

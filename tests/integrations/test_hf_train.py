@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from graph_fsdp.integrations.hf_train import HFTrainConfig, run
-from graph_fsdp.launch import spawn
 from graph_fsdp.models.hf import hf_family_available
+from graph_fsdp.training.processes import spawn
 
 pytest.importorskip("transformers")
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from graph_fsdp_testing import cli_error
 
 from graph_fsdp.bench import megatron as mb
 from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import build_parser
-from graph_fsdp.testing import cli_error
 
 MOE = ["bench", "--model", "mcore-moe", "--moe-shared-expert-intermediate-size", "512"]
 STATIC = ["--fsdp-double-buffer", "--fsdp-db-use-persist-buf-on-alloc-fail"]

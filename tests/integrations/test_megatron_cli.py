@@ -11,11 +11,11 @@ import json
 
 import numpy as np
 import pytest
+from graph_fsdp_testing import cli_error
 
 from graph_fsdp.cli import mcore as megatron_cli
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.main import main
-from graph_fsdp.testing import cli_error
 
 # A dense local-spec Megatron-Core GPT: the one --model mcore-* shape that passes every check
 # on a CPU-only machine up to the environment checks (megatron-core importable).

@@ -9,12 +9,12 @@ import importlib.util
 import warnings
 
 import pytest
+from graph_fsdp_testing import cli_error
 
-from graph_fsdp.api import BufferPolicy
 from graph_fsdp.capture.scopes import GraphConfigError
+from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
-from graph_fsdp.testing import cli_error
 
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
 
@@ -30,7 +30,7 @@ def _megatron_imports() -> bool:
 # ------------------------------------------------------------------ import guard
 def test_importing_graph_fsdp_and_the_integration_needs_no_megatron() -> None:
     import graph_fsdp.integrations.megatron
-    import graph_fsdp.integrations.megatron_train  # noqa: F401
+    import graph_fsdp.integrations.megatron.train  # noqa: F401
 
     assert gm.INSTALL_HINT == 'pip install -e ".[megatron]"'
 

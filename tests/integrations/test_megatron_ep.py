@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.experts import ExpertLayout
+from graph_fsdp.fsdp.experts import ExpertLayout
 from graph_fsdp.integrations import megatron as gm
-from graph_fsdp.integrations import megatron_ep as mep
-from graph_fsdp.launch import spawn
+from graph_fsdp.integrations.megatron import ep as mep
+from graph_fsdp.training.processes import spawn
 
 # ------------------------------------------------------------------ sizes and config
 

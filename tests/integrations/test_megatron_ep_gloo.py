@@ -32,10 +32,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from graph_fsdp.launch import spawn
+from graph_fsdp.training.processes import spawn
 
 try:
-    from graph_fsdp.integrations import megatron_moe  # noqa: F401 - imports megatron-core
+    from graph_fsdp.integrations.megatron import moe  # noqa: F401 - imports megatron-core
 except ImportError as err:
     pytest.skip(f"megatron-core does not import ({err})", allow_module_level=True)
 
@@ -128,7 +128,7 @@ def _train(lm, opt, cfg, steps: range, rank: int) -> list[float]:
 
 
 def _state(lm) -> dict[str, torch.Tensor]:
-    from graph_fsdp.checkpoint import full_state_dict
+    from graph_fsdp.fsdp.checkpoint import full_state_dict
 
     return {k: v.clone() for k, v in full_state_dict(lm).items()}
 
@@ -186,7 +186,7 @@ def test_expert_parallel_trains_like_ep1() -> None:
 
 
 def _ep_checkpoints(rank: int, world: int, root: str) -> dict:
-    from graph_fsdp import checkpoint as ckpt
+    from graph_fsdp.fsdp import checkpoint as ckpt
 
     _megatron_on_cpu()
     cfg = _model(**FAMILIES["dropless allgather"])
@@ -267,7 +267,7 @@ def test_checkpoints_move_between_ep_sizes(tmp_path) -> None:
 def _grouped_mm_at_ep1(rank: int, world: int, root: str) -> dict:
     """graph_fsdp's stacked grouped_mm experts at EP = 1, in the layers' dense groups and in
     expert groups: one model, and one checkpoint format."""
-    from graph_fsdp import checkpoint as ckpt
+    from graph_fsdp.fsdp import checkpoint as ckpt
 
     _megatron_on_cpu()
     cfg = _model(moe_token_dispatcher_type="allgather", moe_experts_impl="grouped_mm")

@@ -35,10 +35,10 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import megatron_stack_missing
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.loop import use_deterministic_kernels
-from graph_fsdp.testing import megatron_stack_missing
+from graph_fsdp.training.loop import use_deterministic_kernels
+from graph_fsdp.training.processes import spawn
 
 pytestmark = pytest.mark.gpu
 
@@ -125,9 +125,9 @@ def _run(
 
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from graph_fsdp import checkpoint as ckpt
-    from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.capture.step import eager_forward_backward
+    from graph_fsdp.fsdp import checkpoint as ckpt
+    from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.integrations import megatron as gm
 
     cuda = torch.cuda.is_available()  # (the loop also runs eagerly on CPU ranks)

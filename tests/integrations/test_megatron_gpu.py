@@ -5,7 +5,7 @@ Per model family, one spawn trains (20 steps, eval every 5, bf16, deterministic)
 - graph_fsdp's loop vs megatron.core's get_forward_backward_func() (no_sync_func and
   finalize_model_grads_func are graph_fsdp's), 2 microbatches each: bit-identical;
 - one graphed run per applicable --cuda-graph-scope: bit-identical losses and eval losses;
-- a graphed run saved at step 10 (graph_fsdp.checkpoint) and resumed: steps 10..19 identical;
+- a graphed run saved at step 10 (graph_fsdp.fsdp.checkpoint) and resumed: steps 10..19 identical;
 - megatron_fsdp eager on the same model and seed: losses within bf16 tolerance.
 The MoE test prints one JSON line (MCORE_MOE_TIMING) with eager vs graphed median step time
 and peak memory per scope. Run: python -m pytest -q -s -m gpu tests/integrations/test_megatron_gpu.py
@@ -23,10 +23,10 @@ from statistics import median
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import megatron_stack_missing, needs_gpus
 
-from graph_fsdp.launch import spawn
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import megatron_stack_missing, needs_gpus
+from graph_fsdp.training.processes import spawn
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,7 @@ STATIC = dict(allocator="double_buffer", persist_on_alloc_fail=True)
 
 
 def _cfg(model, **kw):
-    from graph_fsdp.integrations.megatron_train import MCoreTrainConfig
+    from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 
     base = dict(model=model, steps=STEPS, eval_interval=EVAL, bf16=True, deterministic=True)
     base.update(kw)
@@ -60,7 +60,7 @@ def _diff(name: str, ref: list[float], got: list[float], offset: int = 0) -> str
 
 
 def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | None) -> dict:
-    from graph_fsdp.integrations.megatron_train import run
+    from graph_fsdp.integrations.megatron.train import run
 
     out = {"eager": run(rank, world, _cfg(model))}
     # Megatron's schedule with 2 microbatches (its no_sync_func and finalize_model_grads_func
@@ -437,7 +437,7 @@ def _whole_models() -> dict:
 
 
 def _saved(root: str, family: str, label: str) -> dict:
-    """The run writes its final weights and optimizer state (graph_fsdp.checkpoint) here."""
+    """The run writes its final weights and optimizer state (graph_fsdp.fsdp.checkpoint) here."""
     return dict(save_path=_ckpt_dir(root, family, label), save_at=STEPS)
 
 
@@ -446,7 +446,7 @@ def _ckpt_dir(root: str, family: str, label: str) -> str:
 
 
 def _whole_family(rank: int, world: int, root: str) -> dict:
-    from graph_fsdp.integrations.megatron_train import run
+    from graph_fsdp.integrations.megatron.train import run
 
     out: dict = {}
     for family, model in _whole_models().items():
@@ -686,7 +686,7 @@ BIG_SCOPES = {
 
 def _big_rows(rank: int, world: int) -> dict:
     from graph_fsdp.integrations.megatron import MCoreGPTConfig
-    from graph_fsdp.integrations.megatron_train import run
+    from graph_fsdp.integrations.megatron.train import run
 
     base = MCoreGPTConfig(**BIG)
     models = {
@@ -722,8 +722,9 @@ def _big_rows(rank: int, world: int) -> dict:
 def _saved_per_moe_layer(model) -> dict:
     """What autograd keeps for backward in one MoE layer's forward at the model's shapes (2
     sequences, bf16, router included, parameters aside): MiB and bytes per routed row."""
+    from graph_fsdp_testing import saved_tensor_bytes
+
     from graph_fsdp.integrations import megatron as gm
-    from graph_fsdp.testing import saved_tensor_bytes
 
     lm = gm.build_gpt(dataclasses.replace(model, num_layers=1, bf16=True))
     moe = gm.transformer_layers(lm)[0].mlp.to(torch.bfloat16)

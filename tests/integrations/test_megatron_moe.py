@@ -1,4 +1,4 @@
-"""graph_fsdp.integrations.megatron_moe on CPU, where megatron-core imports (it needs Python
+"""graph_fsdp.integrations.megatron.moe on CPU, where megatron-core imports (it needs Python
 >= 3.12: these tests skip in CI and run on the GPU host, or locally with a megatron-core
 checkout on PYTHONPATH).
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_fsdp.launch import spawn
+from graph_fsdp.training.processes import spawn
 
 try:
-    from graph_fsdp.integrations import megatron_moe as mm
+    from graph_fsdp.integrations.megatron import moe as mm
 except ImportError as err:  # megatron-core does not import here
     pytest.skip(f"megatron-core does not import ({err})", allow_module_level=True)
 
@@ -207,8 +207,9 @@ def test_the_default_config_has_no_problem() -> None:
 def _saved_and_kept(rank: int, world: int, gated: bool) -> dict:
     """Per layer: what autograd keeps for backward (parameters aside), and which dispatcher
     tensors with an autograd graph outlive the forward and backward."""
-    from graph_fsdp.integrations.megatron_train import release_moe_dispatch_state
-    from graph_fsdp.testing import saved_tensor_bytes
+    from graph_fsdp_testing import saved_tensor_bytes
+
+    from graph_fsdp.integrations.megatron.train import release_moe_dispatch_state
 
     cfg = config(gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu)
     ref, ours = build_pair(cfg)

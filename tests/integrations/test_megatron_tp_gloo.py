@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.integrations import megatron as gm
-from graph_fsdp.launch import spawn
+from graph_fsdp.training.processes import spawn
 
 TP_CFG = dict(
     num_layers=2,
@@ -176,7 +176,7 @@ def _reference(cfg: gm.MCoreGPTConfig, clip: float) -> dict:
     reductions (DP sum, then the TP sum of sequence-parallel gradients)."""
     from megatron.core import parallel_state as ps
 
-    from graph_fsdp.integrations import megatron_tp
+    from graph_fsdp.integrations.megatron import tp as megatron_tp
 
     lm = _build(cfg)
     tp_group = ps.get_tensor_model_parallel_group()
@@ -215,7 +215,7 @@ def _reference(cfg: gm.MCoreGPTConfig, clip: float) -> dict:
 
 
 def _graph_fsdp(cfg: gm.MCoreGPTConfig, clip: float, save: str | None = None) -> dict:
-    from graph_fsdp import checkpoint as ckpt
+    from graph_fsdp.fsdp import checkpoint as ckpt
 
     lm = gm.shard_gpt(_build(cfg))
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
@@ -240,7 +240,7 @@ def _graph_fsdp(cfg: gm.MCoreGPTConfig, clip: float, save: str | None = None) ->
 
 
 def _load(cfg: gm.MCoreGPTConfig, path: str) -> dict[str, torch.Tensor]:
-    from graph_fsdp import checkpoint as ckpt
+    from graph_fsdp.fsdp import checkpoint as ckpt
 
     lm = gm.shard_gpt(_build(cfg))
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
@@ -278,7 +278,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     tp1 = gm.MCoreGPTConfig(**TP_CFG)
     out["tp1 first"] = _first_losses(tp1)
     out["tp2 -> tp1"] = _load(tp1, os.path.join(root, "tp2"))
-    from graph_fsdp import checkpoint as ckpt
+    from graph_fsdp.fsdp import checkpoint as ckpt
 
     lm = gm.shard_gpt(_build(tp1))
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)

@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import CaseResults, spawn_cases
 
-from graph_fsdp import checkpoint as ckpt
-from graph_fsdp.checkpoint import CheckpointError
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.checkpoint import CheckpointError
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.testing import CaseResults, spawn_cases
-from graph_fsdp.train import TrainConfig, shard_model
+from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 CPU = torch.device("cpu")
@@ -141,7 +141,7 @@ def _world(rank: int, world_size: int) -> int:
 def test_spawn_retries_when_its_port_was_taken(monkeypatch):
     import socket
 
-    import graph_fsdp.launch as launch
+    import graph_fsdp.training.processes as launch
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

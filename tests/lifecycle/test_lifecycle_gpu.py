@@ -23,10 +23,10 @@ import weakref
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
+from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.models import GPTConfig
-from graph_fsdp.testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp.testing import needs_gpus
 
 GPU_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -50,7 +50,7 @@ def _runner(model, mode: str):
 
 def _build(rank: int, model_cfg: GPTConfig = SMALL):
     from graph_fsdp.models import build_model
-    from graph_fsdp.train import TrainConfig, shard_model
+    from graph_fsdp.training.train import TrainConfig, shard_model
 
     cfg = TrainConfig(
         model=model_cfg, bf16=True, allocator="double_buffer", persist_on_alloc_fail=True
@@ -97,7 +97,7 @@ def _shutdown_rank(rank: int, mode: str, port: int) -> None:
 def _shutdown_main(mode: str) -> None:
     import torch.multiprocessing as mp
 
-    from graph_fsdp.launch import free_port
+    from graph_fsdp.training.processes import free_port
 
     mp.spawn(_shutdown_rank, args=(mode, free_port()), nprocs=WORLD, join=True)
 
@@ -193,7 +193,7 @@ def _graphed_cycle(rank: int, world_size: int, mode: str) -> dict:
 @needs_gpus()
 @pytest.mark.parametrize("mode", ["full_iteration", "layerwise"])
 def test_graphs_replay_bit_identically_after_offload_cycle(mode):
-    from graph_fsdp.launch import spawn
+    from graph_fsdp.training.processes import spawn
 
     result = spawn(_graphed_cycle, WORLD, mode, backend="nccl")[0]
     plain, cycled = result["losses"]["plain"], result["losses"]["cycled"]
@@ -234,8 +234,8 @@ REFERENCE = dataclasses.replace(
 
 
 def _offload_cost(rank: int, world_size: int) -> dict:
+    from graph_fsdp.fsdp.optim_offload import CPUOffloadOptimizer
     from graph_fsdp.models import synthetic_batch
-    from graph_fsdp.optim_offload import CPUOffloadOptimizer
 
     out = {}
     device = torch.device("cuda", rank)
@@ -279,7 +279,7 @@ def _offload_cost(rank: int, world_size: int) -> dict:
 @pytest.mark.gpu
 @needs_gpus()
 def test_optimizer_offload_step_time():
-    from graph_fsdp.launch import spawn
+    from graph_fsdp.training.processes import spawn
 
     result = spawn(_offload_cost, WORLD, backend="nccl")[0]
     device_ms = result["device"]["median_ms"]

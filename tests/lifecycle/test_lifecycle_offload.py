@@ -13,14 +13,14 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import spawn_cases
 
 from graph_fsdp import iter_full_params, synchronize_param_gather
 from graph_fsdp.capture import FullIterationGraphs
-from graph_fsdp.checkpoint import full_state_dict
+from graph_fsdp.fsdp.checkpoint import full_state_dict
+from graph_fsdp.fsdp.state import collect_states
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.state import collect_states
-from graph_fsdp.testing import spawn_cases
-from graph_fsdp.train import TrainConfig, shard_model
+from graph_fsdp.training.train import TrainConfig, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 CPU = torch.device("cpu")
@@ -257,8 +257,11 @@ from graph_fsdp.capture.teardown import RunnerLifecycle  # noqa: E402
 class _Probe(RunnerLifecycle):
     """A runner without graphs (CPU): counts how often its graphs are freed."""
 
-    states = None
-    freed = 0
+    def __init__(self, fail: bool = False) -> None:
+        self.states, self.freed = [], 0
+        if fail:  # as a runner refusing its model does, before it registers
+            raise ValueError("refused")
+        self._register_with_units()
 
     def _free_graphs(self) -> None:
         self.freed += 1
@@ -273,6 +276,9 @@ def _guard(rank: int, world_size: int) -> dict:
     probe = _Probe()
     with _Probe() as scoped:
         live = probe in capture.live_runners() and scoped in capture.live_runners()
+    with pytest.raises(ValueError, match="refused"):
+        _Probe(fail=True)  # not live: destroy_process_group has nothing of it to close
+    live = live and len(capture.live_runners()) == 1
     dist.barrier()
     dist.destroy_process_group()
     probe.close()  # idempotent

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import CaseResults, spawn_cases
 
-from graph_fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config, offloaded_bytes
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
-from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config, offloaded_bytes
-from graph_fsdp.testing import CaseResults, spawn_cases
-from graph_fsdp.train import TrainConfig, run, shard_model
+from graph_fsdp.training.train import TrainConfig, run, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 CPU = torch.device("cpu")

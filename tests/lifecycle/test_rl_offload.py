@@ -23,16 +23,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_fsdp import BufferPolicy, fully_shard, iter_full_params, offload
-from graph_fsdp import address_keeping as ak
+from graph_fsdp import BufferPolicy, fully_shard, iter_full_params
 from graph_fsdp.capture import FullIterationGraphs
 from graph_fsdp.capture.torch_backend import CallSignature
-from graph_fsdp.checkpoint import full_state_dict
-from graph_fsdp.fully_shard import synchronize_param_gather
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp import address_keeping as ak
+from graph_fsdp.fsdp import offload
+from graph_fsdp.fsdp.checkpoint import full_state_dict
+from graph_fsdp.fsdp.fully_shard import synchronize_param_gather
+from graph_fsdp.fsdp.state import collect_states
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
 from graph_fsdp.models.gpt import sharding_units
-from graph_fsdp.state import collect_states
+from graph_fsdp.training.processes import spawn
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 CPU = torch.device("cpu")

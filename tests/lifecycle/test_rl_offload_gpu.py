@@ -27,8 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from graph_fsdp.testing import GPU_TEST_WORLD
+from graph_fsdp_testing import GPU_TEST_WORLD
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rl_loop.py"
@@ -51,7 +50,7 @@ def _world() -> int:
 
 
 def _preload_library() -> str:
-    from graph_fsdp.address_keeping import preload_library
+    from graph_fsdp.fsdp.address_keeping import preload_library
 
     library = preload_library()
     assert library and os.path.exists(library), f"no preload library found ({library!r})"

@@ -31,7 +31,7 @@ Imports nothing from megatron-core at module level (CI imports graph_fsdp withou
   layer, *global* expert, fc1 / fc2), so a seeded model is the same global model at every EP
   size, dense weights included: EP runs compare with EP = 1 runs, and a checkpoint of one is
   the other's starting point.
-- Checkpoints: graph_fsdp.checkpoint saves expert parameters under their global names
+- Checkpoints: graph_fsdp.fsdp.checkpoint saves expert parameters under their global names
   (``local_experts.<r * n + i>``, ``weight<r * n + i>``, stacked rows), so DCP checkpoints
   move between EP sizes and world sizes; at EP = 1 Megatron's names are the global ones.
 - Capture: drop-padding (``moe_expert_capacity_factor`` + ``moe_pad_expert_input_to_capacity``,
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.experts import EXPERT_ATTR, ExpertLayout, expert_mesh_from_groups, layout_of
+from graph_fsdp.fsdp.experts import EXPERT_ATTR, ExpertLayout, expert_mesh_from_groups, layout_of
 
 STACKED_EXPERTS_ATTR = "graph_fsdp_stacked_experts"
 """Class attribute of an experts module whose parameters stack the local experts along
@@ -303,7 +303,7 @@ def with_global_expert_init(spec, seed: int):
     """A copy of a GPT layer (or block) spec whose MoE layers build their experts through
     :class:`GlobalExpertInit` (one layer counter per call: call it once per model built);
     dense layer specs are kept."""
-    from graph_fsdp.integrations.megatron_moe import map_moe_layer_specs  # noqa: PLC0415
+    from graph_fsdp.integrations.megatron.moe import map_moe_layer_specs  # noqa: PLC0415
 
     layers = itertools.count()
     return map_moe_layer_specs(

@@ -7,7 +7,7 @@ it is never loaded whole. Sample ``i`` is the window ``tokens[i * seq : i * seq 
 ``(step, rank)`` exactly like :func:`graph_fsdp.models.synthetic_batch`, so every run and
 every rank sees the same data for the same step, and ranks of one step never share samples.
 
-:func:`batch_for` is the one data source of :func:`graph_fsdp.train.run`: the token file of
+:func:`batch_for` is the one data source of :func:`graph_fsdp.training.train.run`: the token file of
 ``TrainConfig.data_path`` when it is set, else synthetic tokens.
 """
 

@@ -1,9 +1,9 @@
-"""Megatron-Core GPTs under the training loop (graph_fsdp.loop; CLI ``--model mcore-gpt``,
+"""Megatron-Core GPTs under the training loop (graph_fsdp.training.loop; CLI ``--model mcore-gpt``,
 tests).
 
 ``run(rank, world_size, cfg)`` builds the model (:mod:`graph_fsdp.integrations.megatron`),
 shards it, and trains ``cfg.steps`` AdamW steps on synthetic tokens or a ``data_path`` token
-file (resuming from / saving a DCP checkpoint, graph_fsdp.checkpoint) through the loop every
+file (resuming from / saving a DCP checkpoint, graph_fsdp.fsdp.checkpoint) through the loop every
 model family runs (:class:`MCoreAdapter`): the loop's own microbatches (which drive layerwise /
 full-iteration graphs) or Megatron's ``get_forward_backward_func()`` schedule
 (``use_megatron_schedule``; eager or layerwise graphs, which replay inside the model's
@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp import checkpoint as ckpt
-from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
-from graph_fsdp.data import batch_for
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.integrations import megatron as gm
-from graph_fsdp.integrations import megatron_tp
-from graph_fsdp.integrations.megatron_fsdp import megatron_fsdp_shard
-from graph_fsdp.loop import (
+from graph_fsdp.integrations.megatron import tp as megatron_tp
+from graph_fsdp.integrations.megatron.megatron_fsdp import megatron_fsdp_shard
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.loop import (
     LoopConfig,
     ModelAdapter,
     ShardedTrainer,
@@ -37,13 +37,13 @@ from graph_fsdp.loop import (
     run_loop,
     use_deterministic_kernels,
 )
-from graph_fsdp.train import make_optimizer
+from graph_fsdp.training.train import make_optimizer
 
 
 @dataclass(kw_only=True)
 class MCoreTrainConfig(LoopConfig):
     """A Megatron-Core GPT under the training loop (loop.py); the loop's fields are
-    :class:`~graph_fsdp.loop.LoopConfig`'s (defaults here: micro batch 2, bf16, no full
+    :class:`~graph_fsdp.training.loop.LoopConfig`'s (defaults here: micro batch 2, bf16, no full
     parameters returned)."""
 
     model: gm.MCoreGPTConfig = field(default_factory=gm.MCoreGPTConfig)
@@ -61,7 +61,7 @@ class MCoreTrainConfig(LoopConfig):
 
     @property
     def recompute(self) -> bool:
-        """Activation recompute: not wired for Megatron-Core models (graph_fsdp.train's
+        """Activation recompute: not wired for Megatron-Core models (graph_fsdp.training.train's
         make_optimizer reads it to refuse optimizer offload with recompute)."""
         return False
 
@@ -70,7 +70,7 @@ def batch(
     cfg: MCoreTrainConfig, step: int, rank: int, device, *, eval: bool = False, world_size: int = 1
 ):
     """``(tokens, labels)`` of microbatch ``step`` (``step * grad_accum + micro``; the step for
-    eval) of ``rank``: from ``cfg.data_path`` (graph_fsdp.data.batch_for: ranks read disjoint
+    eval) of ``rank``: from ``cfg.data_path`` (graph_fsdp.training.data.batch_for: ranks read disjoint
     samples), else synthetic tokens addressed by (seed, step, rank). Same data every run."""
     if cfg.data_path is not None:
         # MCoreTrainConfig has the fields batch_for reads (model.seq_length / vocab_size,
@@ -117,7 +117,7 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
     bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
     gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
-    # graph_fsdp.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
+    # graph_fsdp.training.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
     if cfg.load_path:
         ckpt.load(cfg.load_path, lm, opt)
@@ -180,7 +180,7 @@ def release_moe_dispatch_state(model: nn.Module) -> int:
     graph node -> model runs through C++ - and its main weights and gradients stayed on the
     device: each later run in the process counted them in its peak memory (graph_fsdp's own
     backward handlers hold their state weakly for the same reason, state.py [Note: autograd
-    holds FSDP states weakly]). graph_fsdp.integrations.megatron_moe's dispatcher keeps
+    holds FSDP states weakly]). graph_fsdp.integrations.megatron.moe's dispatcher keeps
     nothing past its combine.
     """
     dropped = 0
@@ -297,5 +297,5 @@ class MCoreAdapter(ModelAdapter):
 
 
 def run(rank: int, world_size: int, cfg: MCoreTrainConfig) -> dict:
-    """Train ``cfg`` on this rank (graph_fsdp.loop.run_loop over :class:`MCoreAdapter`)."""
+    """Train ``cfg`` on this rank (graph_fsdp.training.loop.run_loop over :class:`MCoreAdapter`)."""
     return run_loop(MCoreAdapter(cfg), rank, world_size)

@@ -14,7 +14,7 @@ from torch import nn
 
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
 from graph_fsdp.cuda_streams import stream_capturing
-from graph_fsdp.integrations.megatron_config import MCoreGPTConfig
+from graph_fsdp.integrations.megatron.config import MCoreGPTConfig
 
 MCORE_SCOPE_MODULES: dict[str, str] = {
     scope: next(p.path for p in paths if "Megatron-Core" in p.family)

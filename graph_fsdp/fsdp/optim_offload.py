@@ -26,7 +26,7 @@ rounding.
 
 State lives in ``self.state`` keyed by the *model's* parameters (aliases of the inner
 optimizers' state dicts), so ``state_dict()``, ``load_state_dict()`` and
-``graph_fsdp.checkpoint`` treat it like any optimizer's: a checkpoint saved with offload
+``graph_fsdp.fsdp.checkpoint`` treat it like any optimizer's: a checkpoint saved with offload
 loads into a run without it (or with another fraction, or onto another world size) and
 back, bit-exactly.
 """

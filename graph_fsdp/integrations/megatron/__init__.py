@@ -41,7 +41,7 @@ What the integration maps (facts from megatron-core 0.19's source):
 - MoE experts under capture (docs/megatron_moe.md): Megatron's drop-padding
   (``moe_expert_capacity_factor`` + ``moe_pad_expert_input_to_capacity``, alltoall dispatcher)
   has static expert shapes; dropless, ``moe_experts_impl="grouped_mm"`` swaps in
-  graph_fsdp's experts with device token counts (graph_fsdp.integrations.megatron_moe). Either
+  graph_fsdp's experts with device token counts (graph_fsdp.integrations.megatron.moe). Either
   captures the whole layer, ``moe`` and ``full_iteration``; Megatron's dropless experts copy
   their token counts to the host, so only ``attn`` / ``moe_router`` [``moe_preprocess``].
 """
@@ -52,27 +52,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.policy import GraphPolicy
-from graph_fsdp.fully_shard import FSDPModule, fully_shard
-from graph_fsdp.integrations import megatron_ep, megatron_tp
-from graph_fsdp.integrations.megatron_config import ATTENTION_BACKENDS as ATTENTION_BACKENDS
-from graph_fsdp.integrations.megatron_config import INSTALL_HINT as INSTALL_HINT
-from graph_fsdp.integrations.megatron_config import MOE_DISPATCHERS as MOE_DISPATCHERS
-from graph_fsdp.integrations.megatron_config import MOE_EXPERTS_IMPLS as MOE_EXPERTS_IMPLS
-from graph_fsdp.integrations.megatron_config import TRANSFORMER_IMPLS as TRANSFORMER_IMPLS
-from graph_fsdp.integrations.megatron_config import MCoreGPTConfig as MCoreGPTConfig
-from graph_fsdp.integrations.megatron_config import require_megatron as require_megatron
-from graph_fsdp.integrations.megatron_scopes import MCORE_SCOPE_MODULES as MCORE_SCOPE_MODULES
-from graph_fsdp.integrations.megatron_scopes import PREPROCESS_CONSTS as PREPROCESS_CONSTS
-from graph_fsdp.integrations.megatron_scopes import PREPROCESS_TENSORS as PREPROCESS_TENSORS
-from graph_fsdp.integrations.megatron_scopes import MoEPreprocess as MoEPreprocess
-from graph_fsdp.integrations.megatron_scopes import (
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fsdp.fully_shard import FSDPModule, fully_shard
+from graph_fsdp.integrations.megatron import ep as megatron_ep
+from graph_fsdp.integrations.megatron import tp as megatron_tp
+from graph_fsdp.integrations.megatron.config import ATTENTION_BACKENDS as ATTENTION_BACKENDS
+from graph_fsdp.integrations.megatron.config import INSTALL_HINT as INSTALL_HINT
+from graph_fsdp.integrations.megatron.config import MOE_DISPATCHERS as MOE_DISPATCHERS
+from graph_fsdp.integrations.megatron.config import MOE_EXPERTS_IMPLS as MOE_EXPERTS_IMPLS
+from graph_fsdp.integrations.megatron.config import TRANSFORMER_IMPLS as TRANSFORMER_IMPLS
+from graph_fsdp.integrations.megatron.config import MCoreGPTConfig as MCoreGPTConfig
+from graph_fsdp.integrations.megatron.config import require_megatron as require_megatron
+from graph_fsdp.integrations.megatron.scopes import MCORE_SCOPE_MODULES as MCORE_SCOPE_MODULES
+from graph_fsdp.integrations.megatron.scopes import PREPROCESS_CONSTS as PREPROCESS_CONSTS
+from graph_fsdp.integrations.megatron.scopes import PREPROCESS_TENSORS as PREPROCESS_TENSORS
+from graph_fsdp.integrations.megatron.scopes import MoEPreprocess as MoEPreprocess
+from graph_fsdp.integrations.megatron.scopes import (
     check_mcore_attention_capture,
     check_mcore_scopes,
     install_moe_preprocess,
 )
-from graph_fsdp.integrations.megatron_scopes import (
+from graph_fsdp.integrations.megatron.scopes import (
     moe_expert_capture_refusal as moe_expert_capture_refusal,
 )
 
@@ -158,7 +159,7 @@ def layer_spec(cfg: MCoreGPTConfig):
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
     if cfg.is_moe and cfg.moe_experts_impl == "grouped_mm":
-        from graph_fsdp.integrations.megatron_moe import grouped_mm_moe_spec  # noqa: PLC0415
+        from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec  # noqa: PLC0415
 
         spec = grouped_mm_moe_spec(spec)
     return spec

@@ -1,7 +1,7 @@
 """Dropless Megatron-Core MoE layers without a host sync: a layer-spec choice (EP = 1).
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from graph_fsdp.integrations.megatron_moe import grouped_mm_moe_spec
+    from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec
 
     spec = grouped_mm_moe_spec(
         get_gpt_layer_with_transformer_engine_spec(num_experts=8, moe_grouped_gemm=True)
@@ -265,7 +265,7 @@ class GroupedMMExperts(MegatronModule):
     dispatchers is copied to the device first.
 
     Parameters stack the local experts along dimension 0 (``linear_fc1.weight[e]`` is expert
-    e's matrix): :data:`~graph_fsdp.integrations.megatron_ep.STACKED_EXPERTS_ATTR` says so to
+    e's matrix): :data:`~graph_fsdp.integrations.megatron.ep.STACKED_EXPERTS_ATTR` says so to
     graph_fsdp's expert groups and checkpoints.
     """
 

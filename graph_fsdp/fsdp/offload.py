@@ -1,6 +1,6 @@
 """Offload and onload of sharded state, for RL loops that alternate training and rollout.
 
-    from graph_fsdp import offload
+    from graph_fsdp.fsdp import offload
     offload.offload_params(chunks); offload.offload_grads(chunks)        # before the rollout
     offload.offload_optimizer(chunks, optimizer)
     for name, tensor in graph_fsdp.iter_full_params(chunks, dtype=torch.bfloat16):
@@ -51,9 +51,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from graph_fsdp.address_keeping import AddressKeeper, OffloadMode, announce, repoint_views
-from graph_fsdp.param_group import FlatParamGroup
-from graph_fsdp.state import FSDPState, TrainingState, collect_states, in_backward, state_of
+from graph_fsdp.fsdp.address_keeping import AddressKeeper, OffloadMode, announce, repoint_views
+from graph_fsdp.fsdp.param_group import FlatParamGroup
+from graph_fsdp.fsdp.state import FSDPState, TrainingState, collect_states, in_backward, state_of
 
 ModelOrChunks = nn.Module | Iterable[nn.Module]
 """A ``fully_shard``-ed root module, or a list of them (model chunks)."""

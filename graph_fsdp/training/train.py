@@ -17,20 +17,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from graph_fsdp import checkpoint as ckpt
-from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture import te_backend
-from graph_fsdp.data import batch_for
-from graph_fsdp.experts import init_expert_mesh
-from graph_fsdp.fully_shard import fully_shard
-from graph_fsdp.loop import (
-    LoopConfig,
-    ModelAdapter,
-    ShardedTrainer,
-    Trainer,
-    run_loop,
-    use_deterministic_kernels,
-)
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fsdp.experts import init_expert_mesh
+from graph_fsdp.fsdp.fully_shard import fully_shard
+from graph_fsdp.fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
 from graph_fsdp.models import (
     GPTConfig,
     build_model,
@@ -39,14 +31,22 @@ from graph_fsdp.models import (
     sharding_units,
     transformer_layers,
 )
-from graph_fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
-from graph_fsdp.vocab_parallel import shard_embedding_by_vocab
+from graph_fsdp.parallel.vocab_parallel import shard_embedding_by_vocab
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.loop import (
+    LoopConfig,
+    ModelAdapter,
+    ShardedTrainer,
+    Trainer,
+    run_loop,
+    use_deterministic_kernels,
+)
 
 
 @dataclass(kw_only=True)
 class TrainConfig(LoopConfig):
     """graph_fsdp's GPT/MoE model (or the unsharded reference) under the training loop
-    (loop.py); the loop's fields are :class:`~graph_fsdp.loop.LoopConfig`'s."""
+    (loop.py); the loop's fields are :class:`~graph_fsdp.training.loop.LoopConfig`'s."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
     """Model shape."""
@@ -60,7 +60,7 @@ class TrainConfig(LoopConfig):
     expert_parallel: int | None = None
     """MoE models: partition the experts over expert-parallel groups of this many ranks and
     shard them over the expert-data-parallel group (world / this), the other parameters over
-    the data-parallel group (graph_fsdp.experts). None: experts are sharded like the rest."""
+    the data-parallel group (graph_fsdp.fsdp.experts). None: experts are sharded like the rest."""
     vocab_parallel_embedding: bool = False
     """The input embedding sharded by vocabulary rows over the data-parallel group and never
     gathered: token ids and activations cross the group instead of the table
@@ -395,5 +395,5 @@ class GPTAdapter(ModelAdapter):
 
 
 def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:
-    """Train ``cfg`` on this rank (graph_fsdp.loop.run_loop over :class:`GPTAdapter`)."""
+    """Train ``cfg`` on this rank (graph_fsdp.training.loop.run_loop over :class:`GPTAdapter`)."""
     return run_loop(GPTAdapter(cfg), rank, world_size)

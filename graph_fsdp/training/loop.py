@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from graph_fsdp import checkpoint as ckpt
 from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.capture.whole_step import WholeStepGraph
 from graph_fsdp.cuda_streams import step_range
-from graph_fsdp.grad_norm import clip_grad_norm_
-from graph_fsdp.interrupt import mean_loss_and_stop
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
+from graph_fsdp.training.interrupt import mean_loss_and_stop
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -85,7 +85,7 @@ class LoopConfig:
     """AdamW(fused=True)."""
     optimizer_offload_fraction: float = 0.0
     """Share of the local shards (by elements) whose AdamW state lives and steps on the CPU
-    (graph_fsdp.optim_offload); 0 keeps it on the device. Needs recompute off."""
+    (graph_fsdp.fsdp.optim_offload); 0 keeps it on the device. Needs recompute off."""
     deterministic: bool = False
     """torch.use_deterministic_algorithms(True) for the whole process (plus cuBLAS and
     TransformerEngine settings): bit-reproducible eager runs, e.g. flash-attention backward."""

@@ -1,7 +1,7 @@
 """Test helpers: many checks in one spawned process group, GPU skip markers and the CLI's
 refusal message.
 
-Processes are started by :func:`graph_fsdp.launch.spawn`; HuggingFace decoders are built by
+Processes are started by :func:`graph_fsdp.training.processes.spawn`; HuggingFace decoders are built by
 :mod:`graph_fsdp.models.hf`. Nothing in the package imports this module.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graph_fsdp.cli.main import main
-from graph_fsdp.launch import spawn
+from graph_fsdp.training.processes import spawn
 
 GPU_TEST_WORLD = int(os.environ.get("GRAPH_FSDP_GPU_TEST_WORLD", "2"))
 """Ranks (one GPU each) the multi-GPU tests spawn: 2, or 1 for a single-GPU smoke run
@@ -35,11 +35,11 @@ def megatron_stack_missing() -> str | None:
     """Why the Megatron-Core GPU tests cannot run here (TransformerEngine or megatron-core does
     not import), or None."""
     try:
-        import transformer_engine.pytorch  # noqa: F401, PLC0415 (optional dependency)
+        import transformer_engine.pytorch  # noqa: F401 (optional dependency)
     except Exception as err:  # noqa: BLE001 - any import failure means no TE
         return f"TransformerEngine does not import ({err})"
     try:
-        import megatron.core  # noqa: F401, PLC0415 (optional dependency)
+        import megatron.core  # noqa: F401 (optional dependency)
     except Exception as err:  # noqa: BLE001 - any import failure means no megatron-core
         return f"megatron-core does not import ({err})"
     return None
@@ -99,7 +99,7 @@ def spawn_cases(cases: Mapping[str, tuple], world_size: int = 2, **spawn_kwargs)
     Each case starts from a fresh process's RNG state. A case that raises stops its rank:
     its traceback, and the cases left unrun, are reported by :class:`CaseResults` to the
     tests that read them, so every other case's test still passes or fails on its own.
-    ``spawn_kwargs`` go to :func:`graph_fsdp.launch.spawn`.
+    ``spawn_kwargs`` go to :func:`graph_fsdp.training.processes.spawn`.
     """
     return CaseResults(cases, spawn(_run_cases, world_size, dict(cases), **spawn_kwargs))
 

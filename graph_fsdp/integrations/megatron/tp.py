@@ -22,7 +22,7 @@ Imports nothing from megatron-core at module level (CI imports graph_fsdp withou
 - Sharding (:func:`prepare`): every ``fully_shard`` of ``shard_gpt`` gets the 1-D mesh of
   Megatron's DP group, so each TP rank's local parameters are sharded over the ranks holding
   the same pieces - not the world. The tensor-parallel ones are described by
-  ``graph_fsdp.tensor_parallel.mark_tensor_parallel`` (TP group, partition dim): the global
+  ``graph_fsdp.fsdp.tensor_parallel.mark_tensor_parallel`` (TP group, partition dim): the global
   gradient norm sums them over TP as well (Megatron counts the duplicates of TP rank 0 only;
   the same sum), and checkpoints save them at their global shape, so a checkpoint loads at
   any TP and DP size.
@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.state import FSDPState, state_of
-from graph_fsdp.tensor_parallel import mark_tensor_parallel
+from graph_fsdp.fsdp.state import FSDPState, state_of
+from graph_fsdp.fsdp.tensor_parallel import mark_tensor_parallel
 
 _OWNED_STATE: list = []
 """The TP group of the parallel state :func:`initialize` created (re-created only then)."""

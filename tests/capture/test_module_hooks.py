@@ -6,20 +6,23 @@ import pytest
 import torch
 from torch import nn
 
-from graph_fsdp.hooks import (
-    BACKWARD_HANDLER,
-    BACKWARD_PRE_HANDLER,
+from graph_fsdp.capture.module_hooks import (
     CAPTURE_KEYS,
-    CAPTURE_TIME_FN,
+    FLAG_DICTS,
+    HOOK_DICTS,
     capture_time_hooks,
     extract_module_hooks,
     has_hooks,
-    mark,
     restore_module_hooks,
     user_hook_count,
 )
-from graph_fsdp.hooks.module_hooks import FLAG_DICTS, HOOK_DICTS
-from graph_fsdp.launch import spawn
+from graph_fsdp.fsdp.hook_markers import (
+    BACKWARD_HANDLER,
+    BACKWARD_PRE_HANDLER,
+    CAPTURE_TIME_FN,
+    mark,
+)
+from graph_fsdp.training.processes import spawn
 
 
 def _snapshot(module: nn.Module) -> dict:
@@ -141,7 +144,7 @@ def test_sentinel_on_a_plain_function_is_an_error():
 
 def _real_unit(rank: int, world: int) -> dict:
     from graph_fsdp import fully_shard
-    from graph_fsdp.state import TrainingState
+    from graph_fsdp.fsdp.state import TrainingState
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))

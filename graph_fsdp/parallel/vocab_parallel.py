@@ -46,8 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from graph_fsdp.comm import all_gather_into, reduce_scatter_into
-from graph_fsdp.experts import EXPERT_ATTR, ExpertLayout
+from graph_fsdp.fsdp.comm import all_gather_into, reduce_scatter_into
+from graph_fsdp.fsdp.experts import EXPERT_ATTR, ExpertLayout
 
 
 class _ReduceScatterTokens(torch.autograd.Function):

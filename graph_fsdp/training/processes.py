@@ -30,13 +30,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graph_fsdp.distributed import init_distributed
-from graph_fsdp.interrupt import (
+from graph_fsdp.training.interrupt import (
     install_stop_handlers,
     request_stop,
     stop_requested,
     stop_signal,
 )
-from graph_fsdp.supervision import Interrupted, WorkerIO, supervise
+from graph_fsdp.training.supervision import Interrupted, WorkerIO, supervise
 
 
 def preload_te() -> None:

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from graph_fsdp import offload
-from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
-from graph_fsdp.comm import CommContext
-from graph_fsdp.experts import (
+from graph_fsdp.fsdp import offload
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy, placements_for
+from graph_fsdp.fsdp.comm import CommContext
+from graph_fsdp.fsdp.experts import (
     EXPERT_ATTR,
     ExpertGroups,
     ExpertLayout,
@@ -43,10 +43,10 @@ from graph_fsdp.experts import (
     layout_of,
     resolve_expert_mesh,
 )
-from graph_fsdp.grad_norm import clip_grad_norm_, install_torch_clip
-from graph_fsdp.param_group import FlatParamGroup
-from graph_fsdp.state import FSDPState, collect_states, refuse_offloaded
-from graph_fsdp.tensor_parallel import TP_ATTR, TPSpec, localize
+from graph_fsdp.fsdp.grad_norm import clip_grad_norm_, install_torch_clip
+from graph_fsdp.fsdp.param_group import FlatParamGroup
+from graph_fsdp.fsdp.state import FSDPState, collect_states, refuse_offloaded
+from graph_fsdp.fsdp.tensor_parallel import TP_ATTR, TPSpec, localize
 
 _CLASS_CACHE: dict[type, type] = {}
 _STEP_HOOK = None
@@ -168,7 +168,7 @@ class FSDPModule:
         return report
 
     # ------------------------------------------------------------------ lifecycle (RL)
-    # See graph_fsdp/offload.py (its functions also take a list of model chunks): each
+    # See graph_fsdp/fsdp/offload.py (its functions also take a list of model chunks): each
     # returns the bytes it freed (or allocated) by kind.
     def offload_params(self) -> dict[str, int]:
         """Main weights to pinned CPU memory; frees compute buffers, slots and graph pools."""

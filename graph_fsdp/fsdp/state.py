@@ -19,17 +19,22 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.address_keeping import OffloadMode, offload_mode_for
-from graph_fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
 from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
 from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
 from graph_fsdp.buffers.trace_pool import TracePoolAllocator
-from graph_fsdp.capture_context import CaptureContext
-from graph_fsdp.comm import CommContext
 from graph_fsdp.cuda_streams import nvtx_range
-from graph_fsdp.hook_markers import BACKWARD_HANDLER, BACKWARD_PRE_HANDLER, CAPTURE_TIME_FN, mark
-from graph_fsdp.param_group import FlatParamGroup
-from graph_fsdp.reduce import reduce_grads
+from graph_fsdp.fsdp.address_keeping import OffloadMode, offload_mode_for
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
+from graph_fsdp.fsdp.capture_context import CaptureContext
+from graph_fsdp.fsdp.comm import CommContext
+from graph_fsdp.fsdp.hook_markers import (
+    BACKWARD_HANDLER,
+    BACKWARD_PRE_HANDLER,
+    CAPTURE_TIME_FN,
+    mark,
+)
+from graph_fsdp.fsdp.param_group import FlatParamGroup
+from graph_fsdp.fsdp.reduce import reduce_grads
 
 
 class TrainingState(enum.Enum):
@@ -71,7 +76,7 @@ class RootContext:
     order_positions: dict[int, int] = field(default_factory=dict)
     """id(state) -> first index in ``forward_order`` (cache for ``FSDPState._neighbour``)."""
     offloaded: set[str] = field(default_factory=set)
-    """State kinds moved off the device by graph_fsdp.offload (forward is refused)."""
+    """State kinds moved off the device by graph_fsdp.fsdp.offload (forward is refused)."""
     offload_mode: OffloadMode | None = None
     """Whether offload keeps the addresses CUDA graphs read (set at lazy init:
     address_keeping.py [Note: offload keeps addresses])."""

@@ -47,10 +47,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from graph_fsdp.experts import unknown_layout
-from graph_fsdp.param_group import ParamRef
-from graph_fsdp.state import collect_states
-from graph_fsdp.tensor_parallel import box_runs, flat_boxes
+from graph_fsdp.fsdp.experts import unknown_layout
+from graph_fsdp.fsdp.param_group import ParamRef
+from graph_fsdp.fsdp.state import collect_states
+from graph_fsdp.fsdp.tensor_parallel import box_runs, flat_boxes
 
 
 class FlatPiece:
@@ -386,7 +386,7 @@ def _read_metadata(path: str):
     if not os.path.isfile(meta_file):
         raise CheckpointError(
             f"no checkpoint at {path!r}: {meta_file} does not exist (was the save completed? "
-            "graph_fsdp.checkpoint.save writes <path>.tmp first and renames it at the end)"
+            "graph_fsdp.fsdp.checkpoint.save writes <path>.tmp first and renames it at the end)"
         )
     try:
         return dcp.FileSystemReader(path).read_metadata()

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from graph_fsdp.buffers.allocator import BufferAllocator
-from graph_fsdp.comm import all_reduce, all_to_all, reduce_scatter
 from graph_fsdp.cuda_streams import nvtx_range
+from graph_fsdp.fsdp.comm import all_reduce, all_to_all, reduce_scatter
 
 if TYPE_CHECKING:
-    from graph_fsdp.param_group import FlatParamGroup
+    from graph_fsdp.fsdp.param_group import FlatParamGroup
 
 
 def reduces_nothing(group: FlatParamGroup) -> bool:

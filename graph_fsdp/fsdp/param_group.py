@@ -58,19 +58,19 @@ from functools import partial
 import torch
 from torch import nn
 
-from graph_fsdp.api import MixedPrecisionPolicy, Placements
 from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.buffers.layout import FlatLayout
-from graph_fsdp.capture_context import CaptureContext
-from graph_fsdp.comm import CommContext, all_gather
 from graph_fsdp.cuda_streams import nvtx_range
-from graph_fsdp.experts import (
+from graph_fsdp.fsdp.api import MixedPrecisionPolicy, Placements
+from graph_fsdp.fsdp.capture_context import CaptureContext
+from graph_fsdp.fsdp.comm import CommContext, all_gather
+from graph_fsdp.fsdp.experts import (
     EXPERT_KEY_TAG,
     ExpertGroups,
     ExpertLayout,
     global_expert_params,
 )
-from graph_fsdp.tensor_parallel import TPSpec
+from graph_fsdp.fsdp.tensor_parallel import TPSpec
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
 
-from graph_fsdp.tensor_parallel import TP_ATTR, is_dtensor
+from graph_fsdp.fsdp.tensor_parallel import TP_ATTR, is_dtensor
 
 
 def _reduction_groups(group) -> list:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graph_fsdp.interrupt import STOP_SIGNALS
+from graph_fsdp.training.interrupt import STOP_SIGNALS
 
 VERBOSE_ENV = "GRAPH_FSDP_VERBOSE"
 """``1``: the ranks' output and tracebacks go to the terminal (``--verbose`` sets it)."""
@@ -242,7 +242,7 @@ class WorkerIO:
 
 
 _DIED = re.compile(r"rank (\d+) failed:\s*exited with code (-?\d+) without reporting")
-"""A rank that died without reporting, in :func:`graph_fsdp.launch.spawn`'s error."""
+"""A rank that died without reporting, in :func:`graph_fsdp.training.processes.spawn`'s error."""
 
 
 def _peer_gone(message: str) -> bool:
