@@ -39,6 +39,9 @@ class RunnerLifecycle:
     """
 
     closed = False
+    owns_optimizer_step = False
+    """True for a runner whose captured step also reduces, clips and steps the optimizer (the
+    loop then calls it once per step with every microbatch, and steps nothing itself)."""
 
     def close(self) -> None:
         """Free every CUDA graph and its memory pool and restore the modules (idempotent).

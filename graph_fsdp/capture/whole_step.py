@@ -183,6 +183,8 @@ class WholeStepGraph(RunnerLifecycle):
     """One CUDA graph per training step of a ``fully_shard``-ed model and its optimizer
     (module docstring). ``eager=True``: the same step without graphs (any device)."""
 
+    owns_optimizer_step = True
+
     def __init__(
         self,
         model: nn.Module,

@@ -28,6 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from graph_fsdp.fsdp.experts import mark_expert_params
+from graph_fsdp.models.packed import (
+    at_least_fp32,
+    check_packed_inputs,
+    document_attention,
+    packed_loss_sum,
+)
 from graph_fsdp.parallel.ep_dispatch import dispatch_to_experts
 
 __all__ = [
@@ -366,14 +372,19 @@ class SelfAttention(nn.Module):
             self.qkv = _SeededLinear(h, 3 * h, config)
             self.proj = _SeededLinear(h, h, config, residual_out=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens``: a packed call - attend within documents only (models/packed.py
+        [Note: packed sequences under CUDA graphs])."""
         qkv = self.qkv(self.norm(x))
         # Under sequence parallelism ``x`` holds this rank's slice of the sequence and ``qkv``
         # (gathered by the plan) all of it: shapes come from ``qkv``.
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, (q, k, v), head_dim]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cu_seqlens is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = document_attention(q, k, v, cu_seqlens, s)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -596,8 +607,11 @@ class TransformerLayer(nn.Module):
             else:
                 self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attention(x)
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if cu_seqlens is None:
+            x = x + self.self_attention(x)
+        else:
+            x = x + self.self_attention(x, cu_seqlens)
         ffn = self.moe if self.is_moe else self.mlp
         return x + ffn(x)
 
@@ -644,22 +658,48 @@ class GPTModel(nn.Module):
             self.final_norm = _rms_norm(config)
             self.output = _SeededLinear(h, config.vocab_size, config)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [b, s] int64 -> logits [b, s, vocab], or the mean CE loss if labels."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [b, s] int64 -> logits [b, s, vocab], or the mean CE loss if labels.
+
+        Packed documents (``cu_seqlens`` and ``position_ids`` given, models/packed.py [Note:
+        packed sequences under CUDA graphs]): attention within each document, positions
+        restarting per document, and with labels the *sum* of the loss over the tokens whose
+        label is not -100 (the caller scales it by the step's token count).
+        """
         s = input_ids.shape[1]
         if s > self.config.seq_length:
             raise ValueError(
                 f"input sequence length {s} exceeds GPTConfig.seq_length="
                 f"{self.config.seq_length}; raise seq_length or shorten the batch"
             )
-        positions = torch.arange(s, device=input_ids.device)
-        x = self.embedding(input_ids) + self.position_embedding(positions)
-        for layer in self.layers:
-            x = layer(x)
+        if cu_seqlens is None:
+            positions = torch.arange(s, device=input_ids.device)
+            x = self.embedding(input_ids) + self.position_embedding(positions)
+            for layer in self.layers:
+                x = layer(x)
+        else:
+            if self.config.transformer_impl != "local":
+                raise ValueError(
+                    "packed sequences (cu_seqlens) need GPTConfig.transformer_impl='local': "
+                    f"the {self.config.transformer_impl!r} layers take no document boundaries"
+                )
+            check_packed_inputs(input_ids, position_ids, cu_seqlens)
+            x = self.embedding(input_ids) + self.position_embedding(position_ids)
+            for layer in self.layers:
+                x = layer(x, cu_seqlens)
         logits = self.output(self.final_norm(x))
         if labels is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        if cu_seqlens is not None:
+            return packed_loss_sum(logits, labels)
+        return F.cross_entropy(at_least_fp32(logits).flatten(0, 1), labels.flatten())
 
 
 def build_model(

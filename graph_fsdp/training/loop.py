@@ -28,17 +28,19 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.capture.step import HostClock, eager_forward_backward
-from graph_fsdp.capture.whole_step import WholeStepGraph
 from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
+from graph_fsdp.models.packed import PackedBatch
 from graph_fsdp.training.interrupt import mean_loss_and_stop
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]
+"""``(input_ids, labels)``, or packed ``(input_ids, labels, position_ids, cu_seqlens)``."""
 
 
 @dataclass(kw_only=True)
@@ -235,35 +237,30 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
     graphs = adapter.make_graphs(trainer)
     schedule = adapter.schedule(trainer)
     denom = cfg.grad_accum * trainer.batches_per_microbatch
-    whole_step = None
-    if isinstance(graphs, WholeStepGraph):  # the step's own runner: whole_step_microbatch
-        whole_step = graphs.capture(whole_step_microbatch(trainer.model, denom))
+    microbatch = MicrobatchStep(trainer.model, denom)
+    # One protocol for every runner: capture(step_fn) (capture/teardown.py RunnerLifecycle).
+    run = microbatch if graphs is None else graphs.capture(microbatch)
+    owns_step = graphs is not None and graphs.owns_optimizer_step
     losses, times, eval_losses = [], [], []
     host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     saved_at = stopped_at = None
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
-        if graphs is not None and whole_step is None:
+        if graphs is not None and not owns_step:
             graphs.before_step()  # capture (after the warmup steps) is not timed
         if device.type == "cuda":
             torch.cuda.synchronize()
         with step_range(step):  # the step's window in a profile: cuda_streams.py
             t0 = time.perf_counter()
-            clock = HostClock()
-            batches = adapter.microbatches(step, device)
-            if whole_step is not None:
+            microbatch.clock = clock = HostClock()
+            batches = with_token_scale(adapter.microbatches(step, device), trainer.loss_world)
+            if owns_step:
                 # Microbatches, reductions, clipping, optimizer and zeroing: one call (one replay
                 # once captured, the capture step included in its time).
-                step_loss = whole_step([b for micro in batches for b in micro]).loss
+                step_loss = run([b for micro in batches for b in micro]).loss
             else:
                 step_loss = _forward_backward(
-                    trainer,
-                    batches,
-                    micros=cfg.grad_accum,
-                    graphs=graphs,
-                    schedule=schedule,
-                    denom=denom,
-                    clock=clock,
+                    trainer, batches, micros=cfg.grad_accum, run=run, schedule=schedule
                 )
                 trainer.grads_to_main()
                 if cfg.clip_grad > 0:
@@ -284,8 +281,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
         stopping = stop_votes.item() > 0
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
-                xe, ye = adapter.eval_batch(step, device)
-                eval_losses.append(trainer.model(xe, ye).float().item())
+                eval_losses.append(eval_loss(trainer.model, adapter.eval_batch(step, device)))
         if log is not None:
             log.write(
                 json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n"
@@ -326,36 +322,75 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
 
 
 def _forward_backward(
-    trainer: Trainer,
-    batches: Iterable[Iterable[Batch]],
-    *,
-    micros: int,
-    graphs,
-    schedule,
-    denom: int,
-    clock: HostClock,
+    trainer: Trainer, batches: list[list[Batch]], *, micros: int, run, schedule
 ) -> torch.Tensor:
-    """Every microbatch's forward+backward (gradient sync on the last only); the summed
-    loss."""
+    """Every microbatch's forward+backward through ``run`` (the runner's captured step, or
+    the eager :class:`MicrobatchStep`), gradient sync on the last only; the summed loss."""
     if schedule is not None:
         return schedule(batches)
     step_loss = torch.zeros((), device=trainer.device)
     for micro, micro_batches in enumerate(batches):
         trainer.set_requires_gradient_sync(micro == micros - 1)
-        for x, y in micro_batches:
-            if graphs is not None:
-                step_loss += graphs.forward_backward(micro, x, y, denom, clock)
-            else:
-                # No live autograd graph is kept (it would pin AccumulateGrad streams).
-                step_loss += eager_forward_backward(trainer.model, x, y, denom, clock)
+        for batch in micro_batches:
+            step_loss += run(*batch)
     return step_loss
 
 
-def whole_step_microbatch(model: nn.Module, denom: int):
-    """One microbatch of the whole-step runner: the loop's eager forward+backward (the
-    runner switches gradient sync and calls it with the same function every step)."""
+class MicrobatchStep:
+    """The loop's forward+backward of one microbatch, the step function every runner captures
+    (``graphs.capture(step)``) or the loop calls eagerly: ``loss = model(x, y) / denom``, or
+    for packed documents (``x, y, position_ids, cu_seqlens, scale``) the loss summed over the
+    real tokens times the step's ``scale`` (:func:`with_token_scale`); its backward; returns
+    the loss, detached. ``clock``: the host times of the eager forward and backward (a replay
+    runs no Python), set by the loop each step - not an argument, so the graphs' constants
+    stay the same."""
 
-    def microbatch(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return eager_forward_backward(model, x, y, denom)
+    def __init__(self, model: nn.Module, denom: int) -> None:
+        self.model, self.denom = model, denom
+        self.clock: HostClock | None = None
 
-    return microbatch
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, *packed: torch.Tensor) -> torch.Tensor:
+        if not packed:
+            return eager_forward_backward(self.model, x, y, self.denom, self.clock)
+        position_ids, cu_seqlens, scale = packed
+        t0 = time.perf_counter()
+        loss = self.model(x, y, position_ids=position_ids, cu_seqlens=cu_seqlens) * scale
+        t1 = time.perf_counter()
+        loss.backward()
+        if self.clock is not None:
+            self.clock.forward += t1 - t0
+            self.clock.backward += time.perf_counter() - t1
+        return loss.detach()
+
+
+def whole_step_microbatch(model: nn.Module, denom: int) -> MicrobatchStep:
+    """The microbatch function of a whole-step runner (``WholeStepGraph.capture``)."""
+    return MicrobatchStep(model, denom)
+
+
+def with_token_scale(batches: Iterable[Iterable[Batch]], loss_world: int) -> list[list[Batch]]:
+    """The step's microbatches as lists; packed batches ``(x, y, position_ids, cu_seqlens)``
+    gain the per-token loss scale ``loss_world / (real tokens of the step)``, the tokens counted
+    over every microbatch and, when ``loss_world > 1``, every rank (one all-reduce of a
+    device scalar: no host sync) - Megatron's ``calculate_per_token_loss``: gradients averaged
+    over ``loss_world`` ranks then sum each token's loss over the whole step's tokens once
+    (models/packed.py [Note: packed sequences under CUDA graphs])."""
+    batches = [list(micro) for micro in batches]
+    packed = [b for micro in batches for b in micro if isinstance(b, PackedBatch)]
+    if not packed:
+        return batches
+    tokens = sum(b.real_tokens() for b in packed)
+    if loss_world > 1:
+        dist.all_reduce(tokens)
+    scale = loss_world / tokens.clamp_min(1).to(torch.float32)
+    return [[(*b, scale) if isinstance(b, PackedBatch) else b for b in micro] for micro in batches]
+
+
+def eval_loss(model: nn.Module, batch: Batch) -> float:
+    """The eval loss of one batch: the mean over its tokens (real tokens when packed)."""
+    if not isinstance(batch, PackedBatch):
+        x, y = batch
+        return model(x, y).float().item()
+    x, y, position_ids, cu_seqlens = batch
+    total = model(x, y, position_ids=position_ids, cu_seqlens=cu_seqlens)
+    return (total / batch.real_tokens().clamp_min(1)).float().item()

@@ -41,6 +41,7 @@ from graph_fsdp.training.loop import (
     run_loop,
     use_deterministic_kernels,
 )
+from graph_fsdp.training.packing import PackedData, PackingPolicy
 
 
 @dataclass(kw_only=True)
@@ -86,6 +87,32 @@ class TrainConfig(LoopConfig):
     """Activation checkpointing of every transformer layer."""
     device: str = "cpu"
     """cpu or cuda."""
+    packing: PackingPolicy | None = None
+    """Packed variable-length documents (training/packing.py; models/packed.py [Note: packed
+    sequences under CUDA graphs]): each microbatch row is a pack of ``packing.budget`` tokens
+    (= ``model.seq_length``) holding up to ``packing.max_documents`` documents that attend
+    only within themselves, with the per-token loss over the step. None: fixed rows."""
+    eod_token_id: int | None = None
+    """Packed documents from ``data_path``: the token that ends each document."""
+
+    def __post_init__(self) -> None:
+        if self.packing is None:
+            return
+        if self.packing.budget != self.model.seq_length:
+            raise ValueError(
+                f"PackingPolicy.budget={self.packing.budget} != GPTConfig.seq_length="
+                f"{self.model.seq_length}: a pack is one sequence of the model's length"
+            )
+        refused = _given(self, "tensor_parallel") or (
+            {"transformer_impl": self.model.transformer_impl}
+            if self.model.transformer_impl != "local"
+            else {}
+        )
+        if refused:
+            raise ValueError(
+                f"packed sequences are not supported with {refused}: the local layers without "
+                "tensor parallelism take the document boundaries"
+            )
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -350,6 +377,8 @@ class GPTAdapter(ModelAdapter):
         self.reference = cfg.mode == "reference"
         self.data_rank, self.data_world = 0, 1
         """This rank's place among the data-parallel ranks (the TP ranks of one share it)."""
+        self._packed: dict[bool, PackedData] = {}
+        """The packed documents of training (False) and eval (True) batches, made on first use."""
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
@@ -383,12 +412,25 @@ class GPTAdapter(ModelAdapter):
 
     def _batches(self, index: int, ranks, device: torch.device):
         for r in ranks:
-            yield batch_for(self.cfg, index, r, device, world_size=self.data_world)
+            yield self._batch(index, r, device)
 
     def eval_batch(self, step: int, device: torch.device):
-        return batch_for(
-            self.cfg, step, self.data_rank, device, eval=True, world_size=self.data_world
-        )
+        return self._batch(step, self.data_rank, device, eval=True)
+
+    def _batch(self, index: int, rank: int, device: torch.device, *, eval: bool = False):
+        cfg = self.cfg
+        if cfg.packing is None:
+            return batch_for(cfg, index, rank, device, eval=eval, world_size=self.data_world)
+        data = self._packed.get(eval)
+        if data is None:
+            data = self._packed[eval] = PackedData(
+                cfg.packing,
+                vocab_size=cfg.model.vocab_size,
+                data_path=cfg.data_path,
+                eod_token_id=cfg.eod_token_id,
+                eval=eval,
+            )
+        return data.batch(cfg.micro_batch_size, index, rank, self.data_world, device)
 
     def checkpoint_meta(self, step: int) -> dict:
         return {"iteration": step, "model": "gpt"}
