@@ -52,6 +52,7 @@ from graph_fsdp.cli.options import (
     registration_off_for_all_to_alls,
     scope_sets_from,
 )
+from graph_fsdp.cli.packing_options import packing_of
 from graph_fsdp.cli.train_options import (
     check_data_path,
     checkpoint_plan,
@@ -198,6 +199,11 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
 def mcore_config(args: argparse.Namespace, world_size: int | None = None):
     """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure);
     ``world_size``: the ranks the run has (the expert-parallel size must divide them)."""
+    if packing_of(args) is not None:
+        raise CLIError(
+            f"--packed-sequences with --model {args.model} is not supported yet: Megatron-Core "
+            "models train on fixed rows here; use --model gpt for packed documents"
+        )
     experts = args.num_experts
     if args.model == "mcore-moe" and experts is None:
         experts = 4

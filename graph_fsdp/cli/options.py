@@ -29,6 +29,7 @@ from graph_fsdp.capture.scopes import (
 from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.cli.packing_options import add_packing_args, packing_of
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
 from graph_fsdp.models import GPTConfig
@@ -445,6 +446,7 @@ def add_common_args(
         iters_help=iters_help,
         deterministic_default=deterministic_default,
     )
+    add_packing_args(parser)
     add_fsdp_args(parser)
     add_graph_args(parser)
     add_launch_args(parser)
@@ -955,6 +957,7 @@ def resolve(
     dp_size = check_tensor_parallel_flags(args, plan.world_size)
     check_moe_flags(args, args.num_experts, plan.world_size)
     model = model_config(args)
+    packing = packing_of(args)
     tp = args.tensor_model_parallel_size
     if tp > 1:
         try:
@@ -1006,6 +1009,8 @@ def resolve(
     check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(
         model=model,
+        packing=packing,
+        eod_token_id=args.eod_token_id,
         strategy=args.data_parallel_sharding_strategy,
         mesh_shape=mesh_shape,
         optim_over_replicas=optim_over_replicas,

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.packing_options import check_packed_data
 from graph_fsdp.cli.train_options import (
     check_data_path,
     check_train_only_flags,
@@ -251,7 +252,17 @@ def main(args: argparse.Namespace) -> int:
         load_path=args.load,
         cuda_graph_verify=verify_option(args),
     )
-    if args.data_path:
+    if args.data_path and cfg.packing is not None:
+        # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
+        packs = (start + cfg.steps) * cfg.grad_accum * res.data_parallel_size
+        path = check_packed_data(
+            args,
+            cfg.packing,
+            vocab_size=cfg.model.vocab_size,
+            packs_needed=packs * args.micro_batch_size,
+        )
+        cfg = replace(cfg, data_path=path)
+    elif args.data_path:
         path = check_data_path(
             args,
             seq_length=cfg.model.seq_length,

@@ -136,6 +136,12 @@ class DocumentFile:
         self.path = os.fspath(path)
         check_token_file(self.path, 1, vocab_size)
         self.tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        largest = int(self.tokens.max())
+        if largest >= vocab_size:
+            raise ValueError(
+                f"{self.path} holds token id {largest}, not below --vocab-size {vocab_size}: "
+                "raise --vocab-size or use the tokenizer's file"
+            )
         ends = np.flatnonzero(self.tokens == eod_token_id) + 1
         if ends.size == 0 or ends[-1] != self.tokens.size:
             ends = np.append(ends, self.tokens.size)
