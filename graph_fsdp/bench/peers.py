@@ -109,6 +109,7 @@ def _from_run(result: dict, warmup: int) -> dict:
         "losses": result["losses"][warmup:],
         "final_loss": result["losses"][-1],
         "graphs": result.get("cuda_graphs"),
+        "document_tokens": result.get("document_tokens", [])[warmup:],
     }
 
 

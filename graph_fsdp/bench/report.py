@@ -130,6 +130,11 @@ def markdown(report: dict) -> str:
             notes.append(f"- {r['name']}: {status}: {r['reason']}")
             continue
         notes += memory_notes(r)
+        if "padding_fraction" in r:
+            notes.append(
+                f"- {r['name']}: tokens/s counts document tokens only; padding "
+                f"{r['padding_fraction']:.1%} of the row tokens"
+            )
         per_layer = "-"
         if "host_fwd_us_per_layer" in r or "host_bwd_us_per_layer" in r:
             per_layer = ", ".join(

@@ -125,6 +125,8 @@ def plan_rows(job: BenchJob) -> list[Row]:
                             graphed=True,
                         )
                     )
+    if cfg.packing is not None:
+        return packed_rows(rows, spec)
     if "fsdp2" in job.rows:
         rows.append(Row(name="torch FSDP2", runner=run_fsdp2, spec=eager))
     if "fsdp2_cuda_graph" in job.rows:
@@ -172,6 +174,38 @@ def plan_rows(job: BenchJob) -> list[Row]:
     return rows
 
 
+def packed_rows(rows: list[Row], spec: BenchSpec) -> list[Row]:
+    """--packed-sequences: graph_fsdp's rows on the packs (with the fused AdamW, the one-graph
+    step beside every full_iteration row), then each again on the same documents padded to
+    the budget, one document per row (``PackingPolicy.padded``), the fixed-shape way to graph
+    variable lengths; the peers and baselines are not run."""
+    packing = spec.cfg.packing
+    if spec.cfg.fused_optimizer and not spec.cfg.cuda_graph_optimizer:
+        # The one-graph step beside each full_iteration row (it needs the fused AdamW).
+        rows = [twin for row in rows for twin in (row, *_one_graph_twin(row))]
+    padded = [
+        replace(
+            row,
+            name=f"{row.name}, padded ({packing.max_documents} rows of {packing.budget})",
+            spec=replace(
+                row.spec, cfg=replace(row.spec.cfg, packing=replace(packing, padded=True))
+            ),
+        )
+        for row in rows
+    ]
+    packed = [replace(row, name=f"{row.name}, packed") for row in rows]
+    return packed + padded
+
+
+def _one_graph_twin(row: Row) -> tuple[Row, ...]:
+    cfg = row.spec.cfg
+    if "full_iteration" not in cfg.cuda_graph_scope:
+        return ()
+    one = replace(cfg, cuda_graph_optimizer=True)
+    name = f"graph_fsdp {cfg.cuda_graph_impl} [{scope_label(cfg.cuda_graph_scope, True)}]"
+    return (replace(row, name=name, spec=replace(row.spec, cfg=one)),)
+
+
 def device_name(cfg_device: str) -> str:
     if cfg_device == "cuda":
         return torch.cuda.get_device_name(torch.cuda.current_device())
@@ -186,8 +220,16 @@ def row_result(row: Row, world_size: int, raw: dict) -> dict:
     step_s = median(times)
     data_ranks = gpus // (cfg.tensor_parallel or 1)  # the TP ranks of one share its batches
     tokens_per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.model.seq_length * data_ranks
+    packed = {}
+    if raw.get("document_tokens"):
+        # Packed or padded documents: only document tokens count (rank 0's x the ranks).
+        rows = 1 if not cfg.packing.padded else cfg.packing.max_documents
+        documents = sum(raw["document_tokens"]) / len(raw["document_tokens"])
+        packed["padding_fraction"] = 1 - documents * data_ranks / (tokens_per_step * rows)
+        tokens_per_step = documents * data_ranks
     tokens_per_s = tokens_per_step / step_s
     return {
+        **packed,
         "name": row.name,
         "status": "ok",
         "baseline": row.baseline,

@@ -127,7 +127,24 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "
         f"{UNSHARDED_SCHEME if cfg.bf16 else 'fp32 weights and compute, fused AdamW'}."
-        f"{environment_label()}"
+        f"{environment_label()}{packing_label(cfg)}"
+    )
+
+
+def packing_label(cfg) -> str:
+    """--packed-sequences: what a pack is (rows and tokens/s: bench/runner.py packed_rows)."""
+    p = cfg.packing
+    if p is None:
+        return ""
+    source = (
+        f"documents of {cfg.data_path}"
+        if cfg.data_path
+        else f"synthetic lognormal documents of mean {p.mean_document_length} tokens"
+    )
+    return (
+        f" Packed: {source}, first-fit into rows of {p.budget} tokens with at most "
+        f"{p.max_documents} documents; the padded rows hold the same documents one per row. "
+        "tokens/s counts document tokens only."
     )
 
 

@@ -87,7 +87,7 @@ def packing_of(args: argparse.Namespace) -> PackingPolicy | None:
             f"--packed-sequences needs --transformer-impl local (got {args.transformer_impl}): "
             "the reference layers take the document boundaries"
         )
-    if args.data_path and args.eod_token_id is None:
+    if getattr(args, "data_path", None) and args.eod_token_id is None:
         raise CLIError(
             f"--packed-sequences with --data-path {args.data_path} needs --eod-token-id, the "
             "token that ends each document"

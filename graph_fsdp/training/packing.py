@@ -46,6 +46,10 @@ class PackingPolicy:
     """Synthetic documents (no token file): the mean of their lognormal lengths."""
     seed: int = 1234
     """Synthetic documents: the stream's seed."""
+    padded: bool = False
+    """The fixed-shape alternative, for comparison: each document of a pack in a row of its
+    own, padded to the budget - ``max_documents`` plain causal rows per pack (``(input_ids,
+    labels)``, -100 past each document), the same documents and real tokens as the pack."""
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_documents", "mean_document_length"):
@@ -197,6 +201,24 @@ def pack_tensors(
     return PackedBatch(*(t.to(device) for t in (input_ids, labels, position_ids, cu)))
 
 
+def padded_tensors(
+    rows: Sequence[Sequence[torch.Tensor]],
+    policy: PackingPolicy,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` ``[len(rows) * max_documents, budget]``: every document in a
+    row of its own from position 0, labels -100 past its last token and in unused rows."""
+    budget, slots = policy.budget, policy.max_documents
+    input_ids = torch.zeros(len(rows) * slots, budget, dtype=torch.int64)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for r, docs in enumerate(rows):
+        for d, tokens in enumerate(docs):
+            n = int(tokens.numel())
+            input_ids[r * slots + d, :n] = tokens
+            labels[r * slots + d, : n - 1] = tokens[1:]
+    return input_ids.to(device), labels.to(device)
+
+
 class PackedData:
     """The packed microbatches of a run: pack stream, token source and the row addressing."""
 
@@ -253,8 +275,20 @@ class PackedData:
         return out
 
     def batch(self, micro_batch_size: int, step_index: int, rank: int, world_size: int, device):
-        first = (step_index * world_size + rank) * micro_batch_size
-        return pack_tensors(self.rows(first, micro_batch_size), self.policy, device)
+        """The microbatch of ``(step_index, rank)``: a PackedBatch of ``micro_batch_size``
+        packs, or with ``policy.padded`` their documents as padded rows."""
+        rows = self.rows(self.first_pack(micro_batch_size, step_index, rank, world_size), micro_batch_size)
+        if self.policy.padded:
+            return padded_tensors(rows, self.policy, device)
+        return pack_tensors(rows, self.policy, device)
+
+    @staticmethod
+    def first_pack(micro_batch_size: int, step_index: int, rank: int, world_size: int) -> int:
+        return (step_index * world_size + rank) * micro_batch_size
+
+    def document_tokens(self, first: int, count: int) -> int:
+        """The document (non-padding) tokens of packs ``first .. first + count - 1``."""
+        return sum(piece[2] for i in range(first, first + count) for piece in self.stream.pack(i))
 
 
 def padding_fraction(packs: Sequence[Sequence[tuple[int, int, int]]], budget: int) -> float:
@@ -271,6 +305,7 @@ __all__ = [
     "PackingPolicy",
     "first_fit",
     "pack_tensors",
+    "padded_tensors",
     "padding_fraction",
     "synthetic_lengths",
 ]

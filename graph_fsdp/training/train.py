@@ -379,6 +379,8 @@ class GPTAdapter(ModelAdapter):
         """This rank's place among the data-parallel ranks (the TP ranks of one share it)."""
         self._packed: dict[bool, PackedData] = {}
         """The packed documents of training (False) and eval (True) batches, made on first use."""
+        self.document_tokens: list[int] = []
+        """Packed runs: each step's document (non-padding) tokens on this rank, from the host."""
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
@@ -407,8 +409,18 @@ class GPTAdapter(ModelAdapter):
     def microbatches(self, step: int, device: torch.device):
         # The reference sees every rank's microbatches as one global batch.
         ranks = range(self.data_world) if self.reference else [self.data_rank]
-        for micro in range(self.cfg.grad_accum):
-            yield self._batches(step * self.cfg.grad_accum + micro, ranks, device)
+        accum = self.cfg.grad_accum
+        if self.cfg.packing is not None:  # host-side count of the step's document tokens
+            data, mbs = self._packed_data(False), self.cfg.micro_batch_size
+            self.document_tokens.append(
+                sum(
+                    data.document_tokens(data.first_pack(mbs, step * accum + m, r, self.data_world), mbs)
+                    for m in range(accum)
+                    for r in ranks
+                )
+            )
+        for micro in range(accum):
+            yield self._batches(step * accum + micro, ranks, device)
 
     def _batches(self, index: int, ranks, device: torch.device):
         for r in ranks:
@@ -421,8 +433,13 @@ class GPTAdapter(ModelAdapter):
         cfg = self.cfg
         if cfg.packing is None:
             return batch_for(cfg, index, rank, device, eval=eval, world_size=self.data_world)
+        data = self._packed_data(eval)
+        return data.batch(cfg.micro_batch_size, index, rank, self.data_world, device)
+
+    def _packed_data(self, eval: bool) -> PackedData:
         data = self._packed.get(eval)
         if data is None:
+            cfg = self.cfg
             data = self._packed[eval] = PackedData(
                 cfg.packing,
                 vocab_size=cfg.model.vocab_size,
@@ -430,7 +447,11 @@ class GPTAdapter(ModelAdapter):
                 eod_token_id=cfg.eod_token_id,
                 eval=eval,
             )
-        return data.batch(cfg.micro_batch_size, index, rank, self.data_world, device)
+        return data
+
+    def finish(self, trainer: Trainer, graphs, result: dict) -> None:
+        if self.cfg.packing is not None:
+            result["document_tokens"] = list(self.document_tokens)
 
     def checkpoint_meta(self, step: int) -> dict:
         return {"iteration": step, "model": "gpt"}
