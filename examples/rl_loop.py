@@ -14,7 +14,10 @@ offload gave back, which decodes ``--rollout-tokens`` tokens greedily -> the cop
 onload: no recapture, no warmup steps. The script restarts itself under torch-memory-saver's
 preload library (``--tms-hook preload``, the default) so that the graphs' pools are released
 too. ``--reference`` then trains the same steps without offload or rollout, for a bit-exact
-comparison of the losses.
+comparison of the losses. ``--packed`` trains on packed responses of lengths that change
+every step (lognormal, one pack of ``seq_length`` tokens per sample, attention within each
+response, the loss per real token over the ranks; docs/packed_sequences.md): still one capture
+for the whole run.
 
 One JSON line per iteration (rank 0): device memory the offload returned to the driver
 (``torch.cuda.mem_get_info``) and its share of what training held, offload and onload
@@ -57,6 +60,7 @@ from graph_fsdp.fsdp.address_keeping import preload_library  # noqa: E402
 from graph_fsdp.fsdp.state import collect_states  # noqa: E402
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch  # noqa: E402
 from graph_fsdp.models.gpt import sharding_units  # noqa: E402
+from graph_fsdp.training.packing import PackedData, PackingPolicy  # noqa: E402
 
 PRESETS = {
     "tiny": (
@@ -113,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "released too) or torch (a pluggable allocator; graph pools stay)",
     )
     p.add_argument("--reference", action="store_true", help="also train without offload")
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="train on packs of responses whose lengths change every step (one capture)",
+    )
     args = p.parse_args(argv)
     if args.iterations < 1 or args.train_steps < 2:
         p.error("--iterations must be >= 1 and --train-steps >= 2 (a first and a steady step)")
@@ -182,15 +191,44 @@ def empty_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def train_step(
-    model, optimizer, graphs, cfg, batch_size, step, rank, device
-) -> tuple[float, float]:
+def make_step(model, graphs):
+    """The runner's step: forward and backward of one batch, fixed rows or packed responses
+    (``scale``: world / real tokens of the step, a device tensor copied into the graph)."""
+
+    def step_fn(x, y, *packed):
+        if packed:
+            position_ids, cu_seqlens, scale = packed
+            loss = model(x, y, position_ids=position_ids, cu_seqlens=cu_seqlens) * scale
+        else:
+            loss = model(x, y)
+        loss.backward()
+        return loss.detach()
+
+    return graphs.capture(step_fn)
+
+
+def batch_for(ctx: dict, step: int) -> tuple:
+    """The step's batch: synthetic fixed rows, or (``--packed``) this step's responses, packed:
+    lengths drawn anew every step, so every step's pack differs."""
+    cfg, device, rank = ctx["cfg"], ctx["device"], ctx["rank"]
+    if ctx["packs"] is None:
+        return synthetic_batch(cfg, ctx["batch"], step, rank=rank, device=device)
+    world = dist.get_world_size()
+    batch = ctx["packs"].batch(ctx["batch"], step, rank, world, device)
+    tokens = batch.real_tokens().to(torch.float32)
+    if world > 1:
+        dist.all_reduce(tokens)  # the per-token loss over every rank's responses
+    return (*batch, world / tokens.clamp_min(1))
+
+
+def train_step(ctx: dict, step_fn, optimizer, graphs, step) -> tuple[float, float]:
     """One graphed training step; returns (loss, seconds)."""
-    x, y = synthetic_batch(cfg, batch_size, step, rank=rank, device=device)
+    batch = batch_for(ctx, step)
+    device = ctx["device"]
     sync(device)
     t0 = time.perf_counter()
     graphs.before_step()
-    loss = graphs.forward_backward(0, x, y, 1.0)
+    loss = step_fn(*batch)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     sync(device)
@@ -218,10 +256,10 @@ def rollout(model, cfg: GPTConfig, tokens: int, device: torch.device) -> tuple[l
 def rl_iteration(ctx: dict, it: int) -> dict:
     """Train, offload, roll out, onload; the measurements of one iteration."""
     model, opt, graphs, cfg, args = ctx["model"], ctx["opt"], ctx["graphs"], ctx["cfg"], ctx["args"]
-    device, rank = ctx["device"], ctx["rank"]
+    device = ctx["device"]
     times = []
     for _ in range(args.train_steps):
-        loss, seconds = train_step(model, opt, graphs, cfg, ctx["batch"], ctx["step"], rank, device)
+        loss, seconds = train_step(ctx, ctx["step_fn"], opt, graphs, ctx["step"])
         ctx["losses"].append(loss)
         times.append(seconds)
         ctx["step"] += 1
@@ -265,11 +303,24 @@ def rl_iteration(ctx: dict, it: int) -> dict:
     }
 
 
+def packed_responses(args, cfg: GPTConfig) -> PackedData | None:
+    """``--packed``: responses of lognormal lengths (mean a quarter of the sequence), packed
+    first-fit, at most 8 per pack."""
+    if not args.packed:
+        return None
+    policy = PackingPolicy(
+        budget=cfg.seq_length, max_documents=8, mean_document_length=max(2, cfg.seq_length // 4)
+    )
+    return PackedData(policy, vocab_size=cfg.vocab_size)
+
+
 def run_rl(args, cfg, batch, device, rank) -> tuple[list[dict], list[float], dict]:
     sync(device)
     ctx = {"args": args, "cfg": cfg, "batch": batch, "device": device, "rank": rank}
+    ctx["packs"] = packed_responses(args, cfg)
     ctx["free_base"] = free_bytes(device)
     ctx["model"], ctx["opt"], ctx["graphs"] = build(cfg, args, device)
+    ctx["step_fn"] = make_step(ctx["model"], ctx["graphs"])
     ctx.update(step=0, losses=[])
     iterations = []
     for it in range(args.iterations):
@@ -279,9 +330,7 @@ def run_rl(args, cfg, batch, device, rank) -> tuple[list[dict], list[float], dic
             print(json.dumps(record), flush=True)
     # One more round of steps after the last onload: training goes on from there.
     for _ in range(args.train_steps):
-        loss, _ = train_step(
-            ctx["model"], ctx["opt"], ctx["graphs"], cfg, batch, ctx["step"], rank, device
-        )
+        loss, _ = train_step(ctx, ctx["step_fn"], ctx["opt"], ctx["graphs"], ctx["step"])
         ctx["losses"].append(loss)
         ctx["step"] += 1
     mode = offload.offload_mode(ctx["model"])
@@ -303,9 +352,10 @@ def run_rl(args, cfg, batch, device, rank) -> tuple[list[dict], list[float], dic
 def run_reference(args, cfg, batch, device, rank, steps: int) -> list[float]:
     """The same training steps without offload or rollout."""
     model, opt, graphs = build(cfg, args, device)
-    losses = [
-        train_step(model, opt, graphs, cfg, batch, step, rank, device)[0] for step in range(steps)
-    ]
+    ctx = {"cfg": cfg, "batch": batch, "device": device, "rank": rank}
+    ctx["packs"] = packed_responses(args, cfg)
+    step_fn = make_step(model, graphs)
+    losses = [train_step(ctx, step_fn, opt, graphs, step)[0] for step in range(steps)]
     graphs.close()
     return losses
 
@@ -334,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset,
         "graphs": args.graphs,
         "strategy": args.strategy,
+        "packed": args.packed,
         "world_size": dist.get_world_size(),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "ld_preload": "torch_memory_saver" in os.environ.get("LD_PRELOAD", ""),

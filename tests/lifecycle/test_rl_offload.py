@@ -384,9 +384,11 @@ def test_keep_addresses_needs_a_static_allocator():
 
 # ---------------------------------------------------------------------- the example
 @pytest.mark.slow
-def test_rl_loop_example_runs_on_cpu():
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_rl_loop_example_runs_on_cpu(packed):
     """examples/rl_loop.py end to end on CPU (gloo, the full_iteration runner's eager mode, the
-    recapture fallback): its JSON lines, and losses equal to the run without offload."""
+    recapture fallback): its JSON lines, and losses equal to the run without offload - with
+    fixed rows and with packed responses whose lengths change every step."""
     root = Path(__file__).resolve().parents[2]
     env = {
         **os.environ,
@@ -395,6 +397,7 @@ def test_rl_loop_example_runs_on_cpu():
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(var, None)
     args = ["--device", "cpu", "--preset", "tiny", "--iterations", "2", "--train-steps", "2"]
+    args += ["--packed"] if packed else []
     proc = subprocess.run(
         [
             sys.executable,
@@ -418,6 +421,7 @@ def test_rl_loop_example_runs_on_cpu():
         assert r["counted_gib"] > 0 and len(r["generated"]) == 4
         assert r["offload_s"] >= 0 and r["onload_s"] >= 0 and r["first_step_ms"] > 0
     assert summary["summary"] and summary["mode"] == "recapture"
+    assert summary["packed"] is packed
     assert len(summary["losses"]) == 6 and summary["bit_identical"] is True
     assert "the model is on cpu" in summary["notice"]
 
