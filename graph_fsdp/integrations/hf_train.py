@@ -12,6 +12,7 @@ rank), so every run reads the same data.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
+from graph_fsdp.models.packed import check_packed_inputs, document_mask, packed_loss_sum
 from graph_fsdp.parallel.vocab_parallel import shard_embedding_by_vocab
 from graph_fsdp.training.loop import (
     LoopConfig,
@@ -30,6 +32,7 @@ from graph_fsdp.training.loop import (
     run_loop,
     use_deterministic_kernels,
 )
+from graph_fsdp.training.packing import PackedData, PackingPolicy
 from graph_fsdp.training.train import MixedPrecisionReference, make_optimizer, vocab_parallel_mesh
 
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0}
@@ -61,6 +64,17 @@ class HFTrainConfig(LoopConfig):
     vocab_parallel_embedding: bool = False
     """The input embedding sharded by vocabulary rows over every rank, never gathered
     (vocab_parallel.py); refused for tied embeddings."""
+    packing: PackingPolicy | None = None
+    """Packed variable-length documents (training/packing.py): each row a pack of
+    ``packing.budget`` (= ``seq_length``) tokens, attention within documents through a 4-D
+    mask, positions restarting per document, the per-token loss. None: fixed rows."""
+
+    def __post_init__(self) -> None:
+        if self.packing is not None and self.packing.budget != self.seq_length:
+            raise ValueError(
+                f"PackingPolicy.budget={self.packing.budget} != HFTrainConfig.seq_length="
+                f"{self.seq_length}: a pack is one sequence of the model's length"
+            )
 
     @property
     def recompute(self) -> bool:
@@ -76,8 +90,28 @@ class CausalLM(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """HuggingFace's causal-LM loss; packed documents (``cu_seqlens``, models/packed.py
+        [Note: packed sequences under CUDA graphs]): positions restarting per document, a 4-D
+        mask of attention within documents, and the loss summed over the real tokens of the
+        pack's own (already shifted) labels."""
+        if cu_seqlens is None:
+            return self.lm(input_ids=input_ids, labels=labels, use_cache=False).loss
+        check_packed_inputs(input_ids, position_ids, cu_seqlens)
+        b, s = input_ids.shape
+        dtype = self.lm.get_input_embeddings().weight.dtype
+        mask = document_mask(cu_seqlens, b, s, dtype)
+        out = self.lm(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+        )
+        return packed_loss_sum(out.logits, labels)
 
 
 class HFAdapter(ModelAdapter):
@@ -87,6 +121,8 @@ class HFAdapter(ModelAdapter):
         self.cfg = cfg
         self.reference = cfg.mode == "reference"
         self.rank, self.world_size = 0, 1
+        self._packed: dict[bool, PackedData] = {}
+        """Packed runs: the documents of training (False) and eval (True) batches."""
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
@@ -147,6 +183,14 @@ class HFAdapter(ModelAdapter):
 
     def _batch(self, index: int, rank: int, device: torch.device, *, eval: bool = False):
         cfg = self.cfg
+        if cfg.packing is not None:
+            if eval not in self._packed:
+                self._packed[eval] = PackedData(
+                    dataclasses.replace(cfg.packing, seed=cfg.seed),
+                    vocab_size=cfg.vocab_size,
+                    eval=eval,
+                )
+            return self._packed[eval].batch(cfg.micro_batch_size, index, rank, self.world_size, device)
         g = torch.Generator().manual_seed(
             (cfg.seed * 1_000_003 + index * 7919 + rank * 104729 + (1 << 20 if eval else 0)) % 2**63
         )

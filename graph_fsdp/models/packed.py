@@ -92,6 +92,18 @@ def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def document_mask(cu_seqlens: torch.Tensor, b: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``[b, 1, s, s]`` mask of causal attention within documents: 0 where a
+    token may attend, the dtype's lowest value elsewhere - the 4-D ``attention_mask`` a
+    HuggingFace decoder uses as it is (no data-dependent mask decisions, so eager and captured
+    steps run the same kernels)."""
+    docs = document_ids(cu_seqlens, b * s).view(b, s)
+    causal = torch.ones(s, s, dtype=torch.bool, device=cu_seqlens.device).tril()
+    allowed = (docs[:, :, None] == docs[:, None, :]) & causal
+    mask = torch.zeros(b, 1, s, s, dtype=dtype, device=cu_seqlens.device)
+    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+
+
 def packed_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The sum (at least float32) of the cross entropy over tokens whose label is not
     :data:`IGNORE_INDEX` (0 when there is none)."""
