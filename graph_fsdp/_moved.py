@@ -32,6 +32,7 @@ MOVED |= {
     "graph_fsdp.launch": "graph_fsdp.training.processes",
     "graph_fsdp.vocab_parallel": "graph_fsdp.parallel.vocab_parallel",
     "graph_fsdp.models.ep_dispatch": "graph_fsdp.parallel.ep_dispatch",
+    "graph_fsdp.integrations.grouped_moe": "graph_fsdp.parallel.grouped_moe",
     "graph_fsdp.hooks": "graph_fsdp.capture.module_hooks",
 }
 

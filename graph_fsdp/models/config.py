@@ -54,6 +54,16 @@ class GPTConfig:
     moe_capacity_factor: float = 1.0
     """Per-expert capacity C = ceil(factor * tokens * topk / num_experts), from static shapes
     only, so MoE tensors never change shape; tokens past an expert's capacity are dropped."""
+    moe_dropless: bool = False
+    """Dropless routing: every token reaches its topk experts (no capacity), the experts run
+    as grouped GEMMs over device-side counts (parallel/grouped_moe.py), under expert
+    parallelism through fixed-size exchanges (parallel/dropless_ep.py). The capacity factor
+    is not used."""
+    moe_receive_buffer_factor: float | None = None
+    """Dropless expert parallelism: rows each EP rank can receive from one peer, as a multiple
+    of the balanced load (``tokens x topk / EP``). None: every copy a rank has - nothing is
+    ever dropped, at EP x a balanced exchange's rows. A smaller factor can overflow: the step
+    is then refused (parallel/dropless_ep.py [Note: dropless all-to-all with static shapes])."""
 
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights."""
@@ -109,6 +119,14 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.moe_router_topk={self.moe_router_topk} exceeds "
                 f"num_experts={self.num_experts}; use moe_router_topk <= num_experts"
+            )
+        buffer = self.moe_receive_buffer_factor
+        if buffer is not None and (
+            not isinstance(buffer, int | float) or isinstance(buffer, bool) or not buffer > 0
+        ):
+            raise ValueError(
+                f"GPTConfig.moe_receive_buffer_factor={buffer!r} is invalid: expected a float > 0 "
+                "or None (room for every copy: nothing is ever dropped)"
             )
         factor = self.moe_capacity_factor
         if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor > 0:

@@ -20,7 +20,9 @@ from graph_fsdp.models.seeded import (
     _SeededInit,
     _SeededLinear,
 )
+from graph_fsdp.parallel.dropless_ep import plan_exchange, receive_buffer_rows
 from graph_fsdp.parallel.ep_dispatch import dispatch_to_experts
+from graph_fsdp.parallel.grouped_moe import ExpertSort, combine, dispatch, sort_by_expert
 
 # --------------------------------------------------------------------------------------------
 # Mixture of Experts, split so that a caller may graph some pieces and run others eagerly
@@ -109,6 +111,9 @@ class MoEExperts(_SeededInit, nn.Module):
 
     ep_group: dist.ProcessGroup | None = None
     ep_rank: int = 0
+    overflow: torch.Tensor | None = None
+    """Dropless EP with a receive-buffer factor: a device flag, True once an exchange dropped
+    rows, until :func:`take_overflow` reads and clears it."""
 
     def __init__(self, config: GPTConfig) -> None:
         with _construction(self):
@@ -145,6 +150,36 @@ class MoEExperts(_SeededInit, nn.Module):
     def _experts(self, x: torch.Tensor) -> torch.Tensor:
         return torch.bmm(F.gelu(torch.bmm(x, self.w1), approximate="tanh"), self.w2)
 
+    def grouped(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Dropless: ``rows`` in (local) expert order with int32 ``offsets`` of the experts'
+        ends -> the experts' outputs, rows past ``offsets[-1]`` zero. bf16/fp16/fp32 run
+        ``torch._grouped_mm``; other dtypes (fp64 tests) a masked matmul per expert."""
+        w1, w2 = self.w1.to(rows.dtype), self.w2.to(rows.dtype)
+        h = F.gelu(_grouped_matmul(rows, w1, offsets), approximate="tanh")
+        return _grouped_matmul(h, w2, offsets)
+
+    def dropless(self, rows: torch.Tensor, sort: ExpertSort) -> torch.Tensor:
+        """Dropless: every routed copy (``[tokens * topk, h]`` in global expert order) through
+        its expert, also under expert parallelism; returns the outputs in the same order."""
+        if self.ep_group is None:
+            return self.grouped(rows, sort.offsets)
+        cfg = self._init_config
+        ep = dist.get_world_size(self.ep_group)
+        factor = cfg.moe_receive_buffer_factor
+        exchange = plan_exchange(
+            sort.counts,
+            self.ep_group,
+            num_copies=rows.shape[0],
+            rows_per_peer=receive_buffer_rows(rows.shape[0], ep, factor),
+            detect_overflow=factor is not None,
+        )
+        if cfg.moe_receive_buffer_factor is not None:  # can overflow: keep a device flag
+            if not isinstance(self.overflow, torch.Tensor):
+                self.overflow = torch.zeros((), dtype=torch.bool, device=rows.device)
+            self.overflow.logical_or_(exchange.overflow)  # in place: graphs replay it
+        out = self.grouped(exchange.dispatch(rows), exchange.local_offsets)
+        return exchange.combine(out)
+
     def forward(self, expert_in: torch.Tensor) -> torch.Tensor:
         """expert_in [E, C, h] -> [E, C, h] (every global expert's rows, also under EP)."""
         if self.ep_group is None:
@@ -170,6 +205,22 @@ class MoEExperts(_SeededInit, nn.Module):
         self.ep_group, self.ep_rank = ep_group, rank
 
 
+def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[rows of e] = x[rows of e] @ w[e]`` (``w`` ``[E, in, out]``), rows past the last
+    offset zero. ``torch._grouped_mm`` where it runs (bf16, fp16, fp32); else one masked
+    matmul per expert, the same math at E x the FLOPs (fp64 reference tests)."""
+    expert = torch.searchsorted(
+        offsets.long(), torch.arange(x.shape[0], device=x.device), right=True
+    )
+    if x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out = torch._grouped_mm(x, w, offs=offsets)
+        return out.masked_fill((expert >= w.shape[0])[:, None], 0)
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    for e in range(w.shape[0]):
+        out = torch.where((expert == e)[:, None], x @ w[e], out)
+    return out
+
+
 class MoELayer(nn.Module):
     """Pre-norm MoE feed-forward block; the caller adds the residual.
 
@@ -185,15 +236,34 @@ class MoELayer(nn.Module):
             self.router = MoERouter(config)
             self.preprocess = MoEPreprocess(config)
             self.experts = MoEExperts(config)
+            self.dropless = config.moe_dropless
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         x_flat = self.norm(x).reshape(b * s, h)
         probs, indices = self.router(x_flat)
-        dispatch, combine = self.preprocess(probs, indices, x_flat.dtype)
-        expert_in = torch.einsum("tec,th->ech", dispatch, x_flat)
+        if self.dropless:
+            sort = sort_by_expert(indices, self.preprocess.num_experts)
+            rows = self.experts.dropless(dispatch(x_flat, sort), sort)
+            weights = probs.reshape(-1).index_select(0, sort.order).to(rows.dtype)
+            return combine(rows * weights[:, None], sort).view(b, s, h)
+        dispatch_mask, combine_mask = self.preprocess(probs, indices, x_flat.dtype)
+        expert_in = torch.einsum("tec,th->ech", dispatch_mask, x_flat)
         expert_out = self.experts(expert_in)
-        y = torch.einsum("tec,ech->th", combine, expert_out)
+        y = torch.einsum("tec,ech->th", combine_mask, expert_out)
         return y.view(b, s, h)
 
 
+
+
+def take_overflow(model: nn.Module) -> list[str]:
+    """The MoE experts of ``model`` whose dropless exchange dropped rows since the last call
+    (clearing their flags; one host read per such module - only where a receive-buffer factor
+    is set)."""
+    dropped = []
+    for name, module in model.named_modules():
+        flag = getattr(module, "overflow", None) if isinstance(module, MoEExperts) else None
+        if isinstance(flag, torch.Tensor) and bool(flag.item()):
+            dropped.append(name)
+            flag.zero_()
+    return dropped

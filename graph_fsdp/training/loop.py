@@ -36,6 +36,7 @@ from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
+from graph_fsdp.models.moe import take_overflow
 from graph_fsdp.models.packed import PackedBatch
 from graph_fsdp.training.interrupt import mean_loss_and_stop
 
@@ -278,6 +279,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         losses.append(step_loss.item())
+        check_dropless_exchanges(trainer.model, step)
         stopping = stop_votes.item() > 0
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
@@ -384,6 +386,19 @@ def with_token_scale(batches: Iterable[Iterable[Batch]], loss_world: int) -> lis
         dist.all_reduce(tokens)
     scale = loss_world / tokens.clamp_min(1).to(torch.float32)
     return [[(*b, scale) if isinstance(b, PackedBatch) else b for b in micro] for micro in batches]
+
+
+def check_dropless_exchanges(model: nn.Module, step: int) -> None:
+    """A dropless expert-parallel exchange that overflowed its receive buffer dropped tokens:
+    the step was not the model's. Stop, naming the layers and the setting that holds them."""
+    dropped = take_overflow(model)
+    if dropped:
+        raise RuntimeError(
+            f"step {step}: the dropless expert-parallel exchange of {', '.join(dropped)} "
+            "overflowed its receive buffer, so tokens were dropped "
+            "(GPTConfig.moe_receive_buffer_factor): raise the factor, or leave it None to "
+            "size the buffer for every token (never drops)"
+        )
 
 
 def eval_loss(model: nn.Module, batch: Batch) -> float:

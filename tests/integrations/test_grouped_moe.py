@@ -1,4 +1,4 @@
-"""graph_fsdp.integrations.grouped_moe on CPU: the dropless MoE pieces without a host sync.
+"""graph_fsdp.parallel.grouped_moe on CPU: the dropless MoE pieces without a host sync.
 
 Reference: a straightforward per-expert loop (select the expert's tokens with ``nonzero``,
 ``x @ W.T`` per expert, ``index_add`` back). In fp32 the grouped path computes the same sums
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from graph_fsdp_testing import saved_tensor_bytes
 
-from graph_fsdp.integrations import grouped_moe as gmoe
+from graph_fsdp.parallel import grouped_moe as gmoe
 
 H, FFN, E = 16, 32, 4
 

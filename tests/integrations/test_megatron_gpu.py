@@ -600,7 +600,7 @@ def test_grouped_moe_has_no_host_sync_and_replays_new_routing_bit_identical() ->
     two experts): every output bit-identical to an eager run of the same routing."""
     import torch.nn.functional as F
 
-    from graph_fsdp.integrations import grouped_moe as gmoe
+    from graph_fsdp.parallel import grouped_moe as gmoe
 
     dev, bf16 = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     tokens, hidden, ffn, experts, topk = 1024, 256, 512, 8, 2

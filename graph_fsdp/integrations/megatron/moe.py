@@ -64,7 +64,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from graph_fsdp.integrations.grouped_moe import (
+from graph_fsdp.parallel.grouped_moe import (
     GROUPED_MM_ALIGN_BYTES,
     MAX_GROUPS,
     ExpertSort,
