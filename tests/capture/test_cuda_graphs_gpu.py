@@ -3,7 +3,10 @@
 One spawn per model family trains the eager baseline and every (backend, scopes) variant in
 the same process group; each variant runs 50 steps with an eval pass every 10 steps, saves a
 DCP checkpoint at step 25 and is resumed from it in a second graphed run. Every step's loss,
-every eval loss and the final parameters must equal eager bit for bit.
+every eval loss and the final parameters must equal eager bit for bit, and every graphed run
+(the resumed one too) must have replayed its graphs with no eager fallback. The lockstep
+tests pin their one eager step (a changed sequence length): exactly one fallback per graphed
+module, replays on the other steps.
 """
 
 from __future__ import annotations
@@ -133,8 +136,12 @@ def _assert_equal(a, b, what: str) -> None:
 
 def _check_variant(eager: dict, full: dict, resumed: dict, what: str) -> None:
     report = full["cuda_graphs"]
-    assert report["captures"] == 1 and report["replays"] > 0, report
-    assert report["eager_fallbacks"] == 0, report
+    assert report["captures"] == 1 and report["replays"] > 0, (what, report)
+    assert report["eager_fallbacks"] == 0, (what, report)
+    # the resumed run is graphed too: it captured again and replayed, never eagerly
+    report = resumed["cuda_graphs"]
+    assert report["captures"] >= 1 and report["replays"] > 0, (f"{what} resumed", report)
+    assert report["eager_fallbacks"] == 0, (f"{what} resumed", report)
     _assert_equal(full["losses"], eager["losses"], f"{what} losses")
     _assert_equal(full["eval_losses"], eager["eval_losses"], f"{what} eval losses")
     _assert_equal(resumed["losses"], eager["losses"][SAVE_AT:], f"{what} resumed")
@@ -230,8 +237,15 @@ def test_fallback_eval_and_recapture_stay_bit_exact(impl, scopes):
     assert not differ, f"final params differ: {differ}"
     report = res["report"]
     assert report["captures"] == 2, report  # first capture, then again after release()
-    # step 3: one eager call per graphed module (the layers' attn, or every unit below the
-    # root: the layers and the output projection), each with its warning
+    assert report["replays"] > 0, report
+    _check_one_fallback_step(res)
+
+
+def _check_one_fallback_step(res: dict) -> None:
+    """Step 3's shorter sequence, and only it, ran eagerly: one eager call per graphed module
+    (the layers' attn, or every unit below the root: the layers and the output projection),
+    each with its warning; every other graphed step replayed."""
+    report = res["report"]
     assert report["eager_fallbacks"] == len(report["callables"]), report
     assert res["warnings"] == len(report["callables"])
 
@@ -247,3 +261,4 @@ def test_layer_whose_input_requires_no_grad_is_bit_exact(impl):
     differ = [n for n, v in first.items() if not torch.equal(last[n], v)]
     assert not differ, f"final params differ: {differ}"
     assert res["report"]["captures"] == 2 and res["report"]["replays"] > 0, res["report"]
+    _check_one_fallback_step(res)

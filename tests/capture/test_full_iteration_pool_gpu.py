@@ -71,6 +71,7 @@ def _train(graphed: bool, device: torch.device, rank: int) -> dict:
         "own_peak_allocated": own_allocated,
         "own_peak_reserved": own_reserved,
         "replays": graphs.report()["replays"],
+        "eager_fallbacks": graphs.report()["eager_fallbacks"],
     }
     if graphed:
         segments = [
@@ -138,6 +139,7 @@ def test_full_iteration_main_grads_live_in_the_pool():
     )
     assert graphed["losses"] == eager["losses"]
     assert graphed["replays"] == STEPS - 2, graphed["replays"]
+    assert graphed["eager_fallbacks"] == 0, graphed["eager_fallbacks"]
     assert all(graphed["in_pool"]) and all(graphed["pinned"]), graphed
     assert graphed["pool_expandable"] and all(graphed["pool_expandable"]), graphed
     assert graphed["later_expandable"] == [False], graphed["later_expandable"]
@@ -147,15 +149,17 @@ def test_full_iteration_main_grads_live_in_the_pool():
 
 @pytest.mark.gpu
 @needs_gpus(1)
-def test_full_iteration_reserves_at_most_a_tenth_more_than_eager():
+def test_full_iteration_reserves_at_most_1_10x_eager_plus_one_20_mib_segment():
     """The graphed run's own peak reserved bytes (the pool included) within 1.10x of the eager
-    run's (pools.py [Note: capture memory]) plus one large segment: on a model this small the
+    run's (pools.py [Note: capture memory]) plus one 20 MiB segment - on this model about 1.24x
+    of eager's 146 MiB, not a tenth more: on a model this small the
     graph's private pool maps a 20 MiB segment (the caching allocator's large-segment size)
     for about 4 MiB of slots that the eager run keeps in the spare room of its main weights'
     segments, which no pool can lend another. Measured on one H200, each run in a window of
     its own (RowMemory: the earlier run's garbage collected first): 174 MiB against 146
     (1.19x; 170 against 146 with each run in a process of its own); the window without that
-    collection, where the graphed run reused the eager run's uncollected blocks, said 150."""
+    collection, where the graphed run reused the eager run's uncollected blocks, said 150.
+    The run replayed every step after its warmup with no eager fallback (checked above)."""
     res = _results()
     eager, graphed = res["eager"]["own_peak_reserved"], res["graphed"]["own_peak_reserved"]
     assert graphed <= 1.10 * eager + 20 * 2**20, (

@@ -113,6 +113,7 @@ def test_huggingface_full_iteration_default_call_is_bit_exact(family: str) -> No
     eager, graphed = res["eager"], res["graphed"]
     report = graphed["report"]
     assert report["captures"] == 1 and report["replays"] > 0, report
+    assert report["eager_fallbacks"] == 0, report
     checks = report["verification"]
     assert len(checks) == ACCUM and all(c["identical"] for c in checks), [
         c["summary"] for c in checks
@@ -189,6 +190,7 @@ def test_megatron_default_rng_tracker_is_named_with_the_fix(graph_safe: bool) ->
     if graph_safe:
         assert "refused" not in out, out["refused"]
         assert out["report"]["captures"] == 1 and out["report"]["replays"] > 0, out["report"]
+        assert out["report"]["eager_fallbacks"] == 0, out["report"]
         return
     assert "refused" in out, "the default tracker's fork was captured?"
     message = out["refused"]

@@ -143,6 +143,74 @@ def test_a_submodule_that_runs_only_eagerly_names_its_parent_and_the_branch_take
     assert "under capture 0.flash ran instead" in detail, detail
 
 
+class _Permuting(nn.Module):
+    """Eagerly its input; with ``permute`` the same values in another order, as a kernel that
+    writes its output through another index map would under capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))  # 1.0: the values stay small integers
+        self.permute = False
+
+    def forward(self, x):
+        y = x * self.scale
+        return y.flip(-1) if self.permute else y
+
+
+def test_a_permuted_output_is_reported_as_different():
+    """Same values, other positions: the float64 sums are equal (small integers, exact in any
+    order) and so is the step's output (their sum), only the bits' positions differ. The
+    verification must report the step as differing and name the permuting module: the
+    position-weighted hash alone tells the runs apart (verify.py ``_differ``)."""
+    model = nn.Sequential(nn.Identity(), _Permuting(), nn.Identity())
+    recorder = ChecksumRecorder(model)
+    counter = _Replays()
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+    def step():
+        with torch.no_grad():
+            return model(x).sum()
+
+    def graphed_step():
+        model[1].permute = True
+        try:
+            return step()
+        finally:
+            model[1].permute = False
+
+    result, loss = verify_step(
+        what="permuted",
+        states=[],
+        recorder=recorder,
+        run_eager=step,
+        run_graphed=counter.graphed(graphed_step),
+        graph_calls=counter.graph_calls,
+        device=torch.device("cpu"),
+    )
+    assert result.verified and result.outputs_equal and loss.item() == 66.0, result.describe()
+    assert not result.identical, result.describe()
+    assert (result.first_module, result.first_call) == ("1", 0), result.describe()
+    assert "output sum 66.0 eager vs 66.0 graphed" in result.module_detail, result.module_detail
+    assert "first module whose output differs: 1 (call 0" in result.describe()
+    # The same on the recorder's slots directly: equal sums, differing hashes.
+    order, eager = _run_forward(model, recorder, x, permute=False)
+    _, permuted = _run_forward(model, recorder, x, permute=True)
+    assert eager[("1", 0)][0] == permuted[("1", 0)][0]
+    assert eager[("1", 0)][1] != permuted[("1", 0)][1]
+    assert first_difference(order, eager, permuted)[:2] == ("1", 0)
+
+
+def _run_forward(model, recorder, x, *, permute: bool):
+    model[1].permute = permute
+    recorder.reset_values()
+    try:
+        with recorder.recording():
+            model(x)
+    finally:
+        model[1].permute = False
+    return list(recorder.order), recorder.snapshot()
+
+
 class _Replays:
     """Stands in for a runner's counters around an eager "graphed" run on CPU (no graphs
     exist there): ``graphed(fn)`` counts one replay per call, as a replayed step would;

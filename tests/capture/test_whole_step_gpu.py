@@ -15,7 +15,10 @@ registers graph buffers skip below 2 GPUs.
 Timing: one launch, the rows side by side on the 16-layer GPT (hidden 1024, seq 1024, micro
 batch 1, bf16 compute, fp32 main weights, fused AdamW everywhere), each row's own peak
 allocated and reserved memory (bench/verdicts.py [Note: a row's own peak]), printed as JSON
-lines (run pytest with ``-s``); the targets are printed, not asserted. Run with
+lines (run pytest with ``-s``). Asserted: every graphed row (all but the two eager ones)
+captured, replayed at least once per timed step and never fell back to eager; on 2 GPUs the
+reserved-memory ratios of ``RESERVED_BOUNDS``. The step-time targets are printed, not
+asserted. Run with
 ``NCCL_GRAPH_REGISTER=0`` on 2 GPUs to add the rows whose graphs capture the gradients'
 all-to-all (capture/step.py [Note: NCCL graph registration and the all-to-all]).
 
@@ -322,6 +325,7 @@ def test_training_loop_whole_step_is_bit_identical_to_its_eager_twin():
         report = graphed["cuda_graphs"]
         assert report["whole_step"] and report["impl"] == "torch", report
         assert report["captures"] == 1 and report["replays"] == 12 - WARMUP, report
+        assert report["eager_fallbacks"] == 0, report
         assert eager["cuda_graphs"]["replays"] == 0
         assert graphed["losses"] == eager["losses"]
         assert graphed["eval_losses"] == eager["eval_losses"]
@@ -523,6 +527,44 @@ def _ratio(rows: dict, name: str, ref: str, key: str = "median_step_ms") -> floa
     return round(rows[name][key] / rows[ref][key], 3)
 
 
+EAGER_ROWS = ("one GPU, eager", "graph_fsdp eager")
+"""The timing rows that run no graph; every other row is graphed and must replay."""
+FSDP2_GRAPH = "torch FSDP2, fwd+bwd captured"
+RESERVED_BOUNDS = (
+    ("graph_fsdp full_iteration", FSDP2_GRAPH, 1.0),
+    ("graph_fsdp layerwise (whole layers)", FSDP2_GRAPH, 1.0),
+    ("graph_fsdp whole step (one graph)", FSDP2_GRAPH, 1.0),
+    ("graph_fsdp full_iteration", "graph_fsdp eager", 1.16),
+    ("graph_fsdp whole step (one graph)", "graph_fsdp eager", 1.16),
+    ("graph_fsdp layerwise (whole layers)", "graph_fsdp eager", 1.26),
+)
+"""(row, against, bound): the row's own peak reserved over the other row's, asserted on 2 GPUs
+with room for drift between launches: on 2 H200s (2026-11-27) every graphed row reserved
+0.79-0.86x of FSDP2 + graph's peak, and full_iteration and the one-graph step 1.11x and 1.12x
+of graph_fsdp eager's, layerwise 1.21x; the one-graph step's eager steps on its capture
+stream gave 1.19-1.21x, and before the capture's release order every graphed row was
+1.36-1.47x."""
+
+
+def _reserved_label(row: str, against: str, bound: float) -> str:
+    return f"{row} reserved / {against} reserved (asserted <= {bound} on 2 GPUs)"
+
+
+def _check_graphed_rows(rows: dict) -> None:
+    """Every graphed row captured, replayed at least once per timed step (the reference rows
+    and the whole step: once per microbatch, resp. step) and never ran a captured module
+    eagerly; the eager rows report no replay."""
+    graphed = [name for name in rows if name not in EAGER_ROWS]
+    assert len(graphed) >= 14, sorted(rows)  # every graphed row of _rows() ran
+    for name in graphed:
+        row = rows[name]
+        assert row["captures"] and row["captures"] >= 1, row
+        assert row["replays"] and row["replays"] >= TIMED_STEPS, row
+        assert row["eager_fallbacks"] == 0, row
+    for name in EAGER_ROWS:
+        assert not rows[name]["replays"], rows[name]
+
+
 @needs_gpus()
 def test_whole_step_timing_and_memory():
     rows = {r["row"]: r for r in spawn(_timing_worker, WORLD, backend="nccl")[0]}
@@ -535,9 +577,10 @@ def test_whole_step_timing_and_memory():
         row["x_reference"] = _ratio(rows, row["row"], base)
         print(json.dumps(row))
     one = "graph_fsdp whole step (one graph)"
-    targets = {
+    # Printed for the record; the step-time targets are not asserted (launches vary).
+    ratios = {
         "world_size": WORLD,
-        "one graph / reference (<= 0.97 at world size 1, <= 1.03 on 2 GPUs)": rows[one][
+        "one graph / reference (target <= 0.97 at world size 1, <= 1.03 on 2 GPUs)": rows[one][
             "x_reference"
         ],
         "one graph x4 / reference x4": rows["graph_fsdp whole step x4 microbatches"]["x_reference"],
@@ -550,30 +593,12 @@ def test_whole_step_timing_and_memory():
         "one graph optim_grads vocab-parallel embedding / reference": rows[
             "graph_fsdp whole step, optim_grads, vocab-parallel embedding"
         ]["x_reference"],
-        "full_iteration reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
-            rows,
-            "graph_fsdp full_iteration",
-            "torch FSDP2, fwd+bwd captured",
-            "own_peak_reserved_gib",
-        ),
-        "layerwise reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
-            rows,
-            "graph_fsdp layerwise (whole layers)",
-            "torch FSDP2, fwd+bwd captured",
-            "own_peak_reserved_gib",
-        ),
-        "one graph reserved / FSDP2+graph reserved (<= 1.0)": _ratio(
-            rows, one, "torch FSDP2, fwd+bwd captured", "own_peak_reserved_gib"
-        ),
-        "full_iteration reserved / graph_fsdp eager reserved (<= 1.10)": _ratio(
-            rows, "graph_fsdp full_iteration", "graph_fsdp eager", "own_peak_reserved_gib"
-        ),
-        "one graph reserved / graph_fsdp eager reserved (<= 1.10)": _ratio(
-            rows, one, "graph_fsdp eager", "own_peak_reserved_gib"
-        ),
-        "layerwise reserved / graph_fsdp eager reserved (<= 1.10)": _ratio(
-            rows, "graph_fsdp layerwise (whole layers)", "graph_fsdp eager", "own_peak_reserved_gib"
-        ),
+        **{
+            _reserved_label(row, against, bound): _ratio(
+                rows, row, against, "own_peak_reserved_gib"
+            )
+            for row, against, bound in RESERVED_BOUNDS
+        },
         **{
             f"{name} reserved / graph_fsdp eager reserved": _ratio(
                 rows, name, "graph_fsdp eager", "own_peak_reserved_gib"
@@ -583,29 +608,13 @@ def test_whole_step_timing_and_memory():
         },
         **{f"{name} / reference": rows[name]["x_reference"] for name in rows if A2A_ROW in name},
     }
-    print(json.dumps({"targets (printed, not asserted)": targets}))
+    print(json.dumps({"ratios": ratios}))
     # What must hold: every graphed row replayed once per timed step (or microbatch).
-    for name in (
-        "graph_fsdp full_iteration",
-        "graph_fsdp layerwise (whole layers)",
-        "graph_fsdp full_iteration, vocab-parallel embedding",
-    ):
-        assert rows[name]["replays"] and rows[name]["eager_fallbacks"] == 0, rows[name]
+    _check_graphed_rows(rows)
     if WORLD == 2:
-        # Memory regressions, with room for drift between launches: on 2 H200s (2026-11-27)
-        # every graphed row reserved 0.79-0.86x of FSDP2 + graph's peak, and full_iteration
-        # and the one-graph step 1.11x and 1.12x of graph_fsdp eager's, layerwise 1.21x; the
-        # one-graph step's eager steps on its capture stream gave 1.19-1.21x, and before the
-        # capture's release order every graphed row was 1.36-1.47x.
-        for key, bound in (
-            ("full_iteration reserved / FSDP2+graph reserved (<= 1.0)", 1.0),
-            ("layerwise reserved / FSDP2+graph reserved (<= 1.0)", 1.0),
-            ("one graph reserved / FSDP2+graph reserved (<= 1.0)", 1.0),
-            ("full_iteration reserved / graph_fsdp eager reserved (<= 1.10)", 1.16),
-            ("one graph reserved / graph_fsdp eager reserved (<= 1.10)", 1.16),
-            ("layerwise reserved / graph_fsdp eager reserved (<= 1.10)", 1.26),
-        ):
-            assert targets[key] <= bound, (key, targets[key], bound)
+        for row, against, bound in RESERVED_BOUNDS:  # memory regressions
+            key = _reserved_label(row, against, bound)
+            assert ratios[key] <= bound, (key, ratios[key])
     whole = [name for name in rows if name.startswith("graph_fsdp whole step")]
     for name in whole:
         assert rows[name]["captures"] == 1 and rows[name]["eager_fallbacks"] == 0, rows[name]

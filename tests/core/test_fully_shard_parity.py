@@ -8,9 +8,11 @@ import pytest
 import torch
 from graph_fsdp_testing import spawn_cases
 
+from graph_fsdp.fsdp.checkpoint import full_state_dict
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.training.data import batch_for
 from graph_fsdp.training.processes import spawn
-from graph_fsdp.training.train import TrainConfig, run
+from graph_fsdp.training.train import TrainConfig, build_for, run, shard_model
 
 TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
 # Parameters far smaller than 4 ranks x 64-element alignment: most ranks own nothing of
@@ -67,12 +69,80 @@ ALLOCATORS = ["dynamic", "double_buffer", "trace_pool"]
 UNEVEN_CFG = TrainConfig(model=UNEVEN, strategy="optim_grads_params", steps=3, fused_optimizer=True)
 
 
+# Gradient accumulation WITHOUT no_sync: every microbatch's backward reduces, and from the
+# second one on the reduction adds into the main gradients (``overwrite=False``: reduce.py
+# scales each microbatch's reduced sum by 1 / data-parallel size as it adds it). Plain SGD,
+# whose update is the gradient times lr: AdamW's normalised update would hide most of a
+# wrong scale. "sync": every microbatch synchronises; "mixed": the first under no_sync,
+# the others synchronise (the pending no_sync gradients go with the second).
+ACCUM_MICROS, ACCUM_STEPS, ACCUM_LR = 3, 2, 0.5
+ACCUM_CASES = {
+    **{f"accumulate:{s}:sync": (s, 0) for s in STRATEGIES},
+    **{f"accumulate:{s}:mixed": (s, 1) for s in ("no_shard", "optim_grads_params")},
+}
+
+
+def _accum_cfg(strategy: str) -> TrainConfig:
+    return TrainConfig(model=TINY, strategy=strategy, micro_batch_size=2, grad_accum=ACCUM_MICROS)
+
+
+def accumulate_without_no_sync(rank: int, world: int, strategy: str, no_sync_micros: int):
+    """``ACCUM_STEPS`` SGD steps of ``ACCUM_MICROS`` microbatches each on 2 ranks; the first
+    ``no_sync_micros`` microbatches of a step under no_sync, every later one synchronising."""
+    cfg = _accum_cfg(strategy)
+    device = torch.device("cpu")
+    model = shard_model(build_for(cfg, device), cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=ACCUM_LR)
+    losses = []
+    for step in range(ACCUM_STEPS):
+        total = torch.zeros(())
+        for micro in range(ACCUM_MICROS):
+            model.set_requires_gradient_sync(micro >= no_sync_micros)
+            x, y = batch_for(cfg, step * ACCUM_MICROS + micro, rank, device)
+            loss = model(x, y) / ACCUM_MICROS
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    return {"losses": losses, "params": {k: v.cpu() for k, v in full_state_dict(model).items()}}
+
+
+def accumulation_reference(strategy: str, world: int) -> dict:
+    """One process, the unsharded model: the same SGD steps on every rank's microbatches,
+    each loss over microbatches x ranks (what FSDP's mean over the ranks makes of it)."""
+    cfg = _accum_cfg(strategy)
+    device = torch.device("cpu")
+    model = build_for(cfg, device)
+    opt = torch.optim.SGD(model.parameters(), lr=ACCUM_LR)
+    losses = []
+    for step in range(ACCUM_STEPS):
+        total = 0.0
+        for micro in range(ACCUM_MICROS):
+            for rank in range(world):
+                x, y = batch_for(cfg, step * ACCUM_MICROS + micro, rank, device)
+                loss = model(x, y) / (ACCUM_MICROS * world)
+                loss.backward()
+                total += loss.item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return {
+        "losses": losses,
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+    }
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     """Every 2-rank training of this file in one spawned group."""
     cases = {label: (run, cfg) for label, cfg in CONFIGS.items()}
     cases.update(
         {f"allocator:{a}": (run, dataclasses.replace(STATIC_BASE, allocator=a)) for a in ALLOCATORS}
+    )
+    cases.update(
+        {label: (accumulate_without_no_sync, *args) for label, args in ACCUM_CASES.items()}
     )
     return spawn_cases(cases, 2)
 
@@ -126,3 +196,19 @@ def test_static_allocators_bit_identical_to_dynamic(two_ranks):
                     allocator,
                     name,
                 )
+
+
+@pytest.mark.parametrize("label", list(ACCUM_CASES))
+def test_accumulation_without_no_sync_matches_reference(two_ranks, label):
+    """Every microbatch reduces (no no_sync), the main gradients summing the reduced
+    microbatches: the same SGD steps as the unsharded model on the global batch."""
+    strategy, _ = ACCUM_CASES[label]
+    ref = accumulation_reference(strategy, 2)
+    # The SGD update is lr x the gradient: a microbatch reduced without its 1 / world scale
+    # moves the weights by about lr x |g| / 2 (~1e-3 here) more than the reference.
+    assert_matches_reference(two_ranks[label], ref, tol=1e-6)
+    moved = max(
+        (ref["params"][k] - v).abs().max().item()
+        for k, v in build_for(_accum_cfg(strategy), torch.device("cpu")).named_parameters()
+    )
+    assert moved > 1e-2, moved  # the steps move the weights far beyond the tolerance

@@ -95,10 +95,11 @@ def _check_graphed(results: dict) -> None:
         eager = res["eager"]
         assert len(eager["losses"]) == STEPS and len(eager["eval_losses"]) == STEPS // EVAL
         for name in GRAPHED:
-            report = res[name]["cuda_graphs"]
             try:
-                assert report["captures"] >= 1 and report["replays"] > 0, report
-                assert report["eager_fallbacks"] == 0, report
+                for key in (name, f"{name}_resumed"):  # both graphed: replayed, never eagerly
+                    report = res[key]["cuda_graphs"]
+                    assert report["captures"] >= 1 and report["replays"] > 0, (key, report)
+                    assert report["eager_fallbacks"] == 0, (key, report)
                 _assert_same(res[name], eager, f"{label} {name}")
                 _assert_same(res[f"{name}_resumed"], eager, f"{label} {name} resumed", SAVE_AT)
             except AssertionError as err:
@@ -245,6 +246,10 @@ def _timed_runs(rank: int, world: int) -> dict:
                 "step_ms": round(statistics.median(times) * 1e3, 3),
                 "peak_gib": round(res["peak_memory_bytes"] / 2**30, 3),
                 "final_loss": res["losses"][-1],
+                "graphs": {
+                    k: (res.get("cuda_graphs") or {}).get(k)
+                    for k in ("captures", "replays", "eager_fallbacks")
+                },
             }
     return out
 
@@ -256,6 +261,10 @@ def test_2x2_hsdp_vs_1x4_fsdp_step_time():
     for row in rows.values():
         assert row["step_ms"] > 0 and row["peak_gib"] > 0
         assert torch.isfinite(torch.tensor(row["final_loss"]))
+    for label, row in rows.items():  # the full_iteration rows replayed throughout
+        if label.endswith(", full_iteration"):
+            graphs = row["graphs"]
+            assert graphs["replays"] and graphs["eager_fallbacks"] == 0, (label, graphs)
     peak = {k: max(r[k]["peak_gib"] for r in per_rank) for k in rows}
     print(
         json.dumps(

@@ -230,6 +230,7 @@ def _mcore_all(rank: int, world: int, tp: int) -> dict:
         rank, world, cfg(steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=path[0], **graphed)
     )
     out["resume"] = first["losses"] + second["losses"]
+    out["resume reports"] = [first.get("cuda_graphs"), second.get("cuda_graphs")]
     return out
 
 
@@ -252,6 +253,10 @@ def test_megatron_tp_sp_graphed_bit_identical_to_eager(world):
             problems.append(f"{label}: graphs did not replay throughout: {report}")
     if res["resume"] != eager["losses"]:
         problems.append(f"resume: {res['resume']} vs eager {eager['losses']}")
+    for label, report in zip(("resume first", "resume second"), res["resume reports"]):
+        report = report or {}
+        if not report.get("replays") or report.get("eager_fallbacks"):
+            problems.append(f"{label}: graphs did not replay throughout: {report}")
     assert not problems, "\n".join(problems)
 
 
@@ -311,6 +316,10 @@ def _timing(rank: int, world: int) -> dict:
             _o.zero_grad(set_to_none=True)
 
         out[f"graph_fsdp {mode}"] = median(_timed(one, n, warmup))
+        report = graphs.report()
+        out[f"graph_fsdp {mode} graphs"] = {
+            k: report[k] for k in ("captures", "replays", "eager_fallbacks")
+        }
         del model, opt, graphs, graphed
         torch.cuda.empty_cache()
     model = _fsdp2_tp(mesh, device)
@@ -363,3 +372,6 @@ def test_tp_step_time_against_fsdp2_tp_captured():
     res = spawn(_timing, world, backend="nccl", timeout=1200)[0]
     print("TP_TIMING " + json.dumps({"world": world, "tp": 2, **res}))
     assert all(res[f"graph_fsdp {m}"] > 0 for m in ("eager", "layerwise", "full_iteration"))
+    for mode in ("layerwise", "full_iteration"):  # the timed graphed rows replayed throughout
+        report = res[f"graph_fsdp {mode} graphs"]
+        assert report["replays"] > 0 and report["eager_fallbacks"] == 0, (mode, report)

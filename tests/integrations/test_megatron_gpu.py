@@ -87,7 +87,11 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
         world,
         _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=box[0], **graphed),
     )
-    out["resume"] = {"first": first["losses"], "second": second["losses"]}
+    out["resume"] = {
+        "first": first["losses"],
+        "second": second["losses"],
+        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
+    }
     try:  # isolated: a failure here must not hide the bit-exactness results above
         out["megatron_fsdp"] = run(
             rank, world, _cfg(model, engine="megatron_fsdp", eval_interval=0)
@@ -97,6 +101,32 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
     except Exception:  # noqa: BLE001 - reported by _check_megatron_fsdp
         out["megatron_fsdp"] = {"error": traceback.format_exc()}
     return out
+
+
+def _graph_problem(label: str, report: dict | None) -> str | None:
+    """Why a graphed run proves nothing about graphs: no report, no replay or an eager
+    fallback of a captured module (None: it replayed throughout)."""
+    if report is None:
+        return f"{label}: no graph report (the run may have run eagerly)"
+    if report["replays"] == 0 or report["eager_fallbacks"]:
+        return (
+            f"{label}: {report['replays']} replays, {report['eager_fallbacks']} eager "
+            f"fallbacks (want > 0 and 0): {report.get('callables', [])[:4]}"
+        )
+    return None
+
+
+def _resume_problems(label: str, ref: list[float], res: dict) -> list[str]:
+    """A graphed run saved at SAVE_AT and its graphed resumption: losses equal to the eager
+    run's, and both runs replayed their graphs with no eager fallback."""
+    problems = []
+    for name, vals, off, report in (
+        ("resume first", res["first"], 0, res["reports"][0]),
+        ("resume second", res["second"], SAVE_AT, res["reports"][1]),
+    ):
+        d = _diff(f"{label}{name}", ref[off : off + len(vals)], vals, off)
+        problems += [p for p in (d, _graph_problem(f"{label}{name}", report)) if p]
+    return problems
 
 
 def _check(out: dict, variants: dict) -> list[str]:
@@ -113,22 +143,11 @@ def _check(out: dict, variants: dict) -> list[str]:
             if d:
                 problems.append(d)
         # A graphed run proves nothing about graphs unless it replayed them throughout.
-        report = got.get("cuda_graphs")
-        if report is None:
-            problems.append(f"{label}: no graph report (the run may have run eagerly)")
-        elif report["replays"] == 0 or report["eager_fallbacks"]:
-            problems.append(
-                f"{label}: {report['replays']} replays, {report['eager_fallbacks']} eager "
-                f"fallbacks ({report})"
-            )
-    res = out.get("resume", {"first": [], "second": []})
-    for name, vals, off in (
-        ("resume first", res["first"], 0),
-        ("resume second", res["second"], SAVE_AT),
-    ):
-        d = _diff(name, ref["losses"][off : off + len(vals)], vals, off)
+        d = _graph_problem(label, got.get("cuda_graphs"))
         if d:
             problems.append(d)
+    if "resume" in out:
+        problems += _resume_problems("", ref["losses"], out["resume"])
     return problems
 
 
@@ -472,7 +491,11 @@ def _whole_family(rank: int, world: int, root: str) -> dict:
         world,
         _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=path, **graphed),
     )
-    out["dropless grouped_mm"]["resume"] = {"first": first["losses"], "second": second["losses"]}
+    out["dropless grouped_mm"]["resume"] = {
+        "first": first["losses"],
+        "second": second["losses"],
+        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
+    }
     return out
 
 
@@ -521,24 +544,21 @@ def _check_whole(out: dict, root: str) -> list[str]:
                 d = _diff(f"{name} {what}", fam["eager"][what], got[what])
                 if d:
                     problems.append(d)
-            report = got["cuda_graphs"]
-            if report["replays"] == 0 or report["eager_fallbacks"] != 0:
-                problems.append(
-                    f"{name}: {report['replays']} replays, {report['eager_fallbacks']} eager "
-                    f"fallbacks (want > 0 and 0): {report['callables'][:4]}"
-                )
+            d = _graph_problem(name, got.get("cuda_graphs"))
+            if d:
+                problems.append(d)
             d = _checkpoint_diff(name, ref_ckpt, _checkpoint(_ckpt_dir(root, family, label)))
             if d:
                 problems.append(d)
-    res = out["dropless grouped_mm"]["resume"]
-    ref = out["dropless grouped_mm"]["eager"]["losses"]
-    for name, vals, off in (
-        ("resume first", res["first"], 0),
-        ("resume second", res["second"], SAVE_AT),
-    ):
-        d = _diff(f"dropless grouped_mm {name}", ref[off : off + len(vals)], vals, off)
-        if d:
-            problems.append(d)
+    # Megatron's dropless experts: timed beside the others, graphed only around the experts
+    label = "dropless megatron, te attn moe_router"
+    d = _graph_problem(label, out["dropless megatron"]["te attn moe_router"].get("cuda_graphs"))
+    if d:
+        problems.append(d)
+    grouped = out["dropless grouped_mm"]
+    problems += _resume_problems(
+        "dropless grouped_mm ", grouped["eager"]["losses"], grouped["resume"]
+    )
     return problems
 
 

@@ -7,7 +7,8 @@ inference copy that decodes on the freed memory -> onload) in a subprocess per v
 With torch-memory-saver installed the address-keeping variants run under its preload library
 (``LD_PRELOAD``, set here from the installed package), 10 RL iterations each, layerwise and
 full_iteration graphs, ZeRO-3 and ZeRO-1, each against the same training without offload:
-losses bit-identical, one capture per runner for the whole run, at least 90% of the device
+losses bit-identical, one capture per runner for the whole run, replays in every iteration and
+no eager fallback, at least 90% (``MIN_RETURNED_PCT``, the README's claim) of the device
 memory training held returned to the driver on every offload, a clean exit (an illegal memory
 access would kill the run). Without the package those variants skip and the recapture
 fallback still runs. Every run prints its JSON lines (``-s``); a failure quotes the run's tail.
@@ -39,6 +40,9 @@ GPU_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 HAS_TMS = importlib.util.find_spec("torch_memory_saver") is not None
+MIN_RETURNED_PCT = 90.0
+"""The share of training's device memory that must go back on every offload: the README's
+"at least 90% (94-95% measured)"."""
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_tms = pytest.mark.skipif(
     not HAS_TMS, reason="torch-memory-saver is not installed: the recapture fallback runs instead"
@@ -101,6 +105,16 @@ def _first_difference(a: list[float], b: list[float]) -> str:
     return f"lengths {len(a)} vs {len(b)}"
 
 
+def _check_replayed(summary: dict, iterations: list[dict]) -> None:
+    """The graphs replayed in every iteration (the count grows from one to the next) and no
+    captured module ever ran eagerly."""
+    replays = [r["replays"] for r in iterations]
+    assert replays[0] > 0, f"no replay in the first iteration: replays {replays}"
+    assert all(b > a for a, b in zip(replays, replays[1:])), f"replays {replays}"
+    report = summary["report"]
+    assert report["replays"] >= replays[-1] and report["eager_fallbacks"] == 0, report
+
+
 def _check_kept(summary: dict, iterations: list[dict], out: str, *, min_pct: float | None) -> None:
     assert summary["mode"] == "keep", f"addresses were not kept: {summary['notice']}\n{out[-3000:]}"
     assert summary["bit_identical"], _first_difference(
@@ -111,8 +125,7 @@ def _check_kept(summary: dict, iterations: list[dict], out: str, *, min_pct: flo
         f"captures after each iteration {captures}, runner total "
         f"{summary['report']['captures']}: offload/onload must not recapture"
     )
-    replays = [r["replays"] for r in iterations]
-    assert replays == sorted(replays) and replays[-1] > replays[0], f"replays {replays}"
+    _check_replayed(summary, iterations)
     if min_pct is not None:
         low = [(r["iteration"], r["returned_pct"], r["held_gib"]) for r in iterations]
         assert all(pct >= min_pct for _, pct, _ in low), (
@@ -130,7 +143,7 @@ def test_rl_loop_keeps_graphs_across_offload(graphs, strategy):
     args = ["--graphs", graphs, "--strategy", strategy, "--iterations", "10", "--reference"]
     summary, iterations, out = _run(args, hook="preload")
     assert summary["ld_preload"], "the run did not load torch-memory-saver's preload library"
-    _check_kept(summary, iterations, out, min_pct=90.0)
+    _check_kept(summary, iterations, out, min_pct=MIN_RETURNED_PCT)
 
 
 @pytest.mark.gpu
@@ -159,6 +172,7 @@ def test_rl_loop_recapture_fallback():
         summary["losses"], summary["reference_losses"]
     )
     assert [r["captures"] for r in iterations] == [1, 2, 3], [r["captures"] for r in iterations]
+    _check_replayed(summary, iterations)
 
 
 @pytest.mark.gpu
@@ -190,6 +204,6 @@ def test_rl_offload_1b_measurement():
             }
         )
     )
-    _check_kept({**summary, "bit_identical": True}, iterations, out, min_pct=90.0)
+    _check_kept({**summary, "bit_identical": True}, iterations, out, min_pct=MIN_RETURNED_PCT)
     # A recapture would cost seconds here: 1.5x bounds noise, the 1.2x target is reported.
     assert summary["max_first_vs_steady"] <= 1.5, summary["max_first_vs_steady"]
