@@ -34,7 +34,6 @@ from graph_fsdp.fsdp.hook_markers import (
     mark,
 )
 from graph_fsdp.fsdp.param_group import FlatParamGroup
-from graph_fsdp.fsdp.reduce import reduce_grads
 
 
 class TrainingState(enum.Enum):
@@ -347,20 +346,14 @@ class FSDPState:
                     "pass the same mesh to every fully_shard call of one model"
                 )
         names = {id(m): name for name, m in self.module.named_modules()}
+        ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
         for other in states:
             prefix = names[id(other.module)]
             other.fqn = prefix or "root"
-            for group in other.groups:
-                group.fqn = ".".join(x for x in (other.fqn, group.suffix) if x)
-                for ref in group.params:
-                    ref.fqn = ref.local_fqn if not prefix else f"{prefix}.{ref.local_fqn}"
-        ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
-        for other in states:
             other.root = ctx
             other.comm = self.comm  # one set of streams for the whole model
             for group in other.groups:
-                group.comm = ctx.comm_for(group.comm)
-                group.capture = ctx.capture
+                group.join_root(other.fqn, prefix, ctx.comm_for(group.comm), ctx.capture)
                 group.register_buffers(ctx.allocator)
         ctx.offload_mode = offload_mode_for(states, self.buffer_policy.keep_addresses_on_offload)
         self.is_root = True
@@ -441,19 +434,10 @@ class FSDPState:
         if self._post_backward_done:
             return
         self._post_backward_done = True
-        root = self.root
         with nvtx_range(f"graph_fsdp/post_backward/{self.fqn}"):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
-                if group.grad_full is None and not group.grads_in_autograd:
-                    continue
-                if root.capture.capturing_layers:  # [Note: capture context]
-                    self.allocator.free(group.grad_key, used_on=group.main_streams())
-                    continue
-                overwrite = not group.grads_defined()
-                reduce_grads(
-                    group, self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
-                )
+                group.post_backward(self.allocator, sync=self.requires_grad_sync)
             if not self.is_root:
                 self.reshard()
             self.training_state = TrainingState.IDLE
