@@ -3,7 +3,7 @@
 Hook registration (see ``register_hooks``) keeps capture in mind: the hooks are methods, and
 those that only *register* autograd backward handlers carry a sentinel naming the handler
 (``_cuda_graph_backward_handler`` / ``_cuda_graph_backward_pre_handler``), so the capture
-layer can withhold them and route the handler to the backward keys (hooks/module_hooks.py).
+layer can withhold them and route the handler to the backward keys (capture/module_hooks.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
-from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
-from graph_fsdp.buffers.trace_pool import TracePoolAllocator
+from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.fsdp.address_keeping import OffloadMode, offload_mode_for
+from graph_fsdp.fsdp.allocators import make_allocator
 from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
 from graph_fsdp.fsdp.capture_context import CaptureContext
 from graph_fsdp.fsdp.comm import CommContext
@@ -41,19 +40,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
-
-
-def make_allocator(policy: BufferPolicy) -> BufferAllocator:
-    if policy.allocator == "double_buffer":
-        return DoubleBufferAllocator(
-            num_slots=policy.num_slots,
-            persist_on_alloc_fail=policy.persist_on_alloc_fail,
-            # Copied into, reduced and released on the reduce-scatter stream, in order.
-            serial_roles=("grad_comm", "rs_out"),
-        )
-    if policy.allocator == "trace_pool":
-        return TracePoolAllocator(persist_on_alloc_fail=policy.persist_on_alloc_fail)
-    return DynamicAllocator()
 
 
 def in_backward() -> bool:
@@ -204,7 +190,7 @@ class FSDPState:
         it is captured, layerwise captures skip it as they skip the reductions. For the
         gradients a model's own tensor parallelism still reduces (Megatron's
         ``finalize_model_grads`` all-reduce of sequence-parallel norms: integrations/
-        megatron_tp.py)."""
+        megatron/tp.py)."""
         self.grad_sync_hooks.append(hook)
 
     def register_hooks(self) -> None:
@@ -266,7 +252,7 @@ class FSDPState:
             self._forward_by_dispatcher = False
             self.register_hooks()
 
-    # The hooks themselves. Sentinels (hooks/module_hooks.py, [Note: sentinel hooks]) name
+    # The hooks themselves. Sentinels (capture/module_hooks.py, [Note: sentinel hooks]) name
     # the methods the capture layer runs instead of them around warmup and capture.
     @mark(CAPTURE_TIME_FN, "pre_forward")
     def _pre_forward_hook(self, module, args, kwargs) -> None:
