@@ -1,5 +1,5 @@
-"""Test helpers: many checks in one spawned process group, GPU skip markers and the CLI's
-refusal message.
+"""Test helpers: many checks in one spawned process group, GPU skip markers, the CLI's
+refusal message and the model and training configurations several test files share.
 
 Processes are started by :func:`graph_fsdp.training.processes.spawn`; HuggingFace decoders are built by
 :mod:`graph_fsdp.models.hf`. Nothing in the package imports this module.
@@ -7,15 +7,64 @@ Processes are started by :func:`graph_fsdp.training.processes.spawn`; HuggingFac
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from graph_fsdp.cli.main import main
+from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
+from graph_fsdp.training.train import TrainConfig
+
+# ---------------------------------------------------------------------- shared configurations
+TINY_SHAPE = dict(
+    vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16
+)
+"""The CPU tests' reference GPT: 2 layers, hidden 32, 4 heads, sequence 16, vocabulary 128."""
+
+
+def tiny_gpt(**overrides) -> GPTConfig:
+    """:data:`TINY_SHAPE` with ``overrides`` (built anew: derived sizes follow them)."""
+    return GPTConfig(**{**TINY_SHAPE, **overrides})
+
+
+TINY_GPT = tiny_gpt()
+SMALLEST_GPT = GPTConfig(
+    vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8
+)
+"""The capture tests' smallest GPT: 2 layers, hidden 16, 2 heads, sequence 8."""
+
+TINY_MCORE_SHAPE = {**TINY_SHAPE, "vocab_size": 64, "ffn_hidden_size": 64}
+"""The CPU tests' Megatron-Core GPT (``MCoreGPTConfig`` keywords; this module imports no
+Megatron)."""
+
+GPU_SHAPE = dict(
+    vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
+)
+"""The GPU tests' GPT: 4 layers, hidden 256, sequence 128, vocabulary 1024."""
+MOE_LAYERS = dict(num_experts=4, moe_layer_freq=2, moe_router_topk=2)
+"""Every second layer a mixture of 4 experts, top-2 routing."""
+
+
+def gpu_gpt(**overrides) -> GPTConfig:
+    """:data:`GPU_SHAPE` with ``overrides`` (built anew: derived sizes follow them)."""
+    return GPTConfig(**{**GPU_SHAPE, **overrides})
+
+
+def bit_exact_gpu_run(model: GPTConfig, **overrides) -> TrainConfig:
+    """The GPU bit-exactness tests' training run: bf16 on CUDA, 2 microbatches of 2, static
+    buffers (double buffer, persistent on a failed allocation) and deterministic kernels -
+    eager must be reproducible before graphs can equal it."""
+    settings = dict(bf16=True, device="cuda", micro_batch_size=2, grad_accum=2, deterministic=True)
+    static = dict(allocator="double_buffer", persist_on_alloc_fail=True)
+    return TrainConfig(model=model, **{**settings, **static, **overrides})
+
 
 GPU_TEST_WORLD = int(os.environ.get("GRAPH_FSDP_GPU_TEST_WORLD", "2"))
 """Ranks (one GPU each) the multi-GPU tests spawn: 2, or 1 for a single-GPU smoke run
@@ -151,3 +200,28 @@ class CaseResults(Mapping):
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every optimizer state tensor at full size (``"<fqn>.<name>"``), gathered on every rank.
+
+    Independent of the checkpoint code: each rank contributes its pieces; elements no rank
+    holds stay NaN, so a gap fails any equality check.
+    """
+    pieces = []
+    for ref in ckpt._refs(model):
+        for name, value in optimizer.state.get(ref.sharded, {}).items():
+            per_element = value.dim() == 1 and value.shape == ref.sharded.shape
+            offset = ref.global_offset if per_element else None
+            pieces.append((f"{ref.fqn}.{name}", offset, ref.shape.numel(), value.detach().clone()))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, pieces)
+    out: dict[str, torch.Tensor] = {}
+    for rank_pieces in gathered:
+        for key, offset, numel, value in rank_pieces:
+            if offset is None:  # e.g. AdamW's scalar step: the same on every holder
+                out[key] = value
+            else:
+                full = out.setdefault(key, torch.full((numel,), math.nan, dtype=value.dtype))
+                full[offset : offset + value.numel()] = value
+    return out

@@ -40,12 +40,29 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import pickle
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from graph_fsdp.bench.peers import accumulating_step, fsdp2_model
+from graph_fsdp.bench.provenance import code_version, stamp_line
+from graph_fsdp.buffers.allocator import SlotAllocator, key_role
+from graph_fsdp.capture.step import eager_forward_backward
+from graph_fsdp.capture.whole_step import WholeStepGraph
+from graph_fsdp.fsdp.state import collect_states
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.loop import whole_step_microbatch
+from graph_fsdp.training.train import (
+    build_for,
+    device_of,
+    make_graphs,
+    make_optimizer,
+    shard_model,
+)
 
 ROLE_ORDER = (
     "main_params",
@@ -110,8 +127,6 @@ def _optimizer_state(opt: torch.optim.Optimizer | None) -> list[Known]:
 
 def slot_roles(allocator) -> list[tuple[str, torch.Tensor]]:
     """(role, tensor) of every materialised slot of a slot allocator (else empty)."""
-    from graph_fsdp.buffers.allocator import SlotAllocator, key_role  # noqa: PLC0415
-
     if not isinstance(allocator, SlotAllocator):
         return []
     roles: dict[int, set[str]] = {}
@@ -127,8 +142,6 @@ def slot_roles(allocator) -> list[tuple[str, torch.Tensor]]:
 
 
 def known_graph_fsdp(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[Known]:
-    from graph_fsdp.fsdp.state import collect_states  # noqa: PLC0415
-
     states = collect_states(model)
     out: list[Known] = []
     for s in states:
@@ -184,8 +197,6 @@ def _tagger(role: str) -> Callable:
 def tag_allocations(allocator) -> None:
     """Wrap ``allocator.allocate`` so that every allocation it makes carries its key's role
     in the Python stack (see module docstring)."""
-    from graph_fsdp.buffers.allocator import key_role  # noqa: PLC0415
-
     inner = allocator.allocate
 
     def allocate(key, numel, dtype, device):
@@ -642,18 +653,6 @@ class MemoryJob:
 
 
 def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
-    from graph_fsdp.capture.step import eager_forward_backward  # noqa: PLC0415
-    from graph_fsdp.capture.whole_step import WholeStepGraph  # noqa: PLC0415
-    from graph_fsdp.fsdp.state import collect_states  # noqa: PLC0415
-    from graph_fsdp.training.data import batch_for  # noqa: PLC0415
-    from graph_fsdp.training.loop import whole_step_microbatch  # noqa: PLC0415
-    from graph_fsdp.training.train import (  # noqa: PLC0415
-        build_for,
-        make_graphs,
-        make_optimizer,
-        shard_model,
-    )
-
     model = build_for(cfg, device)
     shard_model(model, cfg)
     opt = make_optimizer(model.parameters(), cfg)
@@ -690,10 +689,8 @@ def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
 
 
 def _fsdp2_run(cfg, device: torch.device, rank: int, world_size: int):
-    from graph_fsdp.bench.peers import _accumulating_step, _fsdp2  # noqa: PLC0415
-
-    model, opt = _fsdp2(cfg, world_size, device)
-    step = _accumulating_step(cfg, model, opt, rank, device, model.set_requires_gradient_sync)
+    model, opt = fsdp2_model(cfg, world_size, device)
+    step = accumulating_step(cfg, model, opt, rank, device, model.set_requires_gradient_sync)
     return model, opt, step, known_fsdp2
 
 
@@ -705,8 +702,6 @@ def _start_history(max_entries: int) -> None:
 
 
 def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
-    from graph_fsdp.training.train import device_of  # noqa: PLC0415
-
     if job.engine not in ENGINES:
         raise ValueError(f"memory engine {job.engine!r}: choose one of {', '.join(ENGINES)}")
     cfg = replace(job.cfg, steps=job.warmup + job.cfg.steps)
@@ -733,8 +728,6 @@ def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
         result["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         result["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
         if job.save_snapshot and rank == 0:
-            import pickle  # noqa: PLC0415
-
             os.makedirs(job.output_dir, exist_ok=True)
             with open(os.path.join(job.output_dir, f"snapshot_{job.engine}.pickle"), "wb") as f:
                 pickle.dump(snapshot, f)
@@ -757,8 +750,6 @@ def memory_worker(rank: int, world_size: int, job: MemoryJob) -> dict | None:
 
 def write_result(result: dict, label: str, output_dir: str) -> str:
     """``memory_<label>.json``, stamped with the code that produced it (provenance.py)."""
-    from graph_fsdp.bench.provenance import code_version  # noqa: PLC0415
-
     os.makedirs(output_dir, exist_ok=True)
     path = os.path.join(output_dir, f"memory_{label}.json")
     with open(path, "w") as f:
@@ -775,8 +766,6 @@ def merge(paths: list[str]) -> str:
         with open(path) as f:
             data = json.load(f)
         results[data.get("label", os.path.basename(path))] = data
-    from graph_fsdp.bench.provenance import stamp_line  # noqa: PLC0415
-
     stamps = {
         label: stamp_line(data["code"]) if data.get("code") else "not recorded"
         for label, data in results.items()

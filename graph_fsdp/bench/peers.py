@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp as torch_fsdp  # torch's, kept apart from graph_fsdp's names
 from torch.distributed.device_mesh import init_device_mesh
 
 from graph_fsdp.bench.verdicts import COMM_INSIDE, COMM_NONE
@@ -113,7 +114,7 @@ def _from_run(result: dict, warmup: int) -> dict:
     }
 
 
-def _accumulating_step(
+def accumulating_step(
     cfg: TrainConfig,
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -297,19 +298,18 @@ def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict 
 # --------------------------------------------------------------------------------------------
 
 
-def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
-    # torch's fully_shard and MixedPrecisionPolicy, kept apart from graph_fsdp's names
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415
-
+def fsdp2_model(cfg: TrainConfig, world_size: int, device: torch.device):
     model = build_for(cfg, device)
     # A 2-D (replicate, shard) mesh is FSDP2's HSDP (its optimizer stays replicated).
     mesh = init_device_mesh(device.type, tuple(cfg.mesh_shape or (world_size,)))
-    mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype, reduce_dtype=torch.float32)
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=cfg.compute_dtype, reduce_dtype=torch.float32)
     # FSDP2 has one sharding scheme; keeping weights gathered after forward is its ZeRO-2.
     reshard = cfg.strategy == "optim_grads_params"
     for unit, unit_reshard in sharding_units(model):  # the units graph_fsdp's rows use
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and unit_reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        torch_fsdp.fully_shard(
+            unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and unit_reshard
+        )
+    torch_fsdp.fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.lr,
@@ -322,8 +322,8 @@ def _fsdp2(cfg: TrainConfig, world_size: int, device: torch.device):
 def run_fsdp2(rank: int, world_size: int, spec: BenchSpec) -> dict:
     """torch FSDP2 ``fully_shard`` per layer then root; bf16 params, fp32 reduction."""
     cfg, device = spec.cfg, device_of(spec.cfg)
-    model, opt = _fsdp2(cfg, world_size, device)
-    step = _accumulating_step(cfg, model, opt, rank, device, model.set_requires_gradient_sync)
+    model, opt = fsdp2_model(cfg, world_size, device)
+    step = accumulating_step(cfg, model, opt, rank, device, model.set_requires_gradient_sync)
     return _timed(spec, device, step, world_size)
 
 
@@ -342,7 +342,7 @@ def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
     if spec.warmup < 1:
         raise Skip("needs at least one warmup step before capture")
     device = device_of(cfg)
-    model, opt = _fsdp2(cfg, world_size, device)
+    model, opt = fsdp2_model(cfg, world_size, device)
     x, y = _batch(cfg, 0, 0, rank, device)
 
     def load(i: int) -> None:

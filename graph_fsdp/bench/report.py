@@ -180,7 +180,7 @@ def bar_chart(report: dict, path: str) -> None:
     import matplotlib  # noqa: PLC0415 (optional: pip install graph-fsdp[bench])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional dependency)
 
     rows = [r for r in with_ratios(report["rows"]) if r["status"] == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 * max(len(rows), 1) + 1.8))

@@ -26,7 +26,7 @@ MIN_TE_VERSION = (2, 19)
 
 def te_version() -> tuple[int, ...] | None:
     try:
-        import transformer_engine  # noqa: PLC0415
+        import transformer_engine  # noqa: PLC0415 (optional dependency)
     except ImportError:
         return None
     parts = []
@@ -71,7 +71,7 @@ FUSED_ATTENTION_CAPTURE_CUDNN = (9, 15, 1)
 def te_cudnn_version() -> tuple[int, int, int] | None:
     """The cuDNN TransformerEngine runs (it may differ from torch's), or None without TE."""
     try:
-        from transformer_engine.pytorch.utils import get_cudnn_version  # noqa: PLC0415
+        from transformer_engine.pytorch.utils import get_cudnn_version  # noqa: PLC0415 (optional dependency)
 
         return tuple(int(v) for v in get_cudnn_version())
     except Exception:  # noqa: BLE001 - no TE, or a TE without the helper: nothing to check
@@ -244,7 +244,7 @@ class _Positional(nn.Module):
 def capture_te(
     caps: list[CapturedCallable], hooks: list[CaptureHooks], *, warmup_iters: int, pool
 ) -> None:
-    from transformer_engine.pytorch import make_graphed_callables  # noqa: PLC0415
+    from transformer_engine.pytorch import make_graphed_callables  # noqa: PLC0415 (optional dependency)
 
     wrappers = tuple(_Positional(cap) for cap in caps)
     for cap in caps:

@@ -231,7 +231,7 @@ class GradState:
                     g.ensure_main_grad()  # a forward since the save may have released it
                 live.copy_(saved)
         for g, pending in self.flags:
-            g.accum_pending = pending
+            g.restore_accumulation(pending)
         for p, grad in self.attached:
             p.grad = grad
 

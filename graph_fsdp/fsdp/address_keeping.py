@@ -40,9 +40,9 @@ sharded ``.grad`` is attached or ``no_sync`` accumulates; otherwise the next red
 overwrites them.
 
 How tensors get into regions: at the root's lazy init the main weights, main gradients and
-compute buffers made by ``fully_shard`` are copied into regions (once; the optimizer's
-parameters keep their identity), the allocator makes its slots inside the buffers region
-(``SlotAllocator.set_region``), accumulators are made inside the grads region
+compute buffers made by ``fully_shard`` are copied into regions (once, by the group's
+``adopt_addresses``; the optimizer's parameters keep their identity), the allocator makes its
+slots inside the buffers region (``SlotAllocator.set_region``), accumulators are made inside the grads region
 (``FlatParamGroup.persistent_region``), and main gradients are never released between steps
 (param_group.py [Note: releasable main grads]: ``pin_main_grad()``, as a full-iteration graph
 needs anyway). Optimizer state is made by the optimizer's first step, outside any region: the
@@ -246,7 +246,7 @@ def offload_mode_for(states: list, keep_addresses: bool) -> OffloadMode:
     keeper = AddressKeeper(backend, device)
     for state in states:
         for group in state.groups:
-            adopt_group(keeper, group)
+            group.adopt_addresses(keeper)
     states[0].root.allocator.set_region(keeper.region_of("buffers"))
     _no_nccl_graph_registration()
     pools = (
@@ -368,43 +368,6 @@ class AddressKeeper:
             raise RuntimeError(f"graph_fsdp: the {kind} region is not released")
         self.backend.resume(self.tag(kind), self._released.pop(kind))
         self.paused.discard(kind)
-
-
-def repoint_views(group) -> None:
-    """Sharded params as views of ``main_flat`` again, and grad views of ``main_grad``, after
-    either's storage was swapped (offload.py [Note: offload keeps identities])."""
-    lo = group.owned[0]
-    grad_lo = lo if group.placements.grads else 0
-    # A released main grad (param_group.py [Note: releasable main grads]) has no bytes to
-    # slice: its views stay on its storage, which gets its bytes back before the next use.
-    grads = group.main_grad.untyped_storage().nbytes() > 0
-    for ref in group.params:
-        offset = group.layout.offsets[ref.index]
-        start = ref.global_offset
-        end = start + ref.sharded.numel()
-        ref.sharded.data = group.main_flat[offset + start - lo : offset + end - lo]
-        if grads:
-            ref.grad_view = group.main_grad[offset + start - grad_lo : offset + end - grad_lo]
-
-
-def adopt_group(keeper: AddressKeeper, group) -> None:
-    """Move a ``FlatParamGroup``'s persistent device tensors into the keeper's regions (at
-    lazy init: nothing has captured their addresses yet)."""
-    group.main_flat.data = keeper.adopt("params", group.main_flat)
-    group.ensure_main_grad()
-    group.main_grad.data = keeper.adopt("grads", group.main_grad)
-    group.pin_main_grad()  # its storage never comes and goes: graphs may write it
-    if group.accum is not None:
-        group.accum.data = keeper.adopt("grads", group.accum)
-    group.persistent_region = keeper.region_of("grads")
-    persistent = group.persistent_full
-    if persistent is not None:  # contents are refreshed from the main weights (dirty)
-        group.persistent_full = keeper.empty("params", persistent.shape, persistent.dtype)
-    if group.compute_shard is not None:
-        shard = group.compute_shard
-        group.compute_shard = keeper.empty("params", shard.shape, shard.dtype)
-    group.dirty = True
-    repoint_views(group)
 
 
 # ---------------------------------------------------------------------- captures

@@ -116,6 +116,21 @@ class CommContext:
         """The current stream of the device (a cached handle while it stays the same)."""
         return current_stream(self.device) if self.cuda else None
 
+    # The streams a buffer was used on, for the allocator's ``free(key, used_on=...)``.
+    def main_streams(self) -> list:
+        """The current stream (see :meth:`main_stream`), or none on CPU."""
+        main = self.main_stream()
+        return [main] if main is not None else []
+
+    def grad_streams(self) -> list:
+        """The side stream that reads the unsharded grads (the replica stream never does: an
+        event recorded on it before it joins a full_iteration capture is uncaptured work)."""
+        return [self.rs_stream] if self.rs_stream is not None else []
+
+    def reduction_streams(self) -> list:
+        """The streams a reduction's buffers are used on: reduce-scatter and replicas."""
+        return [s for s in (self.rs_stream, self.rep_stream) if s is not None]
+
     def on(self, stream):
         """Context that makes ``stream`` current (no-op on CPU).
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 EXPERT_ATTR = "_graph_fsdp_expert"
 """Attribute :func:`mark_expert_params` sets on a parameter: its :class:`ExpertLayout`."""
@@ -213,8 +214,6 @@ def init_expert_mesh(device_type: str, ep_size: int, *, world_size: int | None =
     """The 2-D ``(edp, ep)`` DeviceMesh over the world for ``ep_size``-way expert
     parallelism, in Megatron's rank order: consecutive ranks form an EP group (ranks 0..EP-1
     hold different experts), ranks ``EP`` apart hold the same experts (an EDP group)."""
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
-
     world = dist.get_world_size() if world_size is None else world_size
     if not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
         raise ValueError(
@@ -231,8 +230,6 @@ def expert_mesh_from_groups(
     ``parallel_state.get_expert_model_parallel_group()`` and
     ``get_expert_data_parallel_group()``), for ``fully_shard(..., expert_mesh=...)``. A
     collective over the default group (each rank's coordinates are exchanged once)."""
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
-
     ep, edp, world = (
         dist.get_world_size(ep_group),
         dist.get_world_size(edp_group),
@@ -261,8 +258,6 @@ def expert_mesh_from_groups(
 
 def resolve_expert_mesh(mesh, owner: str, dense_ranks: list[int], device: torch.device):
     """The :class:`ExpertGroups` of ``mesh``, or a clear error when it does not fit."""
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
-
     fix = (
         f"build it with graph_fsdp.init_expert_mesh({device.type!r}, ep_size) (a 2-D mesh with "
         f"dimensions named {EDP_DIM!r} and {EP_DIM!r} over the data-parallel ranks)"

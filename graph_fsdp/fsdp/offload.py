@@ -51,7 +51,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from graph_fsdp.fsdp.address_keeping import AddressKeeper, OffloadMode, announce, repoint_views
+from graph_fsdp.fsdp.address_keeping import AddressKeeper, OffloadMode, announce
 from graph_fsdp.fsdp.param_group import FlatParamGroup
 from graph_fsdp.fsdp.state import FSDPState, TrainingState, collect_states, in_backward, state_of
 
@@ -91,6 +91,10 @@ def _sync(device: torch.device) -> None:
 
 def _add(counts: dict[str, int], kind: str, nbytes: int) -> None:
     counts[kind] = counts.get(kind, 0) + nbytes
+
+
+_GRAD_KINDS = {"main_grad": "main_grads", "accum": "grad_accum"}
+"""A group's persistent gradient tensors by the kind offload counts them under."""
 
 
 def _totalled(counts: dict[str, int]) -> dict[str, int]:
@@ -214,35 +218,6 @@ def _suspend_graphs(states: list[FSDPState]) -> int:
     return max(before - torch.cuda.memory_allocated(), 0)
 
 
-# ---------------------------------------------------------------------- gradients' views
-def _detach_grads(group: FlatParamGroup) -> None:
-    """Remember which sharded params have a ``.grad`` and unset it (it is re-attached as a
-    view of ``main_grad`` once params and grads are on the same device again)."""
-    pending = group.__dict__.setdefault("_lifecycle_grads", set())
-    for i, ref in enumerate(group.params):
-        p = ref.sharded
-        if p.grad is not None:
-            if p.grad is not ref.grad_view:
-                ref.grad_view.copy_(p.grad)  # a grad the user replaced: keep its values
-            pending.add(i)
-            p.grad = None
-
-
-def _reattach_grads(group: FlatParamGroup) -> None:
-    pending = group.__dict__.get("_lifecycle_grads", set())
-    for i in sorted(pending):
-        ref = group.params[i]
-        if ref.sharded.device == ref.grad_view.device:
-            ref.sharded.grad = ref.grad_view
-            pending.discard(i)
-
-
-def _grads_live(group: FlatParamGroup) -> bool:
-    """Whether ``main_grad`` holds values someone reads: a sharded ``.grad`` is attached (or
-    detached by an offload, to be re-attached). Otherwise the next reduction overwrites it."""
-    return group.grads_defined() or bool(group.__dict__.get("_lifecycle_grads"))
-
-
 # ---------------------------------------------------------------------- params
 def offload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Move every unit's sharded main weights to (pinned) CPU memory and free the device
@@ -272,21 +247,17 @@ def _offload_recapture(states: list[FSDPState]) -> dict[str, int]:
     for state in states:
         state.reshard()
         for group in state.groups:
-            _detach_grads(group)
+            group.detach_grads()
             _add(freed, "main_params", _nbytes(group.main_flat))
-            group.main_flat.data = _to_host(group.main_flat)
-            if group.compute_shard is not None:  # HSDP optim_over_replicas only
-                _add(freed, "compute_shard", _nbytes(group.compute_shard))
-                group.compute_shard = torch.empty(0, dtype=group.compute_dtype, device=device)
-            persistent = group.persistent_full
-            if persistent is not None:
-                _add(freed, "compute_full", _nbytes(persistent))
-                group.persistent_full = None
+            group.move_storage("main_flat", _to_host(group.main_flat))
+            for kind, t in group.compute_weights().items():
+                _add(freed, kind, _nbytes(t))
+            group.drop_compute_weights()
             group.drop_unsharded()
     _sync(device)
     for state in states:
         for group in state.groups:
-            repoint_views(group)
+            group.repoint_views()
     root.allocator.release()  # slots (and graphs that read them) must be re-made
     freed["allocator_slots"] = slots
     return freed
@@ -300,21 +271,17 @@ def _offload_kept(states: list[FSDPState], keeper: AddressKeeper) -> dict[str, i
     for state in states:
         state.reshard()
         for group in state.groups:
-            _detach_grads(group)
+            group.detach_grads()
             device_flat = group.main_flat.detach()
-            group.main_flat.data = _to_host(device_flat)
+            group.move_storage("main_flat", _to_host(device_flat))
             saved.append((group, device_flat))
             _add(freed, "main_params", _nbytes(device_flat))
-            for kind, t in (
-                ("compute_full", group.persistent_full),
-                ("compute_shard", group.compute_shard),
-            ):
-                if t is not None:
-                    _add(freed, kind, _nbytes(t))
-                    compute.append(t)
+            for kind, t in group.compute_weights().items():
+                _add(freed, kind, _nbytes(t))
+                compute.append(t)
     _sync(keeper.device)
     for group, _ in saved:
-        repoint_views(group)
+        group.repoint_views()
     slots = _live_slots(states[0].root.allocator)
     freed["allocator_slots"] = sum(_nbytes(t) for t in slots)
     keeper.saved["params"] = saved
@@ -353,7 +320,7 @@ def onload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
             _add(moved, kind, nbytes)
         for state in states:
             for group in state.groups:
-                _reattach_grads(group)
+                group.reattach_grads()
         states[0].root.offloaded.discard("params")
     return _totalled(moved)
 
@@ -363,20 +330,12 @@ def _onload_recapture(states: list[FSDPState]) -> dict[str, int]:
     moved: dict[str, int] = {}
     for state in states:
         for group in state.groups:
-            group.main_flat.data = _to_device(group.main_flat, device)
+            group.move_storage("main_flat", _to_device(group.main_flat, device))
             _add(moved, "main_params", _nbytes(group.main_flat))
-            if group.compute_shard is not None:  # HSDP optim_over_replicas only
-                group.compute_shard = torch.empty(
-                    group.shard_numel, dtype=group.compute_dtype, device=device
-                )
-                _add(moved, "compute_shard", _nbytes(group.compute_shard))
-            if not group.placements.params:
-                group.persistent_full = torch.empty(
-                    group.layout.total, dtype=group.compute_dtype, device=device
-                )
-                _add(moved, "compute_full", _nbytes(group.persistent_full))
-            repoint_views(group)
-            group.dirty = True  # compute weights are rebuilt from the main weights
+            group.renew_compute_weights()  # rebuilt from the main weights at the next gather
+            for kind, t in group.compute_weights().items():
+                _add(moved, kind, _nbytes(t))
+            group.repoint_views()
     _sync(device)
     return moved
 
@@ -388,16 +347,11 @@ def _onload_kept(states: list[FSDPState], keeper: AddressKeeper) -> dict[str, in
     moved: dict[str, int] = {}
     for group, device_flat in keeper.saved.pop("params"):
         device_flat.copy_(group.main_flat, non_blocking=group.main_flat.is_pinned())
-        group.main_flat.data = device_flat
-        repoint_views(group)
-        group.dirty = True  # compute weights are rebuilt from the main weights
+        group.move_storage("main_flat", device_flat)  # compute weights: rebuilt from it
+        group.repoint_views()
         _add(moved, "main_params", _nbytes(device_flat))
-        for kind, t in (
-            ("compute_full", group.persistent_full),
-            ("compute_shard", group.compute_shard),
-        ):
-            if t is not None:
-                _add(moved, kind, _nbytes(t))
+        for kind, t in group.compute_weights().items():
+            _add(moved, kind, _nbytes(t))
     _sync(keeper.device)
     return moved
 
@@ -417,23 +371,21 @@ def offload_grads(model_or_chunks: ModelOrChunks) -> dict[str, int]:
         saved = []
         for state in states:
             for group in state.groups:
-                live = {"main_grad": _grads_live(group), "accum": group.accum_pending}
-                _detach_grads(group)
-                for attr in ("main_grad", "accum"):
-                    t = getattr(group, attr)
-                    if t is None:
-                        continue
-                    _add(freed, "main_grads" if attr == "main_grad" else "grad_accum", _nbytes(t))
+                live = {"main_grad": group.grads_live(), "accum": group.accum_pending}
+                group.detach_grads()
+                for attr, t in group.persistent_grads().items():
+                    _add(freed, _GRAD_KINDS[attr], _nbytes(t))
                     device_t = t.detach()
                     if keeper is None or live[attr]:
-                        t.data = _to_host(device_t)
+                        group.move_storage(attr, _to_host(device_t))
                     else:  # nothing to keep: a host tensor of the shape, never written
-                        t.data = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                        group.move_storage(attr, host)
                     saved.append((group, attr, device_t, live[attr]))
         _sync(states[0].groups[0].device)
         for state in states:
             for group in state.groups:
-                repoint_views(group)
+                group.repoint_views()
         if keeper is not None:
             keeper.saved["grads"] = saved
             keeper.release("grads", [t for _, _, t, _ in saved])
@@ -452,26 +404,24 @@ def onload_grads(model_or_chunks: ModelOrChunks) -> dict[str, int]:
         if keeper is None:
             for state in states:
                 for group in state.groups:
-                    group.main_grad.data = _to_device(group.main_grad, device)
-                    _add(moved, "main_grads", _nbytes(group.main_grad))
-                    if group.accum is not None:
-                        group.accum.data = _to_device(group.accum, device)
-                        _add(moved, "grad_accum", _nbytes(group.accum))
+                    for attr, t in group.persistent_grads().items():
+                        group.move_storage(attr, _to_device(t, device))
+                        _add(moved, _GRAD_KINDS[attr], _nbytes(t))
         else:
             keeper.restore("grads")
             for group, attr, device_t, live in keeper.saved.pop("grads"):
-                t = getattr(group, attr)
+                t = group.persistent_grads()[attr]
                 if live:
                     device_t.copy_(t, non_blocking=t.is_pinned())
-                t.data = device_t
-                _add(moved, "main_grads" if attr == "main_grad" else "grad_accum", _nbytes(t))
+                group.move_storage(attr, device_t)
+                _add(moved, _GRAD_KINDS[attr], _nbytes(t))
         for state in states:
             for group in state.groups:
-                repoint_views(group)
+                group.repoint_views()
         _sync(device)
         for state in states:
             for group in state.groups:
-                _reattach_grads(group)
+                group.reattach_grads()
         states[0].root.offloaded.discard("grads")
     return _totalled(moved)
 

@@ -1,6 +1,8 @@
 """One unit's parameters of one compute dtype: flat buffers, unshard/reshard, gradients.
 
-The reduction of the gradients into ``main_grad`` is reduce.py's (free functions over a group).
+The group owns its tensors: only its methods assign them - gathers, the gradients' hand-over
+to reduce.py (functions over tensors; :meth:`FlatParamGroup.post_backward` passes its buffers
+in), and the storage moves of offload (offload.py) and kept addresses (address_keeping.py).
 
 Tensors per group (W = data-parallel world size, "owned" = this rank's shard when the
 optimizer is sharded, else the whole flat buffer; see [Note: HSDP ranges] for 2-D meshes):
@@ -51,8 +53,8 @@ replicas into the compute shard, then over the shard group. With R == 1 every ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -70,31 +72,21 @@ from graph_fsdp.fsdp.experts import (
     ExpertLayout,
     global_expert_params,
 )
-from graph_fsdp.fsdp.tensor_parallel import TPSpec
+from graph_fsdp.fsdp.group_storage import StorageMoves
+from graph_fsdp.fsdp.param_ref import (
+    ParamRef,
+    broadcast_from_first,
+    owned_ranges,
+    owned_slice,
+    param_views,
+    uncovered,
+)
+from graph_fsdp.fsdp.reduce import ReduceSpec, reduce_grads
+
+__all__ = ["FlatParamGroup", "ParamRef"]
 
 
-@dataclass
-class ParamRef:
-    """Where one original parameter lives: its owners and its slot in the flat layout."""
-
-    fqn: str
-    owners: list[tuple[nn.Module, str]]
-    shape: torch.Size
-    index: int
-    sharded: nn.Parameter
-    """1-D view of main_flat (this rank's part; may be empty). Registered on the module."""
-    global_offset: int = 0
-    """Offset of ``sharded`` inside the parameter's flattened numbering."""
-    unsharded: nn.Parameter | None = None
-    expert: ExpertLayout | None = None
-    """Expert parameters: where this EP rank's parameter lies in the global one (None: dense,
-    or an expert layout nobody declared - checkpoints refuse those)."""
-    tp: TPSpec | None = None
-    """Tensor-parallel parameters: where this TP rank's local tensor (``shape``) lies in the
-    global one (tensor_parallel.py [Note: tensor-parallel parameters])."""
-
-
-class FlatParamGroup:
+class FlatParamGroup(StorageMoves):
     def __init__(
         self,
         fqn: str,
@@ -127,7 +119,9 @@ class FlatParamGroup:
         R = comm.replicate_size
         self.layout = FlatLayout(tuple(p.numel() for p in originals), comm.world_size * R)
         self.over_replicas = placements.optim_over_replicas and R > 1
-        self.owned, self.shard_range = self._ranges()
+        self.owned, self.shard_range = owned_ranges(
+            self.layout, comm, placements, self.over_replicas
+        )
         """This rank's owned range (main weights, main grads) and shard-group range."""
         slo, shi = self.shard_range
         self.shard_numel = shi - slo
@@ -176,25 +170,37 @@ class FlatParamGroup:
         self.capture = CaptureContext()
         """The root's capture switches (capture_context.py [Note: capture context]), set at
         the root's lazy init."""
-        self.persistent_region = nullcontext
+        self.persistent_region: Callable = nullcontext
         """Where persistent tensors made after construction (``accum``) are allocated: a
         region whose memory offload releases at kept addresses (address_keeping.py [Note:
         offload keeps addresses])."""
-
-    def _ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """``(owned, shard_range)`` of this rank ([Note: HSDP ranges]; with one replica both
-        are the 1-D shard range, or without a sharded optimizer the whole layout is owned)."""
-        comm, R = self.comm, self.comm.replicate_size
-        piece = self.layout.shard_numel
-        slo, shi = comm.rank * R * piece, (comm.rank + 1) * R * piece
-        if not self.placements.optim:
-            lo, hi = 0, self.layout.total
-        elif self.over_replicas:
-            lo = slo + comm.replicate_rank * piece
-            hi = lo + piece
-        else:
-            lo, hi = slo, shi
-        return (lo, hi), (slo, shi)
+        self._holds_full = False
+        """``full`` is a gathered (or being gathered) slot this group must give back."""
+        self._unsharded_built = False
+        """Every ``ref.unsharded`` exists (cleared by ``renew_unsharded``, which drops them)."""
+        self._unsharded_on_modules = False
+        """The modules hold the unsharded parameters (``use_unsharded`` ran since the last
+        ``use_sharded``); a replay leaves the sharded ones in place (state.py [Note: forward
+        handlers in the dispatcher])."""
+        self.grads_in_autograd = False
+        """This backward's gradients are in the unsharded params' ``.grad``, not yet in
+        ``grad_full`` ([Note: gradients autograd creates])."""
+        self._grads_attached_to: torch.Tensor | None = None
+        """The ``full`` whose unsharded params hold ``.grad`` views of ``grad_full``."""
+        self._gather_views: tuple | None = None
+        """``(full, its address, full[owned], full[shard_range])``: slicing costs host time at
+        every gather, and ``full`` is the same slot view gather after gather."""
+        self._grad_views: tuple | None = None
+        """``(grad_full, one view per parameter)``, rebuilt when the allocator hands out
+        another tensor object."""
+        self._gaps: tuple | None = None
+        """``(grad_full, covered, views of what those parameters leave uncovered)``."""
+        self._detached_grads: set[int] = set()
+        """Indices of the parameters whose sharded ``.grad`` an offload unset, re-attached once
+        params and grads share a device again (:meth:`detach_grads`)."""
+        self._reduce_spec: ReduceSpec | None = None
+        """What reduce.py reads of this group, made at the first reduction after the group
+        joined its root (:meth:`join_root`)."""
 
     def _make_main(
         self, originals: list[nn.Parameter], broadcast_from_rank0: bool
@@ -207,7 +213,7 @@ class FlatParamGroup:
         for offset, p in zip(self.layout.offsets, originals):
             full[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
         if broadcast_from_rank0:
-            _broadcast_from_first(full, self.comm)
+            broadcast_from_first(full, self.comm)
         main_flat = full[lo:hi].clone()
         grad_numel = hi - lo if self.placements.grads else self.layout.total
         main_grad = torch.zeros(grad_numel, dtype=mp.main_grads_dtype, device=device)
@@ -223,8 +229,7 @@ class FlatParamGroup:
         refs = []
         for index, (pfqn, owners, p) in enumerate(entries):
             offset = self.layout.offsets[index]
-            start = min(max(lo - offset, 0), p.numel())
-            end = max(min(hi - offset, p.numel()), start)
+            start, end = owned_slice(offset, p.numel(), self.owned)
             view = self.main_flat[offset + start - lo : offset + end - lo]
             sharded = nn.Parameter(view, requires_grad=p.requires_grad)
             ref = ParamRef(pfqn, owners, p.shape, index, sharded, global_offset=start)
@@ -237,6 +242,17 @@ class FlatParamGroup:
             ref.grad_view = self.main_grad[offset + start - grad_lo : offset + end - grad_lo]
             refs.append(ref)
         return refs
+
+    def join_root(
+        self, unit_fqn: str, prefix: str, comm: CommContext, capture: CaptureContext
+    ) -> None:
+        """At the root's lazy init: the names under the root (``unit_fqn``, the unit's module
+        path ``prefix``), the root's context for this group's mesh and its capture switches."""
+        self.fqn = ".".join(x for x in (unit_fqn, self.suffix) if x)
+        for ref in self.params:
+            ref.fqn = ref.local_fqn if not prefix else f"{prefix}.{ref.local_fqn}"
+        self.comm, self.capture = comm, capture
+        self._reduce_spec = None
 
     # Allocator keys are identities (unit name, role, dtype[, tag]): buffers/allocator.py;
     # expert groups' carry a tag (experts.py [Note: expert groups]).
@@ -293,7 +309,7 @@ class FlatParamGroup:
         ranks): views named by FQN, or for expert groups new global tensors under their
         global names (every EP rank's experts; a collective over the EP group)."""
         if self.expert is None:
-            views = self._param_views(full)
+            views = param_views(full, self.params, self.layout)
             return [  # tensor-parallel ones gathered over tp too (a collective, in order)
                 (ref.fqn, view if ref.tp is None else ref.tp.full_tensor(view))
                 for ref, view in zip(self.params, views)
@@ -375,10 +391,6 @@ class FlatParamGroup:
             all_gather(self.compute_shard, piece, self.comm, self.fqn, over_replicas=True)
         return self.compute_shard
 
-    _gather_views: tuple | None = None
-    """``(full, its address, full[owned], full[shard_range])``: slicing costs host time at
-    every gather, and ``full`` is the same slot view gather after gather."""
-
     def _make_gather_views(self, full: torch.Tensor) -> tuple:
         (lo, hi), (slo, shi) = self.owned, self.shard_range
         return (full, full.data_ptr(), full[lo:hi], full[slo:shi])
@@ -394,20 +406,14 @@ class FlatParamGroup:
             self.comm.wait_event(self.ag_event)
             self.ag_event = None
 
-    _holds_full = False
-
     def reshard(self, allocator: BufferAllocator) -> None:
         self.use_sharded()
         if self.placements.params and self._holds_full:
             with nvtx_range(f"graph_fsdp/reshard/{self.fqn}"):
                 # A pending gather is consumed before the slot can be handed on.
                 self.wait_unshard()
-                allocator.free(self.param_key, used_on=self.main_streams())
+                allocator.free(self.param_key, used_on=self.comm.main_streams())
             self._holds_full = False
-
-    def main_streams(self):
-        main = self.comm.main_stream()
-        return [main] if main is not None else []
 
     def _rebuild_unsharded(self, full: torch.Tensor) -> None:
         """(Re)create unsharded parameters when the flat tensor object changed."""
@@ -416,16 +422,13 @@ class FlatParamGroup:
         self.full = full
         # The params view an alias with its own version counter: re-gathering into ``full``
         # before backward must not look like an in-place change of tensors autograd saved.
-        for ref, view in zip(self.params, self._param_views(full.data)):
+        for ref, view in zip(self.params, param_views(full.data, self.params, self.layout)):
             if ref.tp is None:
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.sharded.requires_grad)
             else:  # a DTensor again for a TP plan's modules
                 ref.unsharded = ref.tp.compute_param(view, ref.sharded.requires_grad)
         self._grads_attached_to = None
         self._unsharded_built = True
-
-    _unsharded_built = False
-    """Every ``ref.unsharded`` exists (cleared by ``renew_unsharded``, which drops them)."""
 
     def renew_unsharded(self) -> None:
         """New unsharded parameter objects over the same buffer: fresh autograd leaves.
@@ -462,11 +465,6 @@ class FlatParamGroup:
             for module, name in ref.owners:
                 module._parameters[name] = unsharded
         self._unsharded_on_modules = True
-
-    _unsharded_on_modules = False
-    """The modules hold the unsharded parameters (``use_unsharded`` ran since the last
-    ``use_sharded``); a replay leaves the sharded ones in place (state.py [Note: forward
-    handlers in the dispatcher])."""
 
     def use_sharded(self, *, initial: bool = False) -> None:
         if not (initial or self._unsharded_on_modules):
@@ -512,10 +510,6 @@ class FlatParamGroup:
                     ref.unsharded.grad = view if ref.tp is None else ref.tp.grad_holder(view)
             self._grads_attached_to = self.full
 
-    grads_in_autograd = False
-    """This backward's gradients are in the unsharded params' ``.grad``, not yet in
-    ``grad_full`` ([Note: gradients autograd creates])."""
-
     def collect_grads(self, allocator: BufferAllocator) -> None:
         """Copy autograd's gradients into ``grad_full`` (on the main stream) and drop them."""
         self.grads_in_autograd = False
@@ -535,45 +529,24 @@ class FlatParamGroup:
         if dst:
             torch._foreach_copy_(dst, src)
 
-    _gaps: tuple | None = None
-    """``(grad_full, covered, views of what those parameters leave uncovered)``."""
-
     def _gaps_of(self, flat: torch.Tensor, covered: tuple[bool, ...]) -> list[torch.Tensor]:
-        """Views of ``flat`` outside the parameters flagged in ``covered``: alignment gaps,
-        the world-size padding, parameters without a gradient."""
+        """What the parameters flagged in ``covered`` leave of ``flat`` (param_ref.py
+        ``uncovered``), cached while ``flat`` and ``covered`` stay the same."""
         cached = self._gaps
         if cached is not None and cached[0] is flat and cached[1] == covered:
             return cached[2]
-        gaps, pos = [], 0
-        for n, offset, cov in zip(self.layout.numels, self.layout.offsets, covered):
-            if cov:
-                if offset > pos:
-                    gaps.append(flat[pos:offset])
-                pos = offset + n
-        if flat.numel() > pos:
-            gaps.append(flat[pos:])
+        gaps = uncovered(flat, self.layout, covered)
         self._gaps = (flat, covered, gaps)
         return gaps
 
     def _allocate_grad_full(self, allocator: BufferAllocator) -> torch.Tensor:
         return allocator.allocate(self.grad_key, self.layout.total, self.compute_dtype, self.device)
 
-    _grad_views: tuple | None = None
-    """``(grad_full, one view per parameter)``, rebuilt when the allocator hands out another
-    tensor object."""
-
     def _grad_views_of(self, grad_full: torch.Tensor) -> list[torch.Tensor]:
         views = self._grad_views
         if views is None or views[0] is not grad_full:
-            views = self._grad_views = (grad_full, self._param_views(grad_full))
+            views = self._grad_views = (grad_full, param_views(grad_full, self.params, self.layout))
         return views[1]
-
-    def _param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One view of ``flat`` per parameter, shaped like it, at its layout offset."""
-        return [
-            flat[offset : offset + ref.shape.numel()].view(ref.shape)
-            for ref, offset in zip(self.params, self.layout.offsets)
-        ]
 
     # [Note: releasable main grads] Like torch FSDP2, which frees sharded gradients on
     # ``zero_grad(set_to_none=True)``, ``main_grad``'s storage is released at the next forward
@@ -612,15 +585,6 @@ class FlatParamGroup:
         if storage.nbytes() == 0:
             storage.resize_(self.main_grad.numel() * self.main_grad.element_size())
 
-    def grad_streams(self):
-        """The side stream that reads the unsharded grads (the replica stream never does: an
-        event recorded on it before it joins a full_iteration capture is uncaptured work)."""
-        return [self.comm.rs_stream] if self.comm.rs_stream is not None else []
-
-    def rs_streams(self):
-        comm = self.comm
-        return [s for s in (comm.rs_stream, comm.rep_stream) if s is not None]
-
     def grads_defined(self) -> bool:
         for p in self._nonempty_sharded:
             if p.grad is not None:
@@ -635,12 +599,94 @@ class FlatParamGroup:
             if p.grad is None and p.requires_grad and p.numel():
                 p.grad = ref.grad_view
 
-
-def _broadcast_from_first(full: torch.Tensor, comm: CommContext) -> None:
-    """Meta-device init: every rank gets the values of the first rank of the mesh (first
-    across replicas, then within the shard group)."""
-    for group, size in ((comm.replicate_group, comm.replicate_size), (comm.group, comm.world_size)):
-        if size > 1:
-            torch.distributed.broadcast(
-                full, src=torch.distributed.get_global_rank(group, 0), group=group
+    # ---------------------------------------------------------------- post-backward
+    def post_backward(self, allocator: BufferAllocator, *, sync: bool) -> None:
+        """After the unit's backward: reduce this backward's gradients into ``main_grad``
+        (reduce.py, over the tensors this group passes in), or under ``no_sync`` keep them in
+        ``accum``; inside a layerwise capture only give the gradient slot back ([Note:
+        capture context])."""
+        if self.grad_full is None and not self.grads_in_autograd:
+            return
+        comm = self.comm
+        if self.capture.capturing_layers:
+            allocator.free(self.grad_key, used_on=comm.main_streams())
+            return
+        overwrite = not self.grads_defined()  # main_grad holds nothing the step must keep
+        if self.grads_in_autograd:
+            self.collect_grads(allocator)
+        spec = self.reduce_spec()
+        if sync:
+            self.ensure_main_grad()  # on the main stream: [Note: releasable main grads]
+            # The reduction's buffers get their bytes here, after this unit's backward was
+            # queued and on the main stream, not on the reduce-scatter stream that uses them
+            # ([Note: backward slots between steps]): at the start of backward, the memory
+            # peak (every activation and the loss gradients live), they hold nothing yet.
+            if not spec.reduces_nothing:
+                allocator.prepare(spec.buffer_keys)
+        comm.wait(comm.rs_stream, comm.main_stream())
+        with comm.on(comm.rs_stream), nvtx_range(f"graph_fsdp/reduce_grads/{self.fqn}"):
+            if not sync:
+                self._accumulate()
+                allocator.free(self.grad_key, used_on=comm.grad_streams())
+                return
+            reduce_grads(
+                self.grad_full,
+                self.take_accumulation(),
+                self.main_grad,
+                spec,
+                allocator,
+                graphs=self.capture.comm_graphs,
+                overwrite=overwrite,
             )
+
+    def reduce_spec(self) -> ReduceSpec:
+        """What reduce.py needs to know of this group (fixed once it joined its root)."""
+        spec = self._reduce_spec
+        if spec is None:
+            lo, hi = self.owned
+            spec = self._reduce_spec = ReduceSpec(
+                fqn=self.fqn,
+                comm=self.comm,
+                ident=id(self),
+                grads_sharded=self.placements.grads,
+                over_replicas=self.over_replicas,
+                rs_direct=self.rs_direct(),
+                fp32_accumulating=self.fp32_accumulating,
+                total=self.layout.total,
+                shard_numel=self.shard_numel,
+                owned_numel=hi - lo,
+                compute_dtype=self.compute_dtype,
+                comm_dtype=self.mp.comm_dtype(),
+                device=self.device,
+                grad_key=self.grad_key,
+                comm_key=self.comm_key,
+                a2a_key=self.a2a_key,
+                rs_key=self.rs_key,
+                rep_key=self.rep_key,
+            )
+        return spec
+
+    def _accumulate(self) -> None:
+        """``no_sync``: this backward's gradients into (or added to) the fp32 ``accum``."""
+        if self.accum is None:
+            with self.persistent_region():  # address_keeping.py
+                self.accum = torch.empty(
+                    self.layout.total, dtype=self.mp.main_grads_dtype, device=self.device
+                )
+        if self.accum_pending:
+            self.accum.add_(self.grad_full)
+        else:
+            self.accum.copy_(self.grad_full)
+        self.accum_pending = True
+
+    def take_accumulation(self) -> torch.Tensor | None:
+        """The ``no_sync`` accumulation the next reduction adds in (None: nothing pending);
+        taken, it is no longer pending."""
+        if not self.accum_pending:
+            return None
+        self.accum_pending = False
+        return self.accum
+
+    def restore_accumulation(self, pending: bool) -> None:
+        """Put back whether ``accum`` holds pending gradients (a verification's snapshot)."""
+        self.accum_pending = pending

@@ -3,7 +3,7 @@
 Hook registration (see ``register_hooks``) keeps capture in mind: the hooks are methods, and
 those that only *register* autograd backward handlers carry a sentinel naming the handler
 (``_cuda_graph_backward_handler`` / ``_cuda_graph_backward_pre_handler``), so the capture
-layer can withhold them and route the handler to the backward keys (hooks/module_hooks.py).
+layer can withhold them and route the handler to the backward keys (capture/module_hooks.py).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from graph_fsdp.buffers.allocator import BufferAllocator, DynamicAllocator
-from graph_fsdp.buffers.double_buffer import DoubleBufferAllocator
-from graph_fsdp.buffers.trace_pool import TracePoolAllocator
+from graph_fsdp.buffers.allocator import BufferAllocator
 from graph_fsdp.cuda_streams import nvtx_range
 from graph_fsdp.fsdp.address_keeping import OffloadMode, offload_mode_for
+from graph_fsdp.fsdp.allocators import make_allocator
 from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy, Placements
 from graph_fsdp.fsdp.capture_context import CaptureContext
 from graph_fsdp.fsdp.comm import CommContext
@@ -34,7 +33,6 @@ from graph_fsdp.fsdp.hook_markers import (
     mark,
 )
 from graph_fsdp.fsdp.param_group import FlatParamGroup
-from graph_fsdp.fsdp.reduce import reduce_grads
 
 
 class TrainingState(enum.Enum):
@@ -42,19 +40,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
-
-
-def make_allocator(policy: BufferPolicy) -> BufferAllocator:
-    if policy.allocator == "double_buffer":
-        return DoubleBufferAllocator(
-            num_slots=policy.num_slots,
-            persist_on_alloc_fail=policy.persist_on_alloc_fail,
-            # Copied into, reduced and released on the reduce-scatter stream, in order.
-            serial_roles=("grad_comm", "rs_out"),
-        )
-    if policy.allocator == "trace_pool":
-        return TracePoolAllocator(persist_on_alloc_fail=policy.persist_on_alloc_fail)
-    return DynamicAllocator()
 
 
 def in_backward() -> bool:
@@ -205,7 +190,7 @@ class FSDPState:
         it is captured, layerwise captures skip it as they skip the reductions. For the
         gradients a model's own tensor parallelism still reduces (Megatron's
         ``finalize_model_grads`` all-reduce of sequence-parallel norms: integrations/
-        megatron_tp.py)."""
+        megatron/tp.py)."""
         self.grad_sync_hooks.append(hook)
 
     def register_hooks(self) -> None:
@@ -267,7 +252,7 @@ class FSDPState:
             self._forward_by_dispatcher = False
             self.register_hooks()
 
-    # The hooks themselves. Sentinels (hooks/module_hooks.py, [Note: sentinel hooks]) name
+    # The hooks themselves. Sentinels (capture/module_hooks.py, [Note: sentinel hooks]) name
     # the methods the capture layer runs instead of them around warmup and capture.
     @mark(CAPTURE_TIME_FN, "pre_forward")
     def _pre_forward_hook(self, module, args, kwargs) -> None:
@@ -347,20 +332,14 @@ class FSDPState:
                     "pass the same mesh to every fully_shard call of one model"
                 )
         names = {id(m): name for name, m in self.module.named_modules()}
+        ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
         for other in states:
             prefix = names[id(other.module)]
             other.fqn = prefix or "root"
-            for group in other.groups:
-                group.fqn = ".".join(x for x in (other.fqn, group.suffix) if x)
-                for ref in group.params:
-                    ref.fqn = ref.local_fqn if not prefix else f"{prefix}.{ref.local_fqn}"
-        ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
-        for other in states:
             other.root = ctx
             other.comm = self.comm  # one set of streams for the whole model
             for group in other.groups:
-                group.comm = ctx.comm_for(group.comm)
-                group.capture = ctx.capture
+                group.join_root(other.fqn, prefix, ctx.comm_for(group.comm), ctx.capture)
                 group.register_buffers(ctx.allocator)
         ctx.offload_mode = offload_mode_for(states, self.buffer_policy.keep_addresses_on_offload)
         self.is_root = True
@@ -441,19 +420,10 @@ class FSDPState:
         if self._post_backward_done:
             return
         self._post_backward_done = True
-        root = self.root
         with nvtx_range(f"graph_fsdp/post_backward/{self.fqn}"):
             self.training_state = TrainingState.POST_BACKWARD
             for group in self.groups:
-                if group.grad_full is None and not group.grads_in_autograd:
-                    continue
-                if root.capture.capturing_layers:  # [Note: capture context]
-                    self.allocator.free(group.grad_key, used_on=group.main_streams())
-                    continue
-                overwrite = not group.grads_defined()
-                reduce_grads(
-                    group, self.allocator, sync=self.requires_grad_sync, overwrite=overwrite
-                )
+                group.post_backward(self.allocator, sync=self.requires_grad_sync)
             if not self.is_root:
                 self.reshard()
             self.training_state = TrainingState.IDLE

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 TP_ATTR = "_graph_fsdp_tp"
 """Attribute holding a parameter's :class:`TPSpec`: set by :func:`mark_tensor_parallel` on a
@@ -102,7 +103,7 @@ class TPSpec:
         return local if self.mesh is None else self._dtensor(local)
 
     def _dtensor(self, local: torch.Tensor):
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415 (needs torch.distributed)
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 (slow import, DTensors only)
 
         with torch.no_grad():
             return DTensor.from_local(
@@ -120,10 +121,6 @@ class TPSpec:
         embedding) is redistributed first ([Note: tensor-parallel parameters])."""
         if self.mesh is None:
             return grad
-        from torch.distributed._functional_collectives import (  # noqa: PLC0415
-            AsyncCollectiveTensor,
-        )
-
         if tuple(grad.placements) != self.placements:
             grad = grad.redistribute(self.mesh, self.placements)
         local = grad._local_tensor
@@ -212,7 +209,7 @@ def mark_tensor_parallel(
 
 def dtensor_spec(p: torch.Tensor, fqn: str, owner: str) -> TPSpec:
     """The :class:`TPSpec` of DTensor parameter ``p`` (a 1-D mesh, Shard or Replicate)."""
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 (slow import, DTensors only)
 
     mesh = p.device_mesh
     placements = tuple(p.placements)
@@ -265,7 +262,7 @@ def spec_of(p: torch.Tensor, fqn: str, owner: str) -> TPSpec | None:
 def is_dtensor(t: torch.Tensor) -> bool:
     if not dist.is_available():
         return False
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (needs torch.distributed)
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 (slow import, DTensors only)
 
     return isinstance(t, DTensor)
 

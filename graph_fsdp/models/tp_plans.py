@@ -26,8 +26,8 @@ from graph_fsdp.models.gpt import GPTConfig, GPTModel
 
 
 def _styles():
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 (torch.distributed)
-    from torch.distributed.tensor.parallel import (  # noqa: PLC0415
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 (slow import, TP plans only)
+    from torch.distributed.tensor.parallel import (  # noqa: PLC0415 (slow import, TP plans only)
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
@@ -71,7 +71,7 @@ def check_gpt_plan(cfg: GPTConfig, tp: int, *, sequence_parallel: bool) -> None:
 def parallelize_gpt(model: GPTModel, tp_mesh, *, sequence_parallel: bool = True) -> GPTModel:
     """Tensor parallelism over the 1-D ``tp_mesh`` for graph_fsdp's dense reference GPT
     (``transformer_impl='local'``): its parameters become DTensors. Before ``fully_shard``."""
-    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415 (slow import)
 
     Replicate, Shard, Colwise, Rowwise, Sequence, _ = _styles()
     cfg = model.config
@@ -127,7 +127,7 @@ def parallelize_hf_decoder(model: nn.Module, tp_mesh, *, sequence_parallel: bool
     forward pre-hook on ``model`` passes the whole sequence's ``position_ids`` and
     ``cache_position`` when the caller gives none.
     """
-    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415
+    from torch.distributed.tensor.parallel import parallelize_module  # noqa: PLC0415 (slow import)
 
     Replicate, Shard, Colwise, Rowwise, Sequence, Prepare = _styles()
     cfg = model.config

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import SMALLEST_GPT, spawn_cases
 
 from graph_fsdp.bench import runner as bench_runner
 from graph_fsdp.bench.peers import BenchSpec
@@ -19,7 +19,6 @@ from graph_fsdp.bench.verdicts import (
     graph_verdict,
     memory_fields,
 )
-from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.train import TrainConfig
 
 MiB = 2**20
@@ -185,7 +184,7 @@ def test_graph_verdicts() -> None:
     )
 
 
-TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+TINY = SMALLEST_GPT
 
 
 def _fake_graphed(rank: int, world_size: int, spec: BenchSpec) -> dict:

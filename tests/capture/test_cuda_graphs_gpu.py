@@ -18,7 +18,7 @@ import tempfile
 import pytest
 import torch
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
+from graph_fsdp_testing import MOE_LAYERS, bit_exact_gpu_run, gpu_gpt, needs_gpus
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.loop import use_deterministic_kernels
@@ -43,12 +43,10 @@ def _has_te() -> bool:
 HAS_TE = _has_te()
 BACKENDS = ["torch", "te"] if HAS_TE else ["torch"]
 STEPS, SAVE_AT, EVAL = 50, 25, 10
-BASE = GPTConfig(
-    vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
-)
+BASE = gpu_gpt()
 MODELS = {
     "gpt": BASE,
-    "moe": dataclasses.replace(BASE, num_experts=4, moe_layer_freq=2, moe_router_topk=2),
+    "moe": gpu_gpt(**MOE_LAYERS),
     "te_layers": dataclasses.replace(BASE, transformer_impl="transformer_engine"),
 }
 SCOPES = {
@@ -65,20 +63,7 @@ SCOPES = {
 
 
 def _cfg(model: GPTConfig) -> TrainConfig:
-    return TrainConfig(
-        model=model,
-        bf16=True,
-        steps=STEPS,
-        micro_batch_size=2,
-        grad_accum=2,
-        device="cuda",
-        eval_interval=EVAL,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-        lr=1e-3,
-        # Deterministic kernels: eager must be reproducible before graphs can equal it.
-        deterministic=True,
-    )
+    return bit_exact_gpu_run(model, steps=STEPS, eval_interval=EVAL, lr=1e-3)
 
 
 def _variants(family: str) -> list[tuple[str, list[str]]]:

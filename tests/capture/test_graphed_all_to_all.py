@@ -14,17 +14,17 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import TINY_GPT, spawn_cases
 from torch import nn
 
 from graph_fsdp import MixedPrecisionPolicy, fully_shard
 from graph_fsdp.capture import step
 from graph_fsdp.capture.diagnosis import ModuleTracker
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
 from graph_fsdp.parallel.ep_dispatch import _AllToAll
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 ENVS = (None, "1", "0")
 
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import SMALLEST_GPT, spawn_cases
 
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
 from graph_fsdp.capture.torch_backend import CallSignature
@@ -14,7 +14,7 @@ from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
 from graph_fsdp.training.train import TrainConfig, run
 
-TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+TINY = SMALLEST_GPT
 MOE = dataclasses.replace(TINY, num_experts=4, moe_layer_freq=2, ffn_hidden_size=None)
 
 

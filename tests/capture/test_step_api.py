@@ -12,15 +12,14 @@ import importlib.util
 
 import pytest
 import torch
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import SMALLEST_GPT, spawn_cases
 
 from graph_fsdp.capture import FullIterationGraphs, GraphConfigError
 from graph_fsdp.capture.step import eager_forward_backward
-from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.data import batch_for
 from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
-TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+TINY = SMALLEST_GPT
 CFG = TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, device="cpu")
 
 

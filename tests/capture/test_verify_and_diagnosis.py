@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import SMALLEST_GPT, spawn_cases
 from torch import nn
 from torch.nn.modules import module as module_globals
 
@@ -26,11 +26,11 @@ from graph_fsdp.capture.verify import (
     verify_step,
 )
 from graph_fsdp.fsdp.state import collect_states
-from graph_fsdp.models import GPTConfig, build_model
+from graph_fsdp.models import build_model
 from graph_fsdp.training.data import batch_for
 from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
-TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+TINY = SMALLEST_GPT
 
 
 def _perturb(module: nn.Module, rel: float = 1e-6) -> None:

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import SMALLEST_GPT
 
 from graph_fsdp.capture import GraphConfigError
 from graph_fsdp.capture.step_optimizer import (
@@ -25,12 +26,11 @@ from graph_fsdp.capture.step_optimizer import (
 )
 from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
 from graph_fsdp.fsdp.checkpoint import full_state_dict
-from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.data import batch_for
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, build_for, shard_model
 
-TINY = GPTConfig(vocab_size=64, num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8)
+TINY = SMALLEST_GPT
 STEPS, INF_STEP = 6, 3
 CPU = torch.device("cpu")
 

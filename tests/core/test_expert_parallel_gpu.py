@@ -19,6 +19,7 @@ import dataclasses
 
 import pytest
 import torch
+from graph_fsdp_testing import MOE_LAYERS, bit_exact_gpu_run, gpu_gpt
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -37,16 +38,7 @@ def _has_te() -> bool:
 
 
 STEPS, EVAL = 20, 5
-MOE = GPTConfig(
-    vocab_size=1024,
-    num_layers=4,
-    hidden_size=256,
-    num_attention_heads=4,
-    seq_length=128,
-    num_experts=4,
-    moe_layer_freq=2,
-    moe_router_topk=2,
-)
+MOE = gpu_gpt(**MOE_LAYERS)
 LAYOUTS = {"ep1_world1": (1, 1), "ep2_world2": (2, 2), "ep2x2_world4": (4, 2), "ep4_world4": (4, 4)}
 """label -> (world size, EP size); EDP = world / EP."""
 VARIANTS = [
@@ -64,20 +56,7 @@ def _key(impl: str, scopes: list[str], allocator: str) -> str:
 
 
 def _cfg(ep: int) -> TrainConfig:
-    return TrainConfig(
-        model=MOE,
-        expert_parallel=ep,
-        bf16=True,
-        steps=STEPS,
-        micro_batch_size=2,
-        grad_accum=2,
-        device="cuda",
-        eval_interval=EVAL,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-        # Deterministic kernels: eager must be reproducible before graphs can equal it.
-        deterministic=True,
-    )
+    return bit_exact_gpu_run(MOE, expert_parallel=ep, steps=STEPS, eval_interval=EVAL)
 
 
 def _train(rank: int, world: int, ep: int) -> dict:

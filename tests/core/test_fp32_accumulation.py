@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import TINY_GPT, spawn_cases
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
 from graph_fsdp.training.train import TrainConfig, run
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 BASE = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True, lr=1e-2)
 
 

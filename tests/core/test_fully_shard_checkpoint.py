@@ -6,15 +6,14 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from graph_fsdp_testing import CaseResults, spawn_cases
+from graph_fsdp_testing import TINY_GPT, CaseResults, full_optimizer_state, spawn_cases
 
 from graph_fsdp.fsdp import checkpoint as ckpt
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.training.train import TrainConfig, run, shard_model
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 CPU = torch.device("cpu")
 EVAL_STEP = 10**6
 """Data position of the batch used to check the compute weights after a load."""
@@ -45,31 +44,6 @@ def _train_step(model, optimizer, cfg: TrainConfig, step: int, rank: int) -> flo
     return loss.item()
 
 
-def _full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """Every optimizer state tensor at full size (``"<fqn>.<name>"``), gathered on every rank.
-
-    Independent of the checkpoint code: each rank contributes its pieces; elements no rank
-    holds stay NaN, so a gap fails any equality check.
-    """
-    pieces = []
-    for ref in ckpt._refs(model):
-        for name, value in optimizer.state.get(ref.sharded, {}).items():
-            per_element = value.dim() == 1 and value.shape == ref.sharded.shape
-            offset = ref.global_offset if per_element else None
-            pieces.append((f"{ref.fqn}.{name}", offset, ref.shape.numel(), value.detach().clone()))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    out: dict[str, torch.Tensor] = {}
-    for rank_pieces in gathered:
-        for key, offset, numel, value in rank_pieces:
-            if offset is None:  # e.g. AdamW's scalar step: the same on every holder
-                out[key] = value
-            else:
-                full = out.setdefault(key, torch.full((numel,), math.nan, dtype=value.dtype))
-                full[offset : offset + value.numel()] = value
-    return out
-
-
 def _train_and_save(rank: int, world_size: int, cfg: TrainConfig, steps: int, path: str):
     model, optimizer = _build(cfg)
     for step in range(steps):
@@ -77,7 +51,7 @@ def _train_and_save(rank: int, world_size: int, cfg: TrainConfig, steps: int, pa
     ckpt.save(path, model, optimizer)
     return {
         "params": ckpt.full_state_dict(model),
-        "optim": _full_optimizer_state(model, optimizer),
+        "optim": full_optimizer_state(model, optimizer),
         "hparams": [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups],
     }
 
@@ -93,7 +67,7 @@ def _load(rank: int, world_size: int, cfg: TrainConfig, path: str, start_step: i
         eval_loss = model(x, y).item()
     out = {
         "params": ckpt.full_state_dict(model),
-        "optim": _full_optimizer_state(model, optimizer),
+        "optim": full_optimizer_state(model, optimizer),
         "hparams": [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups],
         "eval_loss": eval_loss,
     }

@@ -22,7 +22,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import error_of
+from graph_fsdp_testing import error_of, tiny_gpt
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -35,19 +35,11 @@ from graph_fsdp import (
 )
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp import reduce as reduction
-from graph_fsdp.models import GPTConfig, build_model, partition_experts, synthetic_batch
+from graph_fsdp.models import build_model, partition_experts, synthetic_batch
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run, shard_model
 
-MOE = GPTConfig(
-    vocab_size=128,
-    num_layers=3,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=16,
-    num_experts=4,
-    moe_layer_freq=2,
-)
+MOE = tiny_gpt(num_layers=3, num_experts=4, moe_layer_freq=2)
 BASE = TrainConfig(model=MOE, steps=4, eval_interval=2)
 TOL = 1e-6
 SAVE_AT = 2

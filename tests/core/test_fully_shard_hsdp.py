@@ -13,16 +13,16 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import CaseResults, error_of, spawn_cases
+from graph_fsdp_testing import TINY_GPT, CaseResults, error_of, spawn_cases
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graph_fsdp import fully_shard
 from graph_fsdp.fsdp.checkpoint import full_state_dict
-from graph_fsdp.models import GPTConfig, build_model
+from graph_fsdp.models import build_model
 from graph_fsdp.training.train import TrainConfig, run
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 BASE = TrainConfig(model=TINY, steps=3)
 ACCUM = dataclasses.replace(BASE, grad_accum=2)

@@ -6,24 +6,18 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import TINY_GPT, spawn_cases, tiny_gpt
 
 from graph_fsdp.fsdp.checkpoint import full_state_dict
-from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.data import batch_for
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, build_for, run, shard_model
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 # Parameters far smaller than 4 ranks x 64-element alignment: most ranks own nothing of
 # several of them (zero-numel local shards), and shards split parameters unevenly.
-UNEVEN = GPTConfig(
-    vocab_size=7,
-    num_layers=2,
-    hidden_size=8,
-    num_attention_heads=2,
-    ffn_hidden_size=12,
-    seq_length=4,
+UNEVEN = tiny_gpt(
+    vocab_size=7, hidden_size=8, num_attention_heads=2, ffn_hidden_size=12, seq_length=4
 )
 MOE = dataclasses.replace(TINY, num_experts=4, moe_layer_freq=2, ffn_hidden_size=None)
 

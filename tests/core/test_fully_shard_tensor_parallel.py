@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from graph_fsdp_testing import error_of
+from graph_fsdp_testing import error_of, tiny_gpt
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -42,7 +42,6 @@ from graph_fsdp import fully_shard
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.checkpoint import full_state_dict
 from graph_fsdp.models import (
-    GPTConfig,
     build_model,
     parallelize_gpt,
     parallelize_hf_decoder,
@@ -52,14 +51,7 @@ from graph_fsdp.models import (
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
 from graph_fsdp.training.processes import spawn
 
-GPT = GPTConfig(
-    vocab_size=128,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    seq_length=16,
-    ffn_hidden_size=64,
-)
+GPT = tiny_gpt(ffn_hidden_size=64)
 LLAMA = dict(vocab=128, hidden=32, intermediate=64, layers=2, heads=4, seq=16)
 MICRO = 2
 """Microbatches of one global batch (one per data-parallel rank at dp 2)."""

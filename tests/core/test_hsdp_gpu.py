@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 import torch
+from graph_fsdp_testing import bit_exact_gpu_run, gpu_gpt
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -28,9 +29,7 @@ needs_2 = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA
 needs_4 = pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
 
 STEPS, SAVE_AT, EVAL = 12, 6, 4
-SMALL = GPTConfig(
-    vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
-)
+SMALL = gpu_gpt()
 TIMED = GPTConfig(
     vocab_size=32000, num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=1024
 )
@@ -41,18 +40,11 @@ GRAPHED = {
 
 
 def _cfg(mesh: tuple[int, int] | None, over: bool = False, **kw) -> TrainConfig:
-    base = TrainConfig(
-        model=SMALL,
-        bf16=True,
+    base = bit_exact_gpu_run(
+        SMALL,
         steps=STEPS,
-        micro_batch_size=2,
-        grad_accum=2,
-        device="cuda",
         eval_interval=EVAL,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
         lr=1e-3,
-        deterministic=True,  # eager must be reproducible before graphs can equal it
         mesh_shape=mesh,
         optim_over_replicas=over,
     )

@@ -205,9 +205,7 @@ def _mcore_all(rank: int, world: int, tp: int) -> dict:
     from graph_fsdp.integrations.megatron import MCoreGPTConfig
     from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, run
 
-    model = MCoreGPTConfig(
-        num_layers=4,
-        hidden_size=256,
+    model = MCoreGPTConfig(  # the default 4 layers, hidden 256
         num_attention_heads=8,
         seq_length=SEQ,
         tensor_model_parallel_size=tp,

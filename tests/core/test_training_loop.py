@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 import torch
+from graph_fsdp_testing import TINY_GPT
 
 from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.fsdp.api import BufferPolicy
-from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
 
 

@@ -18,17 +18,17 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import error_of
+from graph_fsdp_testing import TINY_GPT, error_of
 from torch import nn
 
 from graph_fsdp import fully_shard, init_expert_mesh
 from graph_fsdp.fsdp import param_group, reduce
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.parallel.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
 
-GPT = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+GPT = TINY_GPT
 BASE = TrainConfig(model=GPT, steps=4, eval_interval=2, vocab_parallel_embedding=True)
 TOL = 1e-6
 SAVE_AT = 2

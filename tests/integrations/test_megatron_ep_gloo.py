@@ -31,6 +31,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import TINY_MCORE_SHAPE
 
 from graph_fsdp.training.processes import spawn
 
@@ -52,12 +53,7 @@ def _model(**kw):
     from graph_fsdp.integrations import megatron as gm
 
     base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        seq_length=16,
-        vocab_size=64,
+        TINY_MCORE_SHAPE,
         num_experts=4,
         moe_router_topk=2,
         moe_shared_expert_intermediate_size=32,

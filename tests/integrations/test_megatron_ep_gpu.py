@@ -80,11 +80,7 @@ REFUSED = {"dropless": [[], ["moe"], ["full_iteration"]]}
 def _model(ep: int, **kw):
     from graph_fsdp.integrations.megatron import MCoreGPTConfig
 
-    return MCoreGPTConfig(
-        num_layers=4,
-        hidden_size=256,
-        num_attention_heads=4,
-        seq_length=128,
+    return MCoreGPTConfig(  # the default shape: 4 layers, hidden 256, 4 heads, sequence 128
         num_experts=4,
         moe_router_topk=2,
         moe_shared_expert_intermediate_size=512,

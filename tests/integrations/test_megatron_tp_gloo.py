@@ -29,17 +29,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import TINY_MCORE_SHAPE
 
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.training.processes import spawn
 
 TP_CFG = dict(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    ffn_hidden_size=64,
-    seq_length=16,
-    vocab_size=64,
+    TINY_MCORE_SHAPE,
     transformer_impl="local",
     position_embedding_type="learned_absolute",
 )

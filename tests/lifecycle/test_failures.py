@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import CaseResults, spawn_cases
+from graph_fsdp_testing import TINY_GPT, CaseResults, spawn_cases
 
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.checkpoint import CheckpointError
@@ -18,7 +18,7 @@ from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, shard_model
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 CPU = torch.device("cpu")
 
 

@@ -13,16 +13,16 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import TINY_GPT, spawn_cases
 
 from graph_fsdp import iter_full_params, synchronize_param_gather
 from graph_fsdp.capture import FullIterationGraphs
 from graph_fsdp.fsdp.checkpoint import full_state_dict
 from graph_fsdp.fsdp.state import collect_states
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.training.train import TrainConfig, shard_model
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 CPU = torch.device("cpu")
 
 

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from graph_fsdp_testing import CaseResults, spawn_cases
+from graph_fsdp_testing import TINY_GPT, CaseResults, full_optimizer_state, spawn_cases
 
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config, offloaded_bytes
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.training.train import TrainConfig, run, shard_model
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 CPU = torch.device("cpu")
 HPARAMS = {"lr": 1e-2, "weight_decay": 0.01, "betas": (0.9, 0.95)}
 
@@ -42,27 +40,6 @@ def _step(model, opt, step: int, rank: int) -> float:
     return loss.item()
 
 
-def _full_optimizer_state(model, opt) -> dict[str, torch.Tensor]:
-    """Every optimizer state tensor at full size, gathered on every rank (NaN = a gap)."""
-    pieces = []
-    for ref in ckpt._refs(model):
-        for name, value in opt.state.get(ref.sharded, {}).items():
-            per_element = value.dim() == 1 and value.shape == ref.sharded.shape
-            offset = ref.global_offset if per_element else None
-            pieces.append((f"{ref.fqn}.{name}", offset, ref.shape.numel(), value.detach().clone()))
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, pieces)
-    out: dict[str, torch.Tensor] = {}
-    for rank_pieces in gathered:
-        for key, offset, numel, value in rank_pieces:
-            if offset is None:
-                out[key] = value
-            else:
-                full = out.setdefault(key, torch.full((numel,), math.nan, dtype=value.dtype))
-                full[offset : offset + value.numel()] = value
-    return out
-
-
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -83,7 +60,7 @@ def _versus_plain(rank: int, world_size: int, fraction: float) -> dict:
         "losses": losses,
         "params": _equal(ckpt.full_state_dict(plain), ckpt.full_state_dict(offl)),
         "state": _equal(
-            _full_optimizer_state(plain, opt_plain), _full_optimizer_state(offl, opt_off)
+            full_optimizer_state(plain, opt_plain), full_optimizer_state(offl, opt_off)
         ),
         "cpu_params": sum(len(b.params) for b in opt_off.buckets),
         "device_params": len(opt_off.device_params),
@@ -116,7 +93,7 @@ def _save(rank: int, world_size: int, fraction: float | None, path: str) -> dict
     ckpt.save(path, model, opt)
     return {
         "params": ckpt.full_state_dict(model),
-        "optim": _full_optimizer_state(model, opt),
+        "optim": full_optimizer_state(model, opt),
         "loss": _step(model, opt, 3, rank),
         "after": ckpt.full_state_dict(model),
     }
@@ -130,7 +107,7 @@ def _load_both(rank: int, world_size: int, fractions: list, path: str) -> dict:
         ckpt.load(path, model, opt)
         loaded = {
             "params": ckpt.full_state_dict(model),
-            "optim": _full_optimizer_state(model, opt),
+            "optim": full_optimizer_state(model, opt),
         }
         loaded["loss"] = _step(model, opt, 3, rank)
         loaded["after"] = ckpt.full_state_dict(model)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from graph_fsdp_testing import TINY_GPT
 
 from graph_fsdp import BufferPolicy, fully_shard, iter_full_params
 from graph_fsdp.capture import FullIterationGraphs
@@ -35,7 +36,7 @@ from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
 from graph_fsdp.models.gpt import sharding_units
 from graph_fsdp.training.processes import spawn
 
-TINY = GPTConfig(vocab_size=128, num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+TINY = TINY_GPT
 CPU = torch.device("cpu")
 
 
