@@ -107,8 +107,10 @@ def _shutdown_main(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["full_iteration", "layerwise"])
 def test_graphed_script_exits_cleanly(mode):
     env = {**os.environ, **GPU_ENV}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # The script imports the package and the test helpers (tests/graph_fsdp_testing.py).
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+        [root, os.path.join(root, "tests")]
         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     start = time.monotonic()
