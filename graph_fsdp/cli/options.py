@@ -100,6 +100,22 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--moe-expert-capacity-factor. graph_fsdp's GPT always pads.",
     )
     g.add_argument(
+        "--moe-dropless",
+        action="store_true",
+        help="graph_fsdp's GPT: dropless routing (no capacity; grouped GEMMs over device-side "
+        "counts; under --expert-model-parallel-size fixed-size exchanges that CUDA graphs "
+        "hold). Megatron-Core models are dropless when --moe-expert-capacity-factor is unset.",
+    )
+    g.add_argument(
+        "--moe-receive-buffer-factor",
+        type=float,
+        default=None,
+        metavar="FACTOR",
+        help="--moe-dropless with expert parallelism: rows an EP rank receives from one peer, "
+        "as a multiple of the balanced load (default: every copy, never drops; a smaller "
+        "factor that overflows stops the run naming the layers).",
+    )
+    g.add_argument(
         "--expert-model-parallel-size",
         type=int,
         default=1,
@@ -532,6 +548,7 @@ def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_siz
             ("--moe-expert-capacity-factor", factor is not None),
             ("--moe-pad-expert-input-to-capacity", pad),
             ("--expert-model-parallel-size", ep != 1),
+            ("--moe-dropless", getattr(args, "moe_dropless", False)),
         )
         if value
     ]
@@ -551,6 +568,7 @@ def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_siz
             "--moe-expert-capacity-factor sets: add --moe-expert-capacity-factor 1.0 (or drop "
             "the pad flag)"
         )
+    check_dropless_flags(args, factor)
     if ep < 1:
         raise CLIError(f"--expert-model-parallel-size {ep} must be >= 1 (1: no expert parallelism)")
     check_divides_ranks(
@@ -560,6 +578,22 @@ def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_siz
         raise CLIError(
             f"--expert-model-parallel-size {ep} does not divide --num-experts {num_experts}: "
             "each EP rank holds num_experts / EP experts; use an EP that divides it"
+        )
+
+
+def check_dropless_flags(args: argparse.Namespace, capacity_factor: float | None) -> None:
+    """--moe-dropless (graph_fsdp's GPT) against the capacity flags and its buffer factor."""
+    dropless = getattr(args, "moe_dropless", False)
+    buffer = getattr(args, "moe_receive_buffer_factor", None)
+    if dropless and capacity_factor is not None:
+        raise CLIError(
+            f"--moe-dropless and --moe-expert-capacity-factor {capacity_factor}: a dropless "
+            "layer has no capacity; drop one of them"
+        )
+    if buffer is not None and not dropless:
+        raise CLIError(
+            f"--moe-receive-buffer-factor {buffer} sizes the dropless exchange: add "
+            "--moe-dropless (or drop the factor)"
         )
 
 
@@ -594,6 +628,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
                 if args.moe_expert_capacity_factor is not None
                 else {}
             ),
+            moe_dropless=args.moe_dropless,
+            moe_receive_buffer_factor=args.moe_receive_buffer_factor,
             seed=args.seed,
             transformer_impl=args.transformer_impl,
         )

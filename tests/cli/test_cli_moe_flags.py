@@ -199,3 +199,29 @@ def test_train_expert_parallel_on_two_gloo_ranks() -> None:
     assert "expert parallel" not in plain.stdout
     final = [float(re.search(r"final loss ([0-9.]+)", p.stdout).group(1)) for p in (ep, plain)]
     assert final[0] == pytest.approx(final[1], rel=1e-5), final
+
+
+def test_command_line_dropless_ep_trains(tmp_path):
+    """graph-fsdp train --moe-dropless --expert-model-parallel-size 2 on 2 gloo ranks."""
+    log = tmp_path / "log.jsonl"
+    out = run_cli(
+        "train", *TINY, "--num-experts", "4", "--moe-dropless",
+        "--expert-model-parallel-size", "2", "--train-iters", "3", "--log-json", str(log),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(log.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--moe-dropless"], "need(s) an MoE model"),
+        (["--num-experts", "4", "--moe-dropless", "--moe-expert-capacity-factor", "1"],
+         "a dropless layer has no capacity"),
+        (["--num-experts", "4", "--moe-receive-buffer-factor", "1.5"], "add --moe-dropless"),
+        (["--num-experts", "4", "--moe-dropless", "--model", "mcore-moe"],
+         "--moe-dropless is graph_fsdp's GPT's"),
+    ],
+)
+def test_dropless_flags_are_refused_naming_the_flag(capsys, argv, match):
+    assert match in cli_error(capsys, "train", *TINY, *argv)

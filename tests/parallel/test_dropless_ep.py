@@ -158,3 +158,4 @@ def test_dropless_ep_trains_like_the_reference(world):
 def test_dropless_experts_are_moe_experts():
     model = build_model(DROPLESS)
     assert sum(isinstance(m, MoEExperts) for m in model.modules()) == 2
+
