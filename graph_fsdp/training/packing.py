@@ -104,6 +104,11 @@ class PackStream:
         self._done: list[list] = []
         self.exhausted = False
 
+    @property
+    def packs_made(self) -> int:
+        """Packs computed so far (all of them once :attr:`exhausted`)."""
+        return len(self._done)
+
     def pack(self, index: int) -> list | None:
         """The pieces of pack ``index``, or None past the last pack."""
         while len(self._done) <= index and not self.exhausted:
@@ -266,7 +271,7 @@ class PackedData:
         for index in range(first, first + count):
             pieces = self.stream.pack(index)
             if pieces is None:
-                n = len(self.stream._done)
+                n = self.stream.packs_made
                 raise ValueError(
                     f"the documents make {n} packs of {self.policy.budget} tokens, and this "
                     f"run needs pack {index}: use more data, fewer steps or a smaller budget"
