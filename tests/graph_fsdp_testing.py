@@ -57,13 +57,36 @@ def gpu_gpt(**overrides) -> GPTConfig:
     return GPTConfig(**{**GPU_SHAPE, **overrides})
 
 
+GPU_RUN = dict(
+    bf16=True,
+    device="cuda",
+    deterministic=True,
+    allocator="double_buffer",
+    persist_on_alloc_fail=True,
+)
+"""The GPU bit-exactness tests' run settings (any family's loop config): bf16 on CUDA, static
+buffers (double buffer, persistent on a failed allocation) and deterministic kernels - eager
+must be reproducible before graphs can equal it."""
+
+
 def bit_exact_gpu_run(model: GPTConfig, **overrides) -> TrainConfig:
-    """The GPU bit-exactness tests' training run: bf16 on CUDA, 2 microbatches of 2, static
-    buffers (double buffer, persistent on a failed allocation) and deterministic kernels -
-    eager must be reproducible before graphs can equal it."""
-    settings = dict(bf16=True, device="cuda", micro_batch_size=2, grad_accum=2, deterministic=True)
-    static = dict(allocator="double_buffer", persist_on_alloc_fail=True)
-    return TrainConfig(model=model, **{**settings, **static, **overrides})
+    """The GPU bit-exactness tests' training run: :data:`GPU_RUN`, 2 microbatches of 2."""
+    return TrainConfig(
+        model=model, **{**GPU_RUN, "micro_batch_size": 2, "grad_accum": 2, **overrides}
+    )
+
+
+GRAPH_MODES = {
+    "layerwise": {"cuda_graph_impl": "torch"},
+    "full_iteration": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]},
+    "one_graph": {
+        "cuda_graph_impl": "torch",
+        "cuda_graph_scope": ["full_iteration"],
+        "cuda_graph_optimizer": True,
+    },
+}
+"""TrainConfig fields of the graphed modes the bit-exactness tests run beside eager: whole
+layers, full_iteration, and the whole step in one graph."""
 
 
 GPU_TEST_WORLD = int(os.environ.get("GRAPH_FSDP_GPU_TEST_WORLD", "2"))

@@ -16,7 +16,7 @@ from statistics import median
 import pytest
 import torch
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
+from graph_fsdp_testing import GRAPH_MODES, bit_exact_gpu_run, needs_gpus
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -35,35 +35,22 @@ MODEL = GPTConfig(
 )
 STEPS, WARMUP = 30, 2
 MODES = {
-    "layerwise": {"cuda_graph_impl": "torch"},
+    **GRAPH_MODES,
     "attn_moe": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["attn", "moe"]},
-    "full_iteration": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]},
-    "one_graph": {
-        "cuda_graph_impl": "torch",
-        "cuda_graph_scope": ["full_iteration"],
-        "cuda_graph_optimizer": True,
-    },
 }
 
 
 def _train(rank: int, world: int, strategy: str) -> dict:
-    from graph_fsdp.training.train import TrainConfig, run
+    from graph_fsdp.training.train import run
 
-    base = TrainConfig(
-        model=MODEL,
+    base = bit_exact_gpu_run(
+        MODEL,
         expert_parallel=2,
         strategy=strategy,
         steps=STEPS,
-        grad_accum=2,
-        micro_batch_size=2,
         eval_interval=10,
         clip_grad=1.0,
-        bf16=True,
         fused_optimizer=True,
-        deterministic=True,
-        device="cuda",
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
         cuda_graph_warmup_steps=WARMUP,
     )
     out = {"eager": run(rank, world, base)}

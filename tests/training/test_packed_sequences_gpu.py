@@ -13,8 +13,8 @@ import json
 
 import pytest
 import torch
+from graph_fsdp_testing import GPU_RUN, GRAPH_MODES, bit_exact_gpu_run, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.packing import PackingPolicy
@@ -28,37 +28,22 @@ DENSE = GPTConfig(
 MOE = dataclasses.replace(DENSE, num_experts=4, moe_router_topk=2)
 STEPS, WARMUP = 200, 2
 MODES = {
-    "layerwise": {"cuda_graph_impl": "torch"},
+    **GRAPH_MODES,
     "attn_ffn": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["attn", "mlp"]},
-    "full_iteration": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]},
-    "one_graph": {
-        "cuda_graph_impl": "torch",
-        "cuda_graph_scope": ["full_iteration"],
-        "cuda_graph_optimizer": True,
-    },
 }
 
 
 def _cfg(model: GPTConfig, strategy: str):
-    from graph_fsdp.training.train import TrainConfig
-
-    return TrainConfig(
-        model=model,
+    return bit_exact_gpu_run(
+        model,
         packing=PackingPolicy(budget=model.seq_length, max_documents=8, mean_document_length=90),
         strategy=strategy,
         steps=STEPS,
-        grad_accum=2,
         micro_batch_size=1,
         eval_interval=50,
         clip_grad=1.0,
-        bf16=True,
         fused_optimizer=True,
-        deterministic=True,
-        device="cuda",
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
         cuda_graph_warmup_steps=WARMUP,
-        return_params=True,
     )
 
 
@@ -89,22 +74,36 @@ def _first_difference(a: list, b: list) -> str:
 def test_packed_documents_every_capture_mode_bit_identical(model, strategy):
     results = spawn(_train, WORLD, model, strategy, backend="nccl", timeout=1500)[0]
     eager = results["eager"]
-    assert len(eager["losses"]) == STEPS and all(map(torch.isfinite, map(torch.tensor, eager["losses"])))
+    assert len(eager["losses"]) == STEPS and all(
+        map(torch.isfinite, map(torch.tensor, eager["losses"]))
+    )
     for name in MODES:
         got = results[name]
         report = got["cuda_graphs"]
-        print(json.dumps({"mode": name, "world": WORLD, "strategy": strategy,
-                          "captures": report["captures"], "replays": report["replays"],
-                          "eager_fallbacks": report["eager_fallbacks"],
-                          "peak_reserved_bytes": got.get("peak_reserved_bytes"),
-                          "median_step_s": sorted(got["times"])[len(got["times"]) // 2]}))
+        print(
+            json.dumps(
+                {
+                    "mode": name,
+                    "world": WORLD,
+                    "strategy": strategy,
+                    "captures": report["captures"],
+                    "replays": report["replays"],
+                    "eager_fallbacks": report["eager_fallbacks"],
+                    "peak_reserved_bytes": got.get("peak_reserved_bytes"),
+                    "median_step_s": sorted(got["times"])[len(got["times"]) // 2],
+                }
+            )
+        )
         assert report["captures"] == 1, (name, report)
         assert report["eager_fallbacks"] == 0, (name, report)
         per_step = len(report["callables"]) if name in ("layerwise", "attn_ffn") else 1
         if name == "full_iteration":
             per_step = 2  # one graph per microbatch position
         assert report["replays"] >= (STEPS - WARMUP - 1) * per_step, (name, report)
-        assert got["losses"] == eager["losses"], (name, _first_difference(got["losses"], eager["losses"]))
+        assert got["losses"] == eager["losses"], (
+            name,
+            _first_difference(got["losses"], eager["losses"]),
+        )
         assert got["eval_losses"] == eager["eval_losses"], name
         for p, value in eager["params"].items():
             assert torch.equal(got["params"][p], value), (name, p)
@@ -126,13 +125,9 @@ def _train_hf(rank: int, world: int) -> dict:
         grad_accum=2,
         eval_interval=25,
         clip_grad=1.0,
-        bf16=True,
         fused_optimizer=True,
-        deterministic=True,
-        device="cuda",
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
         cuda_graph_warmup_steps=WARMUP,
+        **GPU_RUN,
     )
     out = {"eager": run(rank, world, base)}
     for name in ("layerwise", "full_iteration", "one_graph"):
@@ -152,12 +147,24 @@ def test_huggingface_llama_packed_every_capture_mode_bit_identical():
     eager = results["eager"]
     for name in ("layerwise", "full_iteration", "one_graph"):
         got, report = results[name], results[name]["cuda_graphs"]
-        print(json.dumps({"model": "hf-llama", "mode": name, "world": WORLD,
-                          "captures": report["captures"], "replays": report["replays"],
-                          "eager_fallbacks": report["eager_fallbacks"]}))
+        print(
+            json.dumps(
+                {
+                    "model": "hf-llama",
+                    "mode": name,
+                    "world": WORLD,
+                    "captures": report["captures"],
+                    "replays": report["replays"],
+                    "eager_fallbacks": report["eager_fallbacks"],
+                }
+            )
+        )
         assert report["captures"] == 1 and report["eager_fallbacks"] == 0, (name, report)
         assert report["replays"] >= HF_STEPS - WARMUP - 1, (name, report)
-        assert got["losses"] == eager["losses"], (name, _first_difference(got["losses"], eager["losses"]))
+        assert got["losses"] == eager["losses"], (
+            name,
+            _first_difference(got["losses"], eager["losses"]),
+        )
         assert got["eval_losses"] == eager["eval_losses"], name
         for p, value in eager["params"].items():
             assert torch.equal(got["params"][p], value), (name, p)
