@@ -24,6 +24,7 @@ import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.options import apply_megatron_graph_spellings
+from graph_fsdp.distributed import TIMEOUT_ENV
 from graph_fsdp.training.supervision import VERBOSE_ENV, Interrupted, RankFailure
 
 
@@ -50,12 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _apply_distributed_timeout(args: argparse.Namespace) -> None:
+    """--distributed-timeout-minutes (Megatron's spelling) as the process groups' timeout,
+    which the ranks and the launcher read from the environment (graph_fsdp/distributed.py)."""
+    minutes = getattr(args, "distributed_timeout_minutes", None)
+    if minutes is None:
+        return
+    if not 0 < minutes < float("inf"):
+        raise CLIError(
+            f"--distributed-timeout-minutes {minutes:g} must be a number of minutes > 0 "
+            "(e.g. 10; fractions are allowed: 0.5 is 30 s)"
+        )
+    os.environ[TIMEOUT_ENV] = f"{minutes * 60:g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its exit code.
 
     A rejected flag combination exits with status 2 and one line, ``graph-fsdp <command>:
-    error: ...`` (argparse's own syntax errors add the usage). A failed rank: status 1 and one
-    line; a stop signal: 128 + its number.
+    error: ...`` (argparse's own syntax errors add the usage). A failed or hung rank: status 1
+    and one line; a stop signal: 128 + its number.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -64,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "verbose", False):
         os.environ[VERBOSE_ENV] = "1"  # read by the launcher (graph_fsdp/training/supervision.py)
     try:
+        _apply_distributed_timeout(args)
         apply_megatron_graph_spellings(args)
         return args.handler(args)
     except CLIError as err:
