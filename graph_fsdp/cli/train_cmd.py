@@ -100,6 +100,12 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         "ids < --vocab-size. Default: synthetic tokens.",
     )
     g.add_argument(
+        "--allow-data-reuse",
+        action="store_true",
+        help="Let a --data-path file shorter than the run (fewer samples than --train-iters "
+        "reads) wrap around and be read again, with a note; without it such a file is refused.",
+    )
+    g.add_argument(
         "--log-json",
         default=None,
         metavar="PATH",
