@@ -17,11 +17,12 @@ import sys
 
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import check_optimizer_args, check_positive
+from graph_fsdp.cli.options import Resolved, check_optimizer_args, check_positive
 from graph_fsdp.cli.paths import check_output_file, check_save_dir
 from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
 from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.training.preflight import MemoryPlanError, check_fits
 
 CHECKPOINT_META = checkpoint.META_FILE
 """In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
@@ -120,6 +121,19 @@ def check_train_only_flags(args: argparse.Namespace) -> None:
             f"--load {args.load} is a file, not a checkpoint directory; pass the DIR a run "
             "with --save DIR wrote (a checkpoint is a directory of shards)"
         )
+
+
+def check_memory(res: Resolved) -> None:
+    """Refuse a run whose per-rank memory estimate exceeds what a rank has, before any rank
+    allocates (training/preflight.py [Note: memory pre-flight])."""
+    plan = res.plan
+    local = plan.world_size
+    if plan.under_launcher:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+    try:
+        check_fits(res.cfg, world_size=plan.world_size, local_ranks=local)
+    except MemoryPlanError as err:
+        raise CLIError(str(err)) from None
 
 
 def check_data_path(

@@ -1,5 +1,6 @@
 """Messages a new user meets first: no abbreviated flags, a bad value's error before one usage
-line, --load of a file, a token file shorter than the run, and the two entry points beside ``graph-fsdp`` (run_demo --help, the RL example on a
+line, --load of a file, a token file shorter than the run, a configuration that cannot fit in
+memory, and the two entry points beside ``graph-fsdp`` (run_demo --help, the RL example on a
 CPU-only machine).
 
 Everything here is refused before any rank starts, so ``main()`` runs in this process; the
@@ -59,13 +60,24 @@ def test_a_bad_value_comes_first_with_one_usage_line(capsys) -> None:
 
 
 def test_one_line_refusals(capsys, tmp_path) -> None:
-    """--load of a file, --distributed-timeout-minutes <= 0."""
+    """--load of a file, --distributed-timeout-minutes <= 0, and a model that cannot fit in
+    the host's memory (counted, never built: the refusal takes no longer than the others)."""
     afile = tmp_path / "ckpt.pt"
     afile.write_bytes(b"not a checkpoint directory")
     train = ["train", *TINY, "--train-iters", "2"]
     cases = [
         (["--load", str(afile)], [f"--load {afile} is a file, not a checkpoint directory"]),
         (["--distributed-timeout-minutes", "0"], ["--distributed-timeout-minutes 0 must be"]),
+        (
+            ["--num-layers", "100000", "--hidden-size", "256"],
+            [
+                "100000 layers of hidden 256 (78.7B parameters) on 2 rank(s) need at least ",
+                "optimizer state 293 GiB",
+                " per rank, but a rank has ",
+                "the host's available ",
+                "--recompute-activations",
+            ],
+        ),  # fmt: skip
     ]
     for argv, expected in cases:
         start = time.monotonic()
