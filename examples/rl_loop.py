@@ -53,9 +53,9 @@ from graph_fsdp import (  # noqa: E402
     fully_shard,
     init_distributed,
     iter_full_params,
-    offload,
 )
 from graph_fsdp.capture import FullIterationGraphs, LayerwiseGraphs  # noqa: E402
+from graph_fsdp.fsdp import offload  # noqa: E402
 from graph_fsdp.fsdp.address_keeping import preload_library  # noqa: E402
 from graph_fsdp.fsdp.state import collect_states  # noqa: E402
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch  # noqa: E402
@@ -91,7 +91,7 @@ GIB = 1024**3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--preset", choices=sorted(PRESETS), default="small")
     p.add_argument(
         "--device",
@@ -127,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--iterations must be >= 1 and --train-steps >= 2 (a first and a steady step)")
     if args.device == "cpu" and args.graphs == "layerwise":
         p.error("--graphs layerwise captures CUDA graphs: use --device cuda (or full_iteration)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        # One line, not argparse's usage block: the fix is a command, not a flag's spelling.
+        sys.exit(
+            f"rl_loop.py: error: --device cuda (the default) needs a GPU, and this torch "
+            f"{torch.__version__} sees none; on this machine run: python examples/rl_loop.py "
+            "--device cpu --preset tiny"
+        )
     return args
 
 

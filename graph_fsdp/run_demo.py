@@ -3,12 +3,15 @@
     python -m graph_fsdp.run_demo            # all local GPUs (NCCL), else 2 gloo processes
 
 On CPU the model is scaled down (4 layers, hidden 256) so the run takes seconds. Prints a
-header (model, ranks, backend, strategy), one line per step and a closing summary.
+header (model, ranks, backend, strategy), one line per step and a closing summary. It takes
+no flags (``--help`` says so); ``graph-fsdp train`` is the command line with every setting.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -25,7 +28,19 @@ ZERO = {
 }
 
 
-def main() -> None:
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m graph_fsdp.run_demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | tuple[str, ...] = ()) -> None:
+    """The demo; ``argv``: the command line's arguments (only ``--help`` is accepted)."""
+    parse_args(list(argv))
     cuda = torch.cuda.device_count() >= 1
     if cuda:
         model, world = GPTConfig(), max(torch.cuda.device_count(), 1)
@@ -58,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

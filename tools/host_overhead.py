@@ -189,7 +189,7 @@ def install_timers() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=16, help="real GPUs: e.g. 1024 (bench h1024)")

@@ -39,7 +39,7 @@ def timed(fn, calls: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--numel", type=int, default=1 << 16)
     ap.add_argument("--calls", type=int, default=400)
     args = ap.parse_args()

@@ -131,7 +131,7 @@ def stamp_line(version: dict | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--json", action="store_true", help="print the dict as JSON")
     args = p.parse_args(argv)
     print(json.dumps(code_version()) if args.json else stamp_line())

@@ -446,6 +446,15 @@ def add_launch_args(parser: argparse.ArgumentParser) -> None:
         help="Show the spawned ranks' output and tracebacks on screen (default: a failing "
         "rank is reported in one line naming the log file that holds them).",
     )
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="How long a collective waits for a silent rank before the run ends, naming the "
+        "rank (Megatron's spelling; fractions allowed). Default: 1 minute (or "
+        "GRAPH_FSDP_PG_TIMEOUT_S seconds).",
+    )
 
 
 def add_common_args(

@@ -26,6 +26,7 @@ from graph_fsdp.cli.options import add_common_args, resolve
 from graph_fsdp.cli.packing_options import check_packed_data
 from graph_fsdp.cli.train_options import (
     check_data_path,
+    check_memory,
     check_train_only_flags,
     checkpoint_plan,
     graphs_label,
@@ -98,6 +99,12 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         metavar="FILE",
         help="Flat uint16 token file (np.memmap; np.array(ids, dtype=np.uint16).tofile(FILE)), "
         "ids < --vocab-size. Default: synthetic tokens.",
+    )
+    g.add_argument(
+        "--allow-data-reuse",
+        action="store_true",
+        help="Let a --data-path file shorter than the run (fewer samples than --train-iters "
+        "reads) wrap around and be read again, with a note; without it such a file is refused.",
     )
     g.add_argument(
         "--log-json",
@@ -240,6 +247,7 @@ def main(args: argparse.Namespace) -> int:
     mcore.reject_mcore_only_flags(args)
     mcore.validate_bridge_flags(args)
     res = resolve(args)
+    check_memory(res)  # before --load's shape check builds the model on the meta device
     shapes = model_shapes(res.cfg.model) if args.load else None
     start, save_at, _ = checkpoint_plan(args, shapes)
     cfg = replace(

@@ -17,11 +17,12 @@ import sys
 
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import check_optimizer_args, check_positive
+from graph_fsdp.cli.options import Resolved, check_optimizer_args, check_positive
 from graph_fsdp.cli.paths import check_output_file, check_save_dir
 from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
 from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.training.preflight import MemoryPlanError, check_fits
 
 CHECKPOINT_META = checkpoint.META_FILE
 """In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
@@ -106,7 +107,7 @@ def model_shapes(model_cfg) -> dict | None:
 
 def check_train_only_flags(args: argparse.Namespace) -> None:
     """Flags of ``train`` itself, for every --model: optimizer, --save-on-interrupt,
-    --log-json (checked before any rank starts)."""
+    --log-json, a --load that is a file (checked before any rank starts)."""
     check_optimizer_args(args)
     if args.save_on_interrupt and not args.save:
         raise CLIError(
@@ -115,6 +116,24 @@ def check_train_only_flags(args: argparse.Namespace) -> None:
         )
     if args.log_json:
         check_output_file("--log-json", args.log_json)
+    if args.load and os.path.lexists(args.load) and not os.path.isdir(args.load):
+        raise CLIError(
+            f"--load {args.load} is a file, not a checkpoint directory; pass the DIR a run "
+            "with --save DIR wrote (a checkpoint is a directory of shards)"
+        )
+
+
+def check_memory(res: Resolved) -> None:
+    """Refuse a run whose per-rank memory estimate exceeds what a rank has, before any rank
+    allocates (training/preflight.py [Note: memory pre-flight])."""
+    plan = res.plan
+    local = plan.world_size
+    if plan.under_launcher:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+    try:
+        check_fits(res.cfg, world_size=plan.world_size, local_ranks=local)
+    except MemoryPlanError as err:
+        raise CLIError(str(err)) from None
 
 
 def check_data_path(
@@ -127,20 +146,21 @@ def check_data_path(
     start: int,
     steps: int,
 ) -> str:
-    """--data-path: the file's shape, and the token ids of every sample the run will read
-    (training and eval) against --vocab-size; returns the absolute path."""
+    """--data-path: the file's shape, that it holds every training sample the run reads
+    (else refused, or with --allow-data-reuse a note: :func:`_check_data_length`), and the token
+    ids of every sample the run will read (training and eval) against --vocab-size; returns
+    the absolute path."""
     path = args.data_path
     try:
         num_tokens = check_token_file(path, seq_length, vocab_size)
-        runs = [
-            training_samples(
-                start,
-                steps,
-                grad_accum=grad_accum,
-                world_size=world_size,
-                micro_batch_size=args.micro_batch_size,
-            )
-        ]
+        first, count = training_samples(
+            start,
+            steps,
+            grad_accum=grad_accum,
+            world_size=world_size,
+            micro_batch_size=args.micro_batch_size,
+        )
+        runs = [(first, count)]
         if args.eval_interval:
             per_eval = world_size * args.micro_batch_size
             offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
@@ -150,7 +170,39 @@ def check_data_path(
         check_token_ids(path, seq_length, vocab_size, runs)
     except ValueError as err:
         raise CLIError(str(err)) from err
+    _check_data_length(
+        args,
+        seq_length=seq_length,
+        num_tokens=num_tokens,
+        needed=first + count,
+        per_step=count // max(steps, 1),
+    )
     return os.path.abspath(path)
+
+
+def _check_data_length(
+    args: argparse.Namespace, *, seq_length: int, num_tokens: int, needed: int, per_step: int
+) -> None:
+    """A token file holds fewer samples than the run reads up to its last iteration: refused
+    (the stream would wrap around and train on the same samples again), or with
+    --allow-data-reuse said once on stderr."""
+    num_samples = (num_tokens - 1) // seq_length
+    if needed <= num_samples:
+        return
+    held = (
+        f"--data-path {args.data_path} holds {num_samples} sample{'s' * (num_samples != 1)} "
+        f"of --seq-length {seq_length} ({num_tokens} tokens), but the run reads {needed} "
+        f"({per_step} per iteration up to --train-iters {args.train_iters})"
+    )
+    if getattr(args, "allow_data_reuse", False):
+        times = needed / num_samples
+        print(f"note: {held}: each sample is read {times:.3g} times on average", file=sys.stderr)
+        return
+    raise CLIError(
+        f"{held}, so it would train on the same samples again; pass a file of at least "
+        f"{needed * seq_length + 1} tokens, fewer --train-iters, or --allow-data-reuse to "
+        "read it again on purpose"
+    )
 
 
 def checkpoint_plan(

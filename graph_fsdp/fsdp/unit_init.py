@@ -124,27 +124,32 @@ def managed_params(
 ) -> list[tuple[str, list[tuple[nn.Module, str]], nn.Parameter]]:
     """Parameters of ``module`` not owned by an already-sharded descendant, deduplicated."""
     found: dict[int, tuple[str, list, nn.Parameter]] = {}
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        for name, p in m._parameters.items():
-            if p is None:
-                continue
-            if getattr(p, "_graph_fsdp_sharded", False):
-                raise ValueError(
-                    f"parameter {prefix}{name} is already sharded by an enclosing fully_shard: "
-                    "apply fully_shard to children (layers) first, then to their parents and "
-                    "the root last"
-                )
-            if getattr(p, "_graph_fsdp_sharded_as", None) is not None:
-                raise ValueError(_tied_message(module, f"{prefix}{name}", p._graph_fsdp_sharded_as))
-            entry = found.setdefault(id(p), (prefix + name, [], p))
-            entry[1].append((m, name))
-        for child_name, child in m._modules.items():
-            if child is not None and state_of(child) is None:
-                visit(child, f"{prefix}{child_name}.")
-
-    visit(module, "")
+    _visit_params(module, module, "", found)
     return list(found.values())
+
+
+def _visit_params(module: nn.Module, m: nn.Module, prefix: str, found: dict) -> None:
+    """``m``'s parameters into ``found`` (by id, first name first), then its children's.
+
+    A function of its own, not a closure that calls itself: such a closure is a reference
+    cycle that keeps ``found`` - every parameter of the unit, materialised full-size by a
+    meta-device init - alive until the cyclic garbage collector runs."""
+    for name, p in m._parameters.items():
+        if p is None:
+            continue
+        if getattr(p, "_graph_fsdp_sharded", False):
+            raise ValueError(
+                f"parameter {prefix}{name} is already sharded by an enclosing fully_shard: "
+                "apply fully_shard to children (layers) first, then to their parents and "
+                "the root last"
+            )
+        if getattr(p, "_graph_fsdp_sharded_as", None) is not None:
+            raise ValueError(_tied_message(module, f"{prefix}{name}", p._graph_fsdp_sharded_as))
+        entry = found.setdefault(id(p), (prefix + name, [], p))
+        entry[1].append((m, name))
+    for child_name, child in m._modules.items():
+        if child is not None and state_of(child) is None:
+            _visit_params(module, child, f"{prefix}{child_name}.", found)
 
 
 def _tied_message(module: nn.Module, name: str, sharded: nn.Parameter) -> str:

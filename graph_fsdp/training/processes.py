@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from graph_fsdp.distributed import init_distributed
+from graph_fsdp.distributed import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, init_distributed
 from graph_fsdp.training.interrupt import (
     install_stop_handlers,
     request_stop,
     stop_requested,
     stop_signal,
 )
+from graph_fsdp.training.lifeline import die_with_parent
 from graph_fsdp.training.supervision import Interrupted, WorkerIO, supervise
 
 
@@ -71,7 +72,9 @@ def _entry(
     args: tuple,
     conn,
     pg_timeout_s: float | None,
+    parent_pid: int,
 ) -> None:
+    die_with_parent(parent_pid)  # lifeline.py [Note: ranks die with their launcher]
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -111,8 +114,11 @@ DEAD_GRACE_S = 3.0
 """A rank that exited this long ago without reporting died (killed, os._exit, a crash)."""
 FAIL_GRACE_S = 90.0
 """After a failure, how long the other ranks get to report (their errors) before they are
-terminated: longer than the default process-group timeout, so a rank waiting on a dead peer
-fails on its own first."""
+killed: longer than the default process-group timeout, so a rank waiting on a dead peer
+fails on its own first (a shorter process-group timeout shortens it: :func:`_fail_grace`)."""
+TIMED_OUT_GRACE_S = 5.0
+"""After a first failure that is a collective's timeout (or a peer gone), how long the silent
+ranks get before they count as hung: their peers have waited the whole timeout for them."""
 
 
 def spawn(
@@ -135,11 +141,13 @@ def spawn(
         if not (_port_taken(outcome) and attempt + 1 < PORT_ATTEMPTS):
             break
     failures = [
-        f"rank {r} failed:\n{payload}" for r, (status, payload) in outcome.items() if status != "ok"
+        f"rank {r} {'hung' if status == 'hung' else 'failed'}:\n{payload}"
+        for r, (status, payload) in sorted(outcome.items(), key=lambda kv: kv[1][0] != "hung")
+        if status != "ok"
     ]
     missing = [r for r in range(world_size) if r not in outcome]
     if missing:
-        failures.append(f"ranks {missing} did not finish in time and were terminated")
+        failures.append(f"ranks {missing} did not finish in time and were killed")
     if failures:
         raise RuntimeError("\n".join(failures))
     return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
@@ -163,7 +171,7 @@ def _launch(fn, world_size, args, backend, timeout, pg_timeout_s) -> dict:
     procs = [
         ctx.Process(
             target=_entry,
-            args=(r, fn, world_size, port, backend, args, pipes[r][1], pg_timeout_s),
+            args=(r, fn, world_size, port, backend, args, pipes[r][1], pg_timeout_s, os.getpid()),
         )
         for r in range(world_size)
     ]
@@ -171,27 +179,50 @@ def _launch(fn, world_size, args, backend, timeout, pg_timeout_s) -> dict:
         p.start()
     for _, child_end in pipes:
         child_end.close()
-    outcome = _collect(procs, [parent for parent, _ in pipes], timeout)
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.terminate()
+    outcome = _collect(procs, [parent for parent, _ in pipes], timeout, _pg_timeout(pg_timeout_s))
+    for r, p in enumerate(procs):
+        if r in outcome and outcome[r][0] != "hung":
+            p.join(timeout=5)  # a rank that reported: its teardown
+        if p.is_alive():  # hung, silent, or stuck in teardown (SIGTERM is a stop request there)
+            p.kill()
             p.join(timeout=5)
     return outcome
 
 
-def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple[str, object]]:
+def _pg_timeout(pg_timeout_s: float | None) -> float:
+    """The process groups' timeout the ranks get (init_distributed's rule)."""
+    if pg_timeout_s is not None:
+        return pg_timeout_s
+    return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def _collect(
+    procs: list, conns: list, timeout: float | None, pg_timeout_s: float
+) -> dict[int, tuple[str, object]]:
     """Each rank's ``(status, payload)`` as it arrives; stops when every rank is accounted
-    for, ``FAIL_GRACE_S`` after the first failure, or at ``timeout``."""
+    for, a grace after the first failure (:func:`_fail_grace`), or at ``timeout``.
+
+    [Note: hung ranks] A rank that stops answering (stopped by SIGSTOP, a debugger, a
+    deadlock) never fails itself: its peers' collectives time out after ``pg_timeout_s`` and
+    they report that. The rank is then named as hung (status ``"hung"``), and so is a rank
+    the kernel shows stopped for longer than the timeout (Linux /proc, even when every rank is
+    stopped); the launcher kills hung ranks, so the command ends about one timeout after the
+    hang instead of never.
+    """
     start = time.monotonic()
     outcome: dict[int, tuple[str, object]] = {}
     exited_at: dict[int, float] = {}
+    stopped_at: dict[int, float] = {}
     first_failure: float | None = None
+    grace = FAIL_GRACE_S
     while len(outcome) < len(procs):
         now = time.monotonic()
-        if (timeout is not None and now - start > timeout) or (
-            first_failure and now - first_failure > FAIL_GRACE_S
-        ):
+        if timeout is not None and now - start > timeout:
+            break
+        if first_failure and now - first_failure > grace:
+            for r in range(len(procs)):
+                if r not in outcome and procs[r].is_alive():
+                    outcome[r] = ("hung", _silent(grace, pg_timeout_s))
             break
         pending = {conns[r]: r for r in range(len(procs)) if r not in outcome}
         for conn in mp_connection.wait(list(pending), timeout=0.5):
@@ -202,10 +233,21 @@ def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple
                 continue
             if outcome[r][0] != "ok" and first_failure is None:
                 first_failure = time.monotonic()
+                grace = _fail_grace(str(outcome[r][1]), pg_timeout_s)
             if _port_taken({r: outcome[r]}):
                 return outcome  # the peers wait for a store that never listens: retry now
         for r, p in enumerate(procs):
-            if r in outcome or p.is_alive():
+            if r in outcome:
+                continue
+            if p.is_alive():
+                if _stopped(p.pid):
+                    stopped_at.setdefault(r, time.monotonic())
+                    if time.monotonic() - stopped_at[r] > pg_timeout_s:
+                        outcome[r] = ("hung", _stopped_for(pg_timeout_s))
+                        first_failure = first_failure or time.monotonic()
+                        grace = min(grace, TIMED_OUT_GRACE_S)
+                else:
+                    stopped_at.pop(r, None)
                 continue
             exited_at.setdefault(r, time.monotonic())
             if time.monotonic() - exited_at[r] > DEAD_GRACE_S:
@@ -216,6 +258,44 @@ def _collect(procs: list, conns: list, timeout: float | None) -> dict[int, tuple
                 )
                 first_failure = first_failure or time.monotonic()
     return outcome
+
+
+_TIMED_OUT = ("timed out", "connection closed by peer", "connection reset by peer")
+"""A first failure of these kinds means a peer went silent or away, not a bug of its own."""
+
+
+def _fail_grace(message: str, pg_timeout_s: float) -> float:
+    """How long the other ranks get to report after the first failure (``message``): short
+    when it is a collective that waited the whole timeout for them, else long enough for a
+    rank waiting on the failed one to time out itself."""
+    low = "\n".join(message.lower().strip().splitlines()[-5:])  # the exception, not the frames
+    if any(k in low for k in _TIMED_OUT):
+        return TIMED_OUT_GRACE_S
+    return min(FAIL_GRACE_S, pg_timeout_s + 30.0)
+
+
+def _silent(grace: float, pg_timeout_s: float) -> str:
+    return (
+        f"no answer {grace:g} s after a peer's failure, whose collectives waited the "
+        f"{pg_timeout_s:g} s distributed timeout for it (--distributed-timeout-minutes); killed"
+    )
+
+
+def _stopped_for(pg_timeout_s: float) -> str:
+    return (
+        f"stopped (SIGSTOP, a debugger) for longer than the {pg_timeout_s:g} s distributed "
+        "timeout (--distributed-timeout-minutes); killed"
+    )
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the kernel shows ``pid`` stopped (Linux /proc state T or t); False elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 @dataclass(frozen=True, kw_only=True)

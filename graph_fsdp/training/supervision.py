@@ -204,6 +204,7 @@ class WorkerIO:
             with open(self.failures_path) as f:
                 records = [json.loads(line) for line in f if line.strip()]
         died = _DIED.findall(str(spawn_error))
+        hung = _HUNG.findall(str(spawn_error))
         first = min(records, key=lambda r: (_peer_gone(r["message"]), r["time"]), default=None)
         if died and (first is None or _peer_gone(first["message"])):
             rank, code = died[0]
@@ -211,6 +212,11 @@ class WorkerIO:
             if int(code) < 0 and -int(code) in signal.valid_signals():
                 how = f"signal {signal.Signals(-int(code)).name}"
             what = f"rank {rank} died without an error (exit {how}: killed, or a crash)"
+            if first is not None:
+                what += f"; then rank {first['rank']}: {first['type']}: {first['message']}"
+        elif hung and (first is None or _peer_gone(first["message"])):
+            rank, why = hung[0]
+            what = f"rank {rank} hung: {why}"
             if first is not None:
                 what += f"; then rank {first['rank']}: {first['type']}: {first['message']}"
         elif first is not None:
@@ -243,6 +249,8 @@ class WorkerIO:
 
 _DIED = re.compile(r"rank (\d+) failed:\s*exited with code (-?\d+) without reporting")
 """A rank that died without reporting, in :func:`graph_fsdp.training.processes.spawn`'s error."""
+_HUNG = re.compile(r"rank (\d+) hung:\s*(.*)")
+"""A rank the launcher killed as hung (processes.py [Note: hung ranks])."""
 
 
 def _peer_gone(message: str) -> bool:

@@ -328,13 +328,48 @@ def checkpoint_layers(model: nn.Module) -> None:
         layer.forward = wrapped
 
 
-def build_for(cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """The (unsharded) model ``cfg`` describes: seeded, with recompute when asked."""
+def build_for(cfg: TrainConfig, device: torch.device, *, meta: bool = False) -> nn.Module:
+    """The (unsharded) model ``cfg`` describes: seeded, with recompute when asked.
+
+    ``meta``: on the meta device (no memory), for :func:`shard_model` to materialise one unit
+    at a time ([Note: meta build]); only where :func:`builds_on_meta` says the weights come
+    out the same."""
     torch.manual_seed(cfg.model.seed)
-    model = build_model(cfg.model, device=device)
+    if meta and not builds_on_meta(cfg):
+        raise ValueError(
+            f"build_for(meta=True) with {_meta_refusal(cfg)}: build it on {device} instead"
+        )
+    model = build_model(cfg.model, device="meta" if meta else device)
     if cfg.recompute:
         checkpoint_layers(model)
     return model
+
+
+def builds_on_meta(cfg: TrainConfig) -> bool:
+    """Whether :class:`GPTAdapter` builds ``cfg``'s model on the meta device.
+
+    [Note: meta build] The reference GPT's weights depend only on the config's seed and each
+    parameter's name (models/seeded.py), so a model built on the meta device and materialised
+    by ``fully_shard`` unit by unit (``to_empty`` + ``reset_parameters``, then the unit is
+    sharded and its full weights dropped) holds the same bits as one built whole: a rank's
+    host or device memory holds one unsharded unit at a time, never the whole model. Not
+    for TransformerEngine layers (initialised from the global RNG in construction order),
+    tensor parallelism (the plan distributes materialised weights) or the vocab-parallel
+    embedding (its rows are cut from a materialised table), nor for the unsharded reference.
+    """
+    return not _meta_refusal(cfg)
+
+
+def _meta_refusal(cfg: TrainConfig) -> dict:
+    """The settings of ``cfg`` that need a materialised build (see :func:`builds_on_meta`)."""
+    out = _given(cfg, "tensor_parallel")
+    if cfg.mode != "fsdp":
+        out["mode"] = cfg.mode
+    if cfg.model.transformer_impl != "local":
+        out["transformer_impl"] = cfg.model.transformer_impl
+    if cfg.vocab_parallel_embedding:
+        out["vocab_parallel_embedding"] = True
+    return out
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -394,9 +429,9 @@ class GPTAdapter(ModelAdapter):
 
     def build(self, device: torch.device, world_size: int) -> Trainer:
         cfg = self.cfg
-        model = build_for(cfg, device)
         if self.reference:
-            return MixedPrecisionReference(model, cfg, self.data_world)
+            return MixedPrecisionReference(build_for(cfg, device), cfg, self.data_world)
+        model = build_for(cfg, device, meta=builds_on_meta(cfg))  # [Note: meta build]
         shard_model(model, cfg)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
