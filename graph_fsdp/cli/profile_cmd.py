@@ -32,15 +32,8 @@ import subprocess
 import sys
 from statistics import mean
 
-from graph_fsdp.bench.memory import (
-    ENGINES,
-    MemoryJob,
-    format_sites,
-    format_table,
-    format_unused_ranges,
-    memory_worker,
-    write_result,
-)
+from graph_fsdp.bench.memory import ENGINES, MemoryJob, memory_worker, write_result
+from graph_fsdp.bench.memory_trace import format_sites, format_table, format_unused_ranges
 from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary

@@ -7,23 +7,19 @@ import json
 
 import torch
 
-from graph_fsdp.bench.memory import (
+from graph_fsdp.bench.memory import MemoryJob, _known, memory_worker, merge, write_result
+from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
+from graph_fsdp.bench.memory_trace import (
     Known,
-    MemoryJob,
-    _known,
     _unused_off_default_stream,
     attribute,
     format_table,
     format_unused_ranges,
     known_bytes,
-    memory_worker,
-    merge,
     replay_peak,
     reserved_at_peak,
     role_from_frames,
-    write_result,
 )
-from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig
