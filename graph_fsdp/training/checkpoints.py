@@ -24,6 +24,7 @@ the checkpoint's (``--use-checkpoint-opt_param-scheduler``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -208,18 +209,20 @@ def resume_optimizer_settings(
         k: (v, float(g[k]))
         for g in optimizer.param_groups
         for k, v in wanted.items()
-        if k in g and float(g[k]) != float(v)
+        # A learning rate kept on the device is a float32 tensor: equal to its float32 bits.
+        if k in g and not math.isclose(float(g[k]), float(v), rel_tol=1e-6)
     }
     if mode == "config":
         for g in optimizer.param_groups:
             g.update({k: v for k, v in wanted.items() if k in g})
         return
     if differ:
-        listed = ", ".join(
-            f"{k} {run:g} (this run) vs {saved:g}" for k, (run, saved) in differ.items()
+        listed = "; ".join(
+            f"{k} {run:g} (this run) vs {saved:g} (the checkpoint)"
+            for k, (run, saved) in differ.items()
         )
         raise ValueError(
             f"resuming from {path!r}: the optimizer settings differ from the checkpoint's: "
-            f"{listed} (checkpoint); set resume_optimizer_settings='config' to train with this "
-            "run's values or 'checkpoint' to keep the checkpoint's"
+            f"{listed}; set resume_optimizer_settings='config' to train with this run's values "
+            "or 'checkpoint' to keep the checkpoint's"
         )
