@@ -55,12 +55,13 @@ from graph_fsdp.cli.options import (
 from graph_fsdp.cli.packing_options import packing_of
 from graph_fsdp.cli.train_options import (
     check_data_path,
+    checkpoint_lines,
     checkpoint_plan,
     graphs_label,
     input_lines,
+    loop_fields,
     verification_lines,
     verify_option,
-    write_checkpoint_meta,
 )
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations.megatron import (
@@ -407,7 +408,8 @@ def train_main(args: argparse.Namespace) -> int:
     data_world = plan.world_size // model.tensor_model_parallel_size  # TP ranks share batches
     grad_accum = grad_accumulation(args, data_world)
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
-    start, save_at, _ = checkpoint_plan(args)
+    ckpt_plan = checkpoint_plan(args)
+    start = ckpt_plan.start
     data_path = None
     if args.data_path:
         data_path = check_data_path(
@@ -424,12 +426,8 @@ def train_main(args: argparse.Namespace) -> int:
         args,
         model,
         plan,
-        steps=args.train_iters - start,
-        start_step=start,
-        save_path=os.path.abspath(args.save) if args.save else None,
-        save_at=save_at,
-        save_on_interrupt=args.save_on_interrupt,
-        load_path=os.path.abspath(args.load) if args.load else None,
+        **loop_fields(args, ckpt_plan),
+        model_name=args.model,
         data_path=data_path,
         optimizer_offload_fraction=(
             args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
@@ -440,7 +438,7 @@ def train_main(args: argparse.Namespace) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
         open(args.log_json, "w").close()  # overwritten, like the reference model's log
         cfg = replace(cfg, log_path=os.path.abspath(args.log_json))
-    out = launch(plan, _worker, cfg, args.model)
+    out = launch(plan, _worker, cfg)
     if out is not None:
         print(_summary(args, cfg, plan, out))
     return 0
@@ -456,26 +454,14 @@ def _summary(args, cfg, plan, out: dict) -> str:
         *input_lines(cfg),
         *verification_lines(out),
     ]
-    if cfg.load_path:
-        lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
     if out.get("stopped_at") is not None:
         lines.append(f"  stopped after iteration {out['stopped_at']} (a stop signal)")
-    if out.get("saved_at") is not None:
-        lines.append(f"  checkpoint: {args.save} (iteration {out['saved_at']})")
-    elif cfg.save_path:
-        lines.append(f"  checkpoint: none written by this run ({args.save})")
-    return "\n".join(lines)
+    return "\n".join(lines + checkpoint_lines(args, cfg, out))
 
 
-def _worker(rank: int, world_size: int, cfg, model: str) -> dict | None:
-    result = run(rank, world_size, cfg)
-    if rank != 0:
-        return None
-    # The iteration the loop saved at: the scheduled one, or where a stop signal ended the
-    # run (--save-on-interrupt).
-    if result.get("saved_at") is not None:
-        write_checkpoint_meta(cfg.save_path, result["saved_at"], model)
-    return result
+def _worker(rank: int, world_size: int, cfg) -> dict | None:
+    result = run(rank, world_size, cfg)  # checkpoints record the iteration and --model
+    return result if rank == 0 else None
 
 
 def compare_config(args: argparse.Namespace, scope_sets: list[list[str]], flag: str):

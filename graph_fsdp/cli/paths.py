@@ -12,7 +12,7 @@ import os
 import tempfile
 
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.fsdp import checkpoint
+from graph_fsdp.training import checkpoints as run_checkpoints
 
 
 def _existing_ancestor(path: str) -> str:
@@ -69,22 +69,13 @@ def check_output_dir(flag: str, path: str) -> None:
 
 
 def check_save_dir(flag: str, path: str) -> None:
-    """A checkpoint directory ``--save`` writes (and replaces atomically: renames next to it).
-
-    It must be absent, empty, or a checkpoint graph-fsdp wrote (recognised by
-    :data:`graph_fsdp.fsdp.checkpoint.META_FILE`): a save replaces its target, so anything else -
-    a directory of other files, a regular file - is refused, naming it.
+    """The run's checkpoint directory ``--save`` writes: ``iter_NNNNNNN`` checkpoints (each
+    replaced atomically) and ``latest_checkpointed_iteration.txt``
+    (graph_fsdp/training/checkpoints.py). It must be absent, empty, or such a directory: a save
+    replaces checkpoints in it, so anything else - other files, a regular file, a single
+    checkpoint of the older layout - is refused, naming it.
     """
-    if os.path.isdir(path) and not checkpoint.is_checkpoint_dir(path, require_meta=True):
-        names = sorted(os.listdir(path))
-        shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
-        raise CLIError(
-            f"{flag} {path} is a directory holding other files ({shown}) and no "
-            f"{checkpoint.META_FILE}, so not a checkpoint graph-fsdp wrote; a save replaces its "
-            "target: pass a new or empty directory"
-        )
-    try:
-        checkpoint.check_save_target(path, require_meta=True)
-    except checkpoint.CheckpointError as err:
-        raise CLIError(f"{flag} {err}") from None
+    problem = run_checkpoints.run_dir_problem(path)
+    if problem is not None:
+        raise CLIError(f"{flag} {path} {problem}")
     check_can_create(flag, path)

@@ -28,9 +28,11 @@ from graph_fsdp.cli.train_options import (
     check_data_path,
     check_memory,
     check_train_only_flags,
+    checkpoint_lines,
     checkpoint_plan,
     graphs_label,
     input_lines,
+    loop_fields,
     model_shapes,
     verification_lines,
     verify_option,
@@ -69,14 +71,27 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("checkpointing, data and logging")
     g.add_argument(
-        "--save", default=None, metavar="DIR", help="Write a sharded (DCP) checkpoint to DIR."
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="Write sharded (DCP) checkpoints into DIR, Megatron's layout: DIR/iter_0000020/ per "
+        "saved iteration and DIR/latest_checkpointed_iteration.txt naming the latest complete "
+        "one. A run saves at its end (and every --save-interval iterations).",
     )
     g.add_argument(
         "--save-interval",
         type=int,
         default=None,
-        help="Checkpoint at the last multiple of this interval <= --train-iters "
-        "(the engine saves once per run). Default: at the end.",
+        metavar="N",
+        help="Also save after every iteration that is a multiple of N. Default: at the end only.",
+    )
+    g.add_argument(
+        "--save-keep-last",
+        type=int,
+        default=None,
+        metavar="K",
+        help="Keep only the newest K checkpoints in --save DIR (older ones are deleted once a "
+        "newer one is complete). Default: keep all.",
     )
     g.add_argument(
         "--save-on-interrupt",
@@ -91,7 +106,45 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         "--load",
         default=None,
         metavar="DIR",
-        help="Resume from a checkpoint written by --save (at its iteration).",
+        help="Resume from the latest complete checkpoint in a --save DIR (or from one "
+        "checkpoint directory, e.g. DIR/iter_0000020), at its iteration.",
+    )
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        dest="override_opt_param_scheduler",
+        action="store_true",
+        help="On --load, train with the command line's --lr and --weight-decay where they "
+        "differ from the checkpoint's (without either flag such a difference is refused).",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        dest="use_checkpoint_opt_param_scheduler",
+        action="store_true",
+        help="On --load, keep the checkpoint's --lr and --weight-decay, whatever the command "
+        "line says.",
+    )
+    nan = p.add_argument_group("NaN and Inf")
+    nan.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_true",
+        default=True,
+        help="Stop the run (exit 1, one line naming the iteration and the value) at a NaN or "
+        "Inf loss or gradient norm, before it is saved. On by default.",
+    )
+    nan.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="Train on through NaN/Inf (a save still refuses a model holding them).",
+    )
+    nan.add_argument(
+        "--max-consecutive-skipped-steps",
+        type=int,
+        default=10,
+        metavar="N",
+        help="--cuda-graph-optimizer skips a step whose gradient norm is NaN/Inf on the device; "
+        "stop the run after more than N skipped in a row (0: never).",
     )
     g.add_argument(
         "--data-path",
@@ -190,7 +243,7 @@ class StepLogFollower:
         if self.out is not None:
             self.out.write(json.dumps(record) + "\n")
             self.out.flush()
-        postfix = {"loss": f"{record.get('loss', float('nan')):.4f}"}
+        postfix = {"loss": f"{float(record.get('loss', 'nan')):.4f}"}  # "nan": nonfinite.py
         if "step_time_s" in record:
             postfix["step"] = f"{record['step_time_s'] * 1e3:.1f}ms"
         if "tokens_per_s" in record:
@@ -232,6 +285,7 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "cuda_graphs": result.get("cuda_graphs"),
         "saved_at": result.get("saved_at"),
         "stopped_at": result.get("stopped_at"),
+        "skipped_steps": result.get("skipped_steps", 0),
     }
 
 
@@ -249,17 +303,9 @@ def main(args: argparse.Namespace) -> int:
     res = resolve(args)
     check_memory(res)  # before --load's shape check builds the model on the meta device
     shapes = model_shapes(res.cfg.model) if args.load else None
-    start, save_at, _ = checkpoint_plan(args, shapes)
-    cfg = replace(
-        res.cfg,
-        steps=args.train_iters - start,
-        start_step=start,
-        save_path=args.save,
-        save_at=save_at,
-        save_on_interrupt=args.save_on_interrupt,
-        load_path=args.load,
-        cuda_graph_verify=verify_option(args),
-    )
+    plan = checkpoint_plan(args, shapes)
+    start = plan.start
+    cfg = replace(res.cfg, **loop_fields(args, plan), cuda_graph_verify=verify_option(args))
     if args.data_path and cfg.packing is not None:
         # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
         packs = (start + cfg.steps) * cfg.grad_accum * res.data_parallel_size
@@ -333,11 +379,5 @@ def format_summary(
             f"  stopped after iteration {out['stopped_at']} of {cfg.start_step + cfg.steps} "
             "(a stop signal)"
         )
-    if out.get("saved_at") is not None:
-        lines.append(f"  checkpoint: {args.save} (iteration {out['saved_at']})")
-    elif args.save:
-        lines.append(
-            f"  checkpoint: none written by this run (stopped before iteration "
-            f"{cfg.start_step + cfg.save_at}; --save-on-interrupt saves when stopped)"
-        )
+    lines += checkpoint_lines(args, cfg, out)
     return "\n".join(lines)

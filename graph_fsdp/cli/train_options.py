@@ -1,8 +1,9 @@
 """The ``train`` flags every ``--model`` shares, and the summary lines they add.
 
-``--save``/``--load``/``--save-interval`` (:func:`checkpoint_plan`: where --save may write,
-what --load holds, checked before any rank starts; the iteration a checkpoint holds is
-written into it), ``--data-path`` (:func:`check_data_path`: the file's
+``--save``/``--load``/``--save-interval``/``--save-keep-last`` and the resume flags
+(:func:`checkpoint_plan`: where --save may write, what --load holds and whether its optimizer
+settings match, checked before any rank starts; :func:`loop_fields`: the loop's checkpoint
+and NaN/Inf fields), ``--data-path`` (:func:`check_data_path`: the file's
 shape and every token id the run will read), ``--cuda-graph-verify`` (:func:`verify_option`).
 ``graph-fsdp train`` uses them for graph_fsdp's GPT (train_cmd.py) and for Megatron-Core
 models (mcore.py) alike.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from dataclasses import dataclass
 
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli.errors import CLIError
@@ -21,27 +24,41 @@ from graph_fsdp.cli.options import Resolved, check_optimizer_args, check_positiv
 from graph_fsdp.cli.paths import check_output_file, check_save_dir
 from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
+from graph_fsdp.training import checkpoints as run_checkpoints
 from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
 from graph_fsdp.training.preflight import MemoryPlanError, check_fits
 
 CHECKPOINT_META = checkpoint.META_FILE
-"""In a --save checkpoint: the iteration it holds (so --load resumes there) and the --model."""
+"""In a --save checkpoint: the iteration it holds (so --load resumes there), the --model and
+the optimizer settings (for the resume check)."""
+
+RESUME_FLAGS = {"lr": "--lr", "weight_decay": "--weight-decay"}
+"""The optimizer settings a checkpoint records, by the flag that sets them."""
 
 
-def write_checkpoint_meta(path: str, iteration: int, model: str) -> None:
-    """Rank 0, after a --save run: the iteration the checkpoint holds and the --model."""
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CHECKPOINT_META), "w") as f:
-        json.dump({"iteration": iteration, "model": model}, f)
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPlan:
+    """--save/--load/--save-interval resolved before any rank starts."""
+
+    start: int
+    """The iteration the run starts at (the --load checkpoint's, else 0)."""
+    load_path: str | None
+    """The checkpoint directory --load reads: the iteration a run directory's tracker names."""
 
 
-def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
-    """The iteration a --load checkpoint holds. Refused with the fix, before any rank starts:
-    a directory that is not one of ours, one written for another --model, metadata that is
-    missing or corrupt, truncated files and (``shapes``: parameter name -> shape of this run's
-    model) another model shape. Strategy and world size need no check: the format loads onto
-    any (checkpoint.py)."""
-    path = args.load
+def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> tuple[int, str]:
+    """The iteration a --load checkpoint holds and its directory (a run directory's latest
+    complete iteration: training/checkpoints.py). Refused with the fix, before any rank
+    starts: a directory that is not one of ours, one written for another --model, metadata
+    that is missing or corrupt, truncated files, (``shapes``: parameter name -> shape of this
+    run's model) another model shape, and optimizer settings that differ from the command
+    line's (:func:`check_resume_settings`). Strategy and world size need no check: the format
+    loads onto any (checkpoint.py)."""
+    given = args.load
+    try:
+        path = run_checkpoints.resolve_checkpoint(given) if os.path.isdir(given) else given
+    except checkpoint.CheckpointError as err:
+        raise CLIError(f"--load {given}: {err}") from None
     if checkpoint.recover_interrupted_save(path):
         print(
             f"note: --load {path}: a save was killed while replacing it; the previous "
@@ -56,8 +73,8 @@ def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CLIError(
             f"--load {path}: not a DCP checkpoint ({os.path.join(path, '.metadata')} "
-            "is missing; an interrupted save leaves only DIR.tmp); pass the DIR a completed "
-            "--save run wrote"
+            f"is missing and there is no {run_checkpoints.TRACKER_FILE}; an interrupted save "
+            "leaves only DIR.tmp); pass the DIR a completed --save run wrote"
         )
     model = getattr(args, "model", "gpt")
     meta_path = os.path.join(path, CHECKPOINT_META)
@@ -77,11 +94,45 @@ def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> int:
             f"--load {path} holds a --model {saved_model} checkpoint, but this run trains "
             f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
         )
+    check_resume_settings(args, path, meta.get("optimizer"))
     try:
         checkpoint.check_checkpoint(path, shapes)
     except checkpoint.CheckpointError as err:
         raise CLIError(f"--load: {err}") from None
-    return iteration
+    return iteration, path
+
+
+def resume_mode(args: argparse.Namespace) -> str:
+    """``LoopConfig.resume_optimizer_settings`` of --override-opt_param-scheduler /
+    --use-checkpoint-opt_param-scheduler (Megatron's spellings)."""
+    override, keep = args.override_opt_param_scheduler, args.use_checkpoint_opt_param_scheduler
+    if override and keep:
+        raise CLIError(
+            "--override-opt_param-scheduler takes the command line's optimizer settings, "
+            "--use-checkpoint-opt_param-scheduler the checkpoint's: pass one of them"
+        )
+    return "config" if override else "checkpoint" if keep else "check"
+
+
+def check_resume_settings(args: argparse.Namespace, path: str, saved: dict | None) -> None:
+    """Refuse a resume whose --lr / --weight-decay differ from the checkpoint's, naming both,
+    unless a flag says which to take (training/checkpoints.py [Note: optimizer settings on
+    resume]; the ranks check again against what the checkpoint holds)."""
+    if resume_mode(args) != "check" or not isinstance(saved, dict):
+        return
+    differ = [
+        f"{flag} {getattr(args, key):g} vs {float(saved[key]):g} in the checkpoint"
+        for key, flag in RESUME_FLAGS.items()
+        if isinstance(saved.get(key), int | float)
+        and not math.isclose(float(saved[key]), getattr(args, key), rel_tol=1e-6)
+    ]
+    if differ:
+        raise CLIError(
+            f"--load {path}: the command line's optimizer settings differ from the "
+            f"checkpoint's ({'; '.join(differ)}); pass --override-opt_param-scheduler to train "
+            "with the command line's or --use-checkpoint-opt_param-scheduler to keep the "
+            "checkpoint's"
+        )
 
 
 def _read_meta(meta_path: str) -> dict:
@@ -205,39 +256,79 @@ def _check_data_length(
     )
 
 
-def checkpoint_plan(
-    args: argparse.Namespace, shapes: dict | None = None
-) -> tuple[int, int, int | None]:
-    """(start_step, save_at relative to start, absolute save iteration or None); --save and
-    --load checked (``shapes``: see :func:`_load_start`)."""
-    check_positive(args, "save_interval")
-    if args.save_interval is not None and not args.save:
-        raise CLIError("--save-interval is given without --save; add --save DIR")
+def checkpoint_plan(args: argparse.Namespace, shapes: dict | None = None) -> CheckpointPlan:
+    """--save, --save-interval, --save-keep-last, --load and the resume flags, checked
+    (``shapes``: see :func:`_load_start`)."""
+    check_positive(args, "save_interval", "save_keep_last")
+    for name, flag in (
+        ("save_interval", "--save-interval"),
+        ("save_keep_last", "--save-keep-last"),
+    ):
+        if getattr(args, name) is not None and not args.save:
+            raise CLIError(f"{flag} is given without --save; add --save DIR")
+    if args.max_consecutive_skipped_steps < 0:
+        raise CLIError(
+            f"--max-consecutive-skipped-steps {args.max_consecutive_skipped_steps} must be >= 0 "
+            "(0: never stop for skipped steps)"
+        )
+    mode = resume_mode(args)
+    if mode != "check" and not args.load:
+        flag = "--override" if mode == "config" else "--use-checkpoint"
+        raise CLIError(f"{flag}-opt_param-scheduler applies when resuming: add --load DIR")
     if args.save:
         check_save_dir("--save", args.save)
-    start = 0
-    if args.load:
-        start = _load_start(args, shapes)
-        if start >= args.train_iters:
-            raise CLIError(
-                f"--load {args.load} holds iteration {start}, which already reaches --train-iters "
-                f"{args.train_iters}; raise --train-iters to train further"
-            )
-    if not args.save:
-        return start, 0, None
-    interval = args.save_interval or args.train_iters
-    last = args.train_iters // interval * interval
-    if last <= start:
+    if not args.load:
+        return CheckpointPlan(start=0, load_path=None)
+    start, path = _load_start(args, shapes)
+    if start >= args.train_iters:
         raise CLIError(
-            f"--save-interval {interval} never saves between iteration {start} and --train-iters "
-            f"{args.train_iters}; lower --save-interval"
+            f"--load {path} holds iteration {start}, which already reaches --train-iters "
+            f"{args.train_iters}; raise --train-iters to train further"
         )
-    if last - interval > start:
-        print(
-            f"note: the engine saves once per run; --save {args.save} gets iteration {last}",
-            file=sys.stderr,
+    return CheckpointPlan(start=start, load_path=os.path.abspath(path))
+
+
+def loop_fields(args: argparse.Namespace, plan: CheckpointPlan) -> dict:
+    """The LoopConfig fields of the checkpoint, resume and NaN/Inf flags (every --model)."""
+    steps = args.train_iters - plan.start
+    return {
+        "steps": steps,
+        "start_step": plan.start,
+        "save_path": os.path.abspath(args.save) if args.save else None,
+        "save_at": steps if args.save else 0,  # the end of the run
+        "save_interval": args.save_interval or 0,
+        "save_keep_last": args.save_keep_last,
+        "save_on_interrupt": args.save_on_interrupt,
+        "load_path": plan.load_path,
+        "resume_optimizer_settings": resume_mode(args),
+        "check_for_nan_in_loss_and_grad": args.check_for_nan_in_loss_and_grad,
+        "max_consecutive_skipped_steps": args.max_consecutive_skipped_steps,
+    }
+
+
+def checkpoint_lines(args: argparse.Namespace, cfg, out: dict) -> list[str]:
+    """Summary lines: where the run resumed, the last checkpoint it wrote, skipped steps."""
+    lines = []
+    if cfg.load_path:
+        lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
+    saved = out.get("saved_at")
+    if saved is not None:
+        lines.append(
+            f"  checkpoint: {args.save} (iteration {saved}) - "
+            f"{run_checkpoints.iteration_dir(args.save, saved)}, named by "
+            f"{run_checkpoints.TRACKER_FILE}"
         )
-    return start, last - start, last
+    elif args.save:
+        lines.append(
+            f"  checkpoint: none written by this run (it stopped before iteration "
+            f"{cfg.start_step + cfg.save_at}; --save-on-interrupt saves when stopped)"
+        )
+    if out.get("skipped_steps"):
+        lines.append(
+            f"  skipped steps: {out['skipped_steps']} (a non-finite gradient norm; the update "
+            "was not applied)"
+        )
+    return lines
 
 
 def verify_option(args: argparse.Namespace) -> bool | str:

@@ -47,6 +47,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from graph_fsdp.fsdp.checkpoint_files import (
+    CHECKSUM_FILE,
+    is_no_space,
+    no_space_message,
+    verify_checksums,
+    write_checksums,
+)
 from graph_fsdp.fsdp.experts import unknown_layout
 from graph_fsdp.fsdp.param_group import ParamRef
 from graph_fsdp.fsdp.state import collect_states
@@ -252,7 +259,9 @@ def save(
     (called by the next save and by the CLI) puts back. ``path``, ``<path>.tmp`` and
     ``<path>.old`` must be absent, empty or checkpoint directories: anything else is refused
     (:func:`check_save_target`), never deleted. The ranks must share the file system, as DCP
-    requires.
+    requires. Before the swap the files get their checksums ([Note: checkpoint checksums]).
+    A failed write (a full disk says so, with the path) removes ``<path>.tmp`` and raises
+    :class:`CheckpointError`; ``path`` is untouched.
     """
     sd = sharded_state_dict(model, optimizer)
     tmp, old = f"{path}.tmp", f"{path}.old"
@@ -264,19 +273,19 @@ def save(
         if os.path.exists(tmp):
             shutil.rmtree(tmp)  # left by an interrupted save
         os.makedirs(tmp)
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(meta or {}, f)
+        try:
+            with open(os.path.join(tmp, META_FILE), "w") as f:
+                json.dump(meta or {}, f)
+        except OSError as exc:
+            raise _save_failed(path, tmp, exc) from exc
         _pause_for_test("write")
     dist.barrier()
     try:
         dcp.save(sd, checkpoint_id=tmp, planner=_SavePlanner())
-    except CheckpointException as exc:  # a BaseException: reported on every rank
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        kept = "the previous checkpoint there is untouched" if os.path.exists(path) else ""
-        raise CheckpointError(
-            f"saving checkpoint {path!r} failed; {kept}: {_root_cause(exc)}"
-        ) from exc
+        dist.barrier()
+        write_checksums(tmp, skip=(META_FILE,))
+    except (OSError, CheckpointException) as exc:  # DCP's: a BaseException, on every rank
+        raise _save_failed(path, tmp, exc) from exc
     dist.barrier()
     if rank0:
         if os.path.exists(path):
@@ -286,6 +295,19 @@ def save(
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
+
+
+def _save_failed(path: str, tmp: str, exc: BaseException) -> CheckpointError:
+    """The error of a save that failed writing ``tmp`` (removed here by rank 0)."""
+    why = no_space_message(tmp) if is_no_space(exc) else _root_cause(exc)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    kept = (
+        "the previous checkpoint there is untouched"
+        if os.path.exists(path)
+        else "nothing was written there"
+    )
+    return CheckpointError(f"saving checkpoint {path!r} failed: {why}; {kept}")
 
 
 META_FILE = "graph_fsdp_cli.json"
@@ -322,7 +344,7 @@ def is_checkpoint_dir(path: str, *, require_meta: bool = False) -> bool:
     names = os.listdir(path)
     if require_meta and names and META_FILE not in names:
         return False
-    return all(n == META_FILE or _CHECKPOINT_FILE.fullmatch(n) for n in names)
+    return all(n in (META_FILE, CHECKSUM_FILE) or _CHECKPOINT_FILE.fullmatch(n) for n in names)
 
 
 def check_save_target(path: str, *, require_meta: bool = False) -> None:
@@ -468,6 +490,12 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
         path = f"{path}.old"  # a save was killed mid-swap: [Note: atomic checkpoint replacement]
     metadata = _read_metadata(path)
     validate_checkpoint(path, ents, metadata)
+    bad = verify_checksums(path)  # [Note: checkpoint checksums]
+    if bad is not None:
+        raise CheckpointError(
+            f"{bad}; the model and optimizer are unchanged: load an older checkpoint or "
+            "restore the file from a copy"
+        )
     meta = metadata.state_dict_metadata
     sd: dict = {}
     staged: list[tuple[ParamRef, torch.Tensor]] = []

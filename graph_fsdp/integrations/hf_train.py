@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
@@ -29,6 +28,7 @@ from graph_fsdp.training.loop import (
     ModelAdapter,
     ShardedTrainer,
     Trainer,
+    load_checkpoint,
     run_loop,
     use_deterministic_kernels,
 )
@@ -163,7 +163,7 @@ class HFAdapter(ModelAdapter):
         fully_shard(model, **placement)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
-            ckpt.load(cfg.load_path, model, optimizer)
+            load_checkpoint(cfg, model, optimizer)
         return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
 
     def make_graphs(self, trainer: Trainer):

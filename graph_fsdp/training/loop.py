@@ -7,7 +7,9 @@ One step: the graph runner's ``before_step`` (a capture is not timed), every mic
 forward+backward (gradient sync on the last only), the gradients to the main weights, clipping
 by the global norm, the optimizer step, then the mean loss and the stop votes in one
 all-reduce (interrupt.py [Note: stopping at a step boundary]), an eval pass every
-``eval_interval`` steps, the step's log record and a scheduled (or interrupted) checkpoint.
+``eval_interval`` steps, the step's log record, the NaN/Inf check (nonfinite.py [Note:
+non-finite steps]) and a scheduled (or interrupted) checkpoint (checkpoints.py [Note: the
+latest complete checkpoint]).
 
 What differs between families lives in two small objects:
 
@@ -38,7 +40,14 @@ from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.models.moe import take_overflow
 from graph_fsdp.models.packed import PackedBatch
+from graph_fsdp.training.checkpoints import (
+    optimizer_settings,
+    resolve_checkpoint,
+    resume_optimizer_settings,
+    save_iteration,
+)
 from graph_fsdp.training.interrupt import mean_loss_and_stop
+from graph_fsdp.training.nonfinite import NonFiniteGuard, check_finite_model, json_number
 
 Batch = tuple[torch.Tensor, ...]
 """``(input_ids, labels)``, or packed ``(input_ids, labels, position_ids, cu_seqlens)``."""
@@ -71,14 +80,30 @@ class LoopConfig:
     eval_interval: int = 0
     """Run a forward-only eval pass every N steps (0: never)."""
     save_path: str | None = None
-    """DCP checkpoint directory written after ``save_at`` steps."""
+    """The run's checkpoint directory: one ``iter_NNNNNNN`` DCP checkpoint per save and
+    ``latest_checkpointed_iteration.txt`` naming the latest complete one (checkpoints.py)."""
     save_at: int = 0
-    """Step after which to save."""
+    """Save after this many steps of this run (the CLI: its last step); 0: not."""
+    save_interval: int = 0
+    """Also save after every iteration that is a multiple of this (Megatron's
+    ``--save-interval``); 0: not."""
+    save_keep_last: int | None = None
+    """Keep only the newest this many checkpoints in ``save_path`` (None: all)."""
     save_on_interrupt: bool = False
     """Save to ``save_path`` when a stop request (SIGINT/SIGTERM, interrupt.py) ends the run
     early, at the step boundary where it stops."""
     load_path: str | None = None
-    """DCP checkpoint to resume from before training (steps continue at ``start_step``)."""
+    """Checkpoint to resume from before training (steps continue at ``start_step``): a run's
+    checkpoint directory (the iteration its tracker names) or one checkpoint directory."""
+    resume_optimizer_settings: str = "check"
+    """On resume, when ``lr`` or ``weight_decay`` differ from the checkpoint's: "check"
+    refuses, "config" takes this config's, "checkpoint" the checkpoint's (checkpoints.py
+    [Note: optimizer settings on resume])."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop at a NaN/Inf loss or gradient norm (nonfinite.py [Note: non-finite steps])."""
+    max_consecutive_skipped_steps: int = 10
+    """The one-graph step skips non-finite updates; stop after more than this many in a row
+    (0: never)."""
     start_step: int = 0
     """Data stream position of the first step (for resume)."""
     data_path: str | None = None
@@ -163,8 +188,9 @@ class Trainer:
     def grads_to_main(self) -> None:
         """Make the gradients the optimizer reads (GradScaler's ``unscale_`` point)."""
 
-    def clip_grad_norm_(self, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip; the global gradient norm before clipping."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -184,8 +210,8 @@ class ShardedTrainer(Trainer):
     def set_requires_gradient_sync(self, last: bool) -> None:
         self.model.set_requires_gradient_sync(last)
 
-    def clip_grad_norm_(self, max_norm: float) -> None:
-        clip_grad_norm_(self.model.parameters(), max_norm)
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.model.parameters(), max_norm)
 
 
 class ModelAdapter:
@@ -246,6 +272,10 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
     host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
     saved_at = stopped_at = None
+    guard = NonFiniteGuard(
+        check=cfg.check_for_nan_in_loss_and_grad,
+        max_consecutive_skips=cfg.max_consecutive_skipped_steps,
+    )
     for step in range(cfg.start_step, cfg.start_step + cfg.steps):
         if graphs is not None and not owns_step:
             graphs.before_step()  # capture (after the warmup steps) is not timed
@@ -253,19 +283,21 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
             torch.cuda.synchronize()
         with step_range(step):  # the step's window in a profile: cuda_streams.py
             t0 = time.perf_counter()
+            norm = skipped = None  # the global gradient norm where computed; a skipped update
             microbatch.clock = clock = HostClock()
             batches = with_token_scale(adapter.microbatches(step, device), trainer.loss_world)
             if owns_step:
                 # Microbatches, reductions, clipping, optimizer and zeroing: one call (one replay
                 # once captured, the capture step included in its time).
-                step_loss = run([b for micro in batches for b in micro]).loss
+                out = run([b for micro in batches for b in micro])
+                step_loss, norm, skipped = out.loss, out.grad_norm, out.skipped
             else:
                 step_loss = _forward_backward(
                     trainer, batches, micros=cfg.grad_accum, run=run, schedule=schedule
                 )
                 trainer.grads_to_main()
                 if cfg.clip_grad > 0:
-                    trainer.clip_grad_norm_(cfg.clip_grad)
+                    norm = trainer.clip_grad_norm_(cfg.clip_grad)
                 trainer.optimizer_step()
             # The mean loss over the ranks and their stop requests: interrupt.py [Note: stopping at
             # a step boundary].
@@ -281,21 +313,22 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
         losses.append(step_loss.item())
         check_dropless_exchanges(trainer.model, step)
         stopping = stop_votes.item() > 0
+        grad_norm = None if norm is None else float(norm)
+        skipped = skipped is not None and bool(skipped)
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
             with torch.no_grad():
                 eval_losses.append(eval_loss(trainer.model, adapter.eval_batch(step, device)))
         if log is not None:
-            log.write(
-                json.dumps({"step": step, "loss": losses[-1], "step_time_s": times[-1]}) + "\n"
-            )
+            record = {"step": step, "loss": json_number(losses[-1]), "step_time_s": times[-1]}
+            if grad_norm is not None:
+                record["grad_norm"] = json_number(grad_norm)
+            if skipped:
+                record["skipped"] = True
+            log.write(json.dumps(record, allow_nan=False) + "\n")
             log.flush()
-        scheduled = step + 1 == cfg.start_step + cfg.save_at
-        if (
-            cfg.save_path
-            and trainer.checkpoints
-            and (scheduled or stopping and cfg.save_on_interrupt)
-        ):
-            trainer.save(cfg.save_path, adapter.checkpoint_meta(step + 1))
+        guard.after_step(step + 1, losses[-1], grad_norm, skipped)  # raises: nonfinite.py
+        if cfg.save_path and trainer.checkpoints and _saves_at(cfg, step + 1, stopping):
+            _save(adapter, trainer, step + 1)
             saved_at = step + 1
         if stopping:
             stopped_at = step + 1
@@ -310,6 +343,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
         "config": asdict(cfg),
         "saved_at": saved_at,
         "stopped_at": stopped_at,
+        "skipped_steps": guard.skipped,
     }
     if cfg.return_params:
         result["params"] = trainer.full_params()
@@ -321,6 +355,44 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     adapter.finish(trainer, graphs, result)
     return result
+
+
+def _saves_at(cfg: LoopConfig, iteration: int, stopping: bool) -> bool:
+    """A checkpoint after ``iteration``: the run's end (``save_at``), a multiple of
+    ``save_interval``, or a stop with ``save_on_interrupt``."""
+    return (
+        iteration == cfg.start_step + cfg.save_at
+        or bool(cfg.save_interval and iteration % cfg.save_interval == 0)
+        or (stopping and cfg.save_on_interrupt)
+    )
+
+
+def _save(adapter: ModelAdapter, trainer: Trainer, iteration: int) -> None:
+    """``save_path/iter_NNNNNNN`` and the tracker (checkpoints.py), never a non-finite model;
+    the checkpoint records the iteration and the optimizer settings (for a resume's check)."""
+    cfg = adapter.cfg
+    check_finite_model(trainer.model, iteration, cfg.save_path)
+    meta = {
+        "iteration": iteration,
+        **(adapter.checkpoint_meta(iteration) or {}),
+        "optimizer": optimizer_settings(trainer.optimizer),
+    }
+    save_iteration(
+        lambda path: trainer.save(path, meta),
+        cfg.save_path,
+        iteration,
+        keep_last=cfg.save_keep_last,
+    )
+
+
+def load_checkpoint(cfg: LoopConfig, model: nn.Module, optimizer) -> str:
+    """Resume ``model`` and ``optimizer`` from ``cfg.load_path`` (a run's directory: its latest
+    complete checkpoint) with ``cfg.resume_optimizer_settings``; the directory read."""
+    path = resolve_checkpoint(cfg.load_path)
+    ckpt.load(path, model, optimizer)
+    wanted = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    resume_optimizer_settings(optimizer, wanted, mode=cfg.resume_optimizer_settings, path=path)
+    return path
 
 
 def _forward_backward(

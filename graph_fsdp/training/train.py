@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from graph_fsdp.capture import te_backend
-from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.fsdp.experts import init_expert_mesh
 from graph_fsdp.fsdp.fully_shard import fully_shard
@@ -38,6 +37,7 @@ from graph_fsdp.training.loop import (
     ModelAdapter,
     ShardedTrainer,
     Trainer,
+    load_checkpoint,
     run_loop,
     use_deterministic_kernels,
 )
@@ -294,8 +294,8 @@ class MixedPrecisionReference(Trainer):
         for m, p in zip(self.master, self.params):
             m.grad = p.grad.float() if p.grad is not None else None
 
-    def clip_grad_norm_(self, max_norm: float) -> None:
-        torch.nn.utils.clip_grad_norm_(self.master, max_norm)
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.master, max_norm)
 
     def optimizer_step(self) -> None:
         super().optimizer_step()
@@ -435,7 +435,7 @@ class GPTAdapter(ModelAdapter):
         shard_model(model, cfg)
         optimizer = make_optimizer(model.parameters(), cfg)
         if cfg.load_path:
-            ckpt.load(cfg.load_path, model, optimizer)
+            load_checkpoint(cfg, model, optimizer)
         return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
 
     def make_graphs(self, trainer: Trainer):

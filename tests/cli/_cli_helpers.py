@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,3 +45,15 @@ def run_cli(
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or REPO
     )
+
+
+def saved_meta(root, iteration: int) -> dict:
+    """What ``--save root`` recorded for ``iteration`` (its ``iter_NNNNNNN`` directory), after
+    checking that ``latest_checkpointed_iteration.txt`` names it."""
+    root = Path(root)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == str(iteration)
+    return json.loads((root / f"iter_{iteration:07d}" / "graph_fsdp_cli.json").read_text())
+
+
+SETTINGS = {"lr": 0.001, "weight_decay": 0.01}
+"""The optimizer settings a checkpoint of the default flags records."""

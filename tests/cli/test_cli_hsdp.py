@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli_helpers import TINY, run_cli
+from _cli_helpers import SETTINGS, TINY, run_cli, saved_meta
 from graph_fsdp_testing import cli_error
 
 FOUR = [a if a != "2" or TINY[i - 1] != "--nproc" else "4" for i, a in enumerate(TINY)]
@@ -53,10 +53,7 @@ def test_train_hsdp_then_resume_on_a_1d_mesh(tmp_path) -> None:
     first = run_cli("train", *FOUR, *hsdp, "--train-iters", "2", "--save", str(ckpt))
     assert first.returncode == 0, first.stderr
     assert "HSDP replicate 2 x shard 2, optimizer over replicas" in first.stdout
-    assert json.loads((ckpt / "graph_fsdp_cli.json").read_text()) == {
-        "iteration": 2,
-        "model": "gpt",
-    }
+    assert saved_meta(ckpt, 2) == {"iteration": 2, "model": "gpt", "optimizer": SETTINGS}
     resumed = run_cli(
         "train", *FOUR, "--train-iters", "3", "--load", str(ckpt), "--log-json", str(log)
     )

@@ -18,10 +18,11 @@ import sys
 import time
 
 import pytest
-from _cli_helpers import REPO, TINY, run_cli
+from _cli_helpers import REPO, SETTINGS, TINY, run_cli, saved_meta
 
 from graph_fsdp.cli.main import main
 from graph_fsdp.fsdp import checkpoint
+from graph_fsdp.training import checkpoints as run_checkpoints
 
 
 def _refused(capsys: pytest.CaptureFixture, *argv: str) -> str:
@@ -54,14 +55,19 @@ def test_bad_paths_and_values_are_refused_before_any_rank_starts(capsys, tmp_pat
     (user / "thesis.txt").write_text("my work")
     afile = tmp_path / "afile"
     afile.write_text("my file")
-    (tmp_path / "ck.tmp").mkdir()
-    (tmp_path / "ck.tmp" / "notes.txt").write_text("not a checkpoint")
+    run_dir = tmp_path / "ck"
+    (run_dir / "iter_0000002.tmp").mkdir(parents=True)  # a save of iteration 2 replaces it
+    (run_dir / "iter_0000002.tmp" / "notes.txt").write_text("not a checkpoint")
+    single = tmp_path / "single"  # the layout before iter_NNNNNNN directories
+    single.mkdir()
+    (single / checkpoint.META_FILE).write_text("{}")
     train = ["train", *TINY, "--train-iters", "2"]
     cases = [
         (["--save", str(user)], [str(user), "thesis.txt", "new or empty directory"]),
         (["--save", str(afile)], [str(afile), "is a file, not a checkpoint directory"]),
         (["--save", str(afile / "ck")], [f"{afile} is a file", "nothing can be created"]),
-        (["--save", str(tmp_path / "ck")], ["ck.tmp", "notes.txt", "replaces it"]),
+        (["--save", str(run_dir)], ["iter_0000002.tmp", "notes.txt", "never deletes"]),
+        (["--save", str(single)], ["is a single checkpoint", "new or empty directory"]),
         (["--log-json", str(user)], [f"--log-json {user} is a directory"]),
         (["--log-json", str(afile / "x.jsonl")], [f"{afile} is a file"]),
         (["--lr", "-1"], ["--lr -1.0 must be a finite number >= 0"]),
@@ -135,12 +141,12 @@ def test_version_and_python_m_graph_fsdp() -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> str:
-    """A checkpoint of 2 iterations written by ``graph-fsdp train --save`` (read-only use)."""
+    """The checkpoint directory of 2 iterations ``graph-fsdp train --save`` wrote (read-only
+    use): ``iter_0000002`` and the tracker naming it."""
     path = tmp_path_factory.mktemp("saved") / "ck"
     proc = run_cli("train", *TINY, "--train-iters", "2", "--save", str(path))
     assert proc.returncode == 0, proc.stderr
-    meta = json.loads((path / checkpoint.META_FILE).read_text())
-    assert meta == {"iteration": 2, "model": "gpt"}
+    assert saved_meta(path, 2) == {"iteration": 2, "model": "gpt", "optimizer": SETTINGS}
     return str(path)
 
 
@@ -154,12 +160,12 @@ def test_load_is_checked_against_the_model_before_any_rank_starts(capsys, saved,
     line = _refused(capsys, "train", *TINY, "--hidden-size", "64", "--load", saved)
     assert "embedding.weight" in line and "another model shape" in line, line
     truncated = _copy(saved, tmp_path / "truncated")
-    data = os.path.join(truncated, "__1_0.distcp")
+    data = os.path.join(truncated, "iter_0000002", "__1_0.distcp")
     os.truncate(data, os.path.getsize(data) // 2)
     line = _refused(capsys, "train", *TINY, "--train-iters", "4", "--load", truncated)
     assert "__1_0.distcp" in line and "truncated" in line, line
     bare = _copy(saved, tmp_path / "bare")
-    os.unlink(os.path.join(bare, checkpoint.META_FILE))
+    os.unlink(os.path.join(bare, "iter_0000002", checkpoint.META_FILE))
     line = _refused(capsys, "train", *TINY, "--train-iters", "4", "--load", bare)
     assert "iteration to resume at is unknown" in line and '"iteration": N' in line, line
 
@@ -175,7 +181,7 @@ def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     """A checkpoint file corrupted inside (its size intact: only the ranks can tell): the
     launcher prints which rank failed, how, and the log holding every rank's traceback."""
     bad = _copy(saved, tmp_path / "bad")
-    data = os.path.join(bad, "__1_0.distcp")
+    data = os.path.join(bad, "iter_0000002", "__1_0.distcp")
     raw = bytearray(open(data, "rb").read())
     raw[::7] = bytes(b ^ 0xFF for b in raw[::7])
     with open(data, "wb") as f:
@@ -186,7 +192,7 @@ def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     assert len(lines) == 1, lines
     line = lines[0]
     assert line.startswith("graph-fsdp train: rank ") and "CheckpointError" in line, line
-    assert "corrupted" in line or "zip archive" in line, line  # the root cause, not DCP's dump
+    assert f"{data} is corrupt" in line, line  # its checksum, not DCP's dump
     log = line.rsplit("tracebacks: ", 1)[1].rstrip("]")
     text = open(log).read()
     assert text.count("--- rank") == 2 and "Traceback (most recent call last)" in text
@@ -254,8 +260,8 @@ def test_sigint_stops_the_run_within_10_s(tmp_path, to: str) -> None:
     stopped = int(out.split("stopped after iteration ")[1].split()[0])
     assert 0 < stopped < 100000
     assert f"checkpoint: {ck} (iteration {stopped})" in out
-    assert json.loads((ck / checkpoint.META_FILE).read_text())["iteration"] == stopped
-    assert not os.path.exists(f"{ck}.tmp") and not os.path.exists(f"{ck}.old")
+    assert saved_meta(ck, stopped)["iteration"] == stopped
+    assert sorted(os.listdir(ck)) == [f"iter_{stopped:07d}", "latest_checkpointed_iteration.txt"]
 
 
 def _children(pid: int) -> list[int]:
@@ -304,27 +310,36 @@ def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert seconds < 15, f"{seconds:.1f} s after the second signal"
     assert "Traceback" not in err, err
-    assert not ck.exists() and (ck.parent / "ck.tmp").exists()
-    checkpoint.check_save_target(str(ck), require_meta=True)  # ck.tmp is ours: accepted
+    (half,) = os.listdir(ck)  # no tracker: nothing complete
+    assert half.startswith("iter_") and half.endswith(".tmp"), half
+    checkpoint.check_save_target(str(ck / half.removesuffix(".tmp")))  # ours: accepted
+    assert run_checkpoints.run_dir_problem(str(ck)) is None  # a new --save of it works
 
 
 @pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(saved, tmp_path) -> None:
-    """Rank 0 killed while the new checkpoint replaces the old one (the old one moved aside,
-    the new one not yet in place): the run fails in one line, and the previous checkpoint
-    (iteration 2) is what the next --load resumes from."""
+    """Rank 0 killed while a new checkpoint of iteration 3 replaces the one there (the old one
+    moved aside, the new one not yet in place): the run fails in one line, and the previous
+    checkpoint of iteration 3 is what the next --load of the directory resumes from."""
     ck, marker = _copy(saved, tmp_path / "ck"), tmp_path / "paused"
+    three = os.path.join(ck, "iter_0000003")  # as if an earlier run had saved iteration 3
+    shutil.copytree(os.path.join(ck, "iter_0000002"), three)
+    with open(os.path.join(three, checkpoint.META_FILE), "w") as f:
+        json.dump({"iteration": 3, "model": "gpt", "optimizer": SETTINGS}, f)
+    with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
     env = {checkpoint.PAUSE_ENV: f"swap:{marker}"}
-    proc = _start("train", *TINY, "--train-iters", "4", "--load", ck, "--save", ck, env=env)
+    two = os.path.join(ck, "iter_0000002")
+    proc = _start("train", *TINY, "--train-iters", "3", "--load", two, "--save", ck, env=env)
     _wait_for(marker, proc)
     os.kill(int(marker.read_text()), signal.SIGKILL)
     _, _, err = _finish(proc, limit_s=120)
     assert proc.returncode == 1, err
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("graph-fsdp")]
     assert len(lines) == 1 and "rank 0 died without an error (exit signal SIGKILL" in lines[0]
-    assert not os.path.exists(ck) and os.path.exists(f"{ck}.old")  # killed between renames
-    resumed = run_cli("train", *TINY, "--train-iters", "3", "--load", ck)
+    assert not os.path.exists(three) and os.path.exists(f"{three}.old")  # between renames
+    resumed = run_cli("train", *TINY, "--train-iters", "4", "--load", ck)
     assert resumed.returncode == 0, resumed.stderr
     assert "the previous checkpoint was put back" in resumed.stderr
-    assert "1 steps on 2 x cpu" in resumed.stdout  # iteration 2 -> 3
-    assert json.loads(open(os.path.join(ck, checkpoint.META_FILE)).read())["iteration"] == 2
+    assert "1 steps on 2 x cpu" in resumed.stdout  # iteration 3 -> 4
+    assert saved_meta(ck, 3)["iteration"] == 3

@@ -143,14 +143,15 @@ def test_optimizer_offload_flags(capsys, argv: list[str], expected: str) -> None
 
 # ------------------------------------------------------------------ plumbing into the run
 def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> None:
-    """--load/--save/--data-path/--optimizer-cpu-offload as MCoreTrainConfig fields (the
-    launch is replaced: megatron-core does not import here; the GPU test runs it)."""
+    """--load/--save/--save-interval/--data-path/--optimizer-cpu-offload as MCoreTrainConfig
+    fields (the launch is replaced: megatron-core does not import here; the GPU test runs
+    it)."""
     ckpt = dcp_dir(tmp_path, {"iteration": 3, "model": "mcore-gpt"})
     path = token_file(tmp_path, np.arange(100 * 16 + 1) % 128)
     seen = {}
 
-    def fake_launch(plan, fn, cfg, model):
-        seen.update(plan=plan, fn=fn, cfg=cfg, model=model)
+    def fake_launch(plan, fn, cfg):
+        seen.update(plan=plan, fn=fn, cfg=cfg)
         return None  # as on a rank > 0: nothing to print
 
     monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
@@ -160,11 +161,13 @@ def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> No
     argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.25"]
     assert main([*argv, "--save-on-interrupt"]) == 0
     cfg = seen["cfg"]
-    assert (cfg.start_step, cfg.steps, cfg.save_at) == (3, 5, 5)  # saves at iteration 8
+    # Saves at iteration 4 (the interval) and 8 (the end), one iter_NNNNNNN directory each.
+    assert (cfg.start_step, cfg.steps, cfg.save_at, cfg.save_interval) == (3, 5, 5, 4)
     assert cfg.save_on_interrupt  # the loop saves where a stop signal ends the run
     assert cfg.load_path == str(ckpt) and cfg.save_path == str(tmp_path / "out")
     assert cfg.data_path == path and cfg.optimizer_offload_fraction == 0.25
-    assert seen["model"] == "mcore-gpt" and seen["fn"] is megatron_cli._worker
+    assert cfg.model_name == "mcore-gpt" and seen["fn"] is megatron_cli._worker
+    assert cfg.resume_optimizer_settings == "check" and cfg.check_for_nan_in_loss_and_grad
 
 
 GRAPHED = ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"]
@@ -192,7 +195,7 @@ def test_cuda_graph_verify_reaches_the_run_and_its_summary(monkeypatch, capsys, 
     seen = {}
     summary = "layerwise step (microbatch 0), scopes [attn]: graphed != eager: ..."
 
-    def fake_launch(plan, fn, cfg, model):
+    def fake_launch(plan, fn, cfg):
         seen["cfg"] = cfg
         report = {"verification": [{"summary": summary}]} if cfg.cuda_graph_verify else {}
         return {"losses": [1.0], "times": [0.1], "cuda_graphs": report}

@@ -334,8 +334,9 @@ def test_cli_mcore_save_load_data_path(tmp_path) -> None:
         "--log-json", str(first_log),
     )  # fmt: skip
     assert f"checkpoint: {ckpt} (iteration 3)" in out, out
-    meta = json.loads((ckpt / "graph_fsdp_cli.json").read_text())
-    assert meta == {"iteration": 3, "model": "mcore-gpt"}
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    meta = json.loads((ckpt / "iter_0000003" / "graph_fsdp_cli.json").read_text())
+    assert meta["iteration"] == 3 and meta["model"] == "mcore-gpt", meta
     out = train(
         "--train-iters", "6", "--load", str(ckpt), "--data-path", data,
         "--log-json", str(second_log),

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations.megatron import tp as megatron_tp
@@ -34,6 +33,7 @@ from graph_fsdp.training.loop import (
     ModelAdapter,
     ShardedTrainer,
     Trainer,
+    load_checkpoint,
     run_loop,
     use_deterministic_kernels,
 )
@@ -58,6 +58,8 @@ class MCoreTrainConfig(LoopConfig):
     """Gather full parameters at the end (for parity tests)."""
     use_megatron_schedule: bool = False
     """Run each step through megatron.core's get_forward_backward_func()."""
+    model_name: str = "mcore-gpt"
+    """The CLI's ``--model`` every checkpoint records (a ``--load`` of another is refused)."""
 
     @property
     def recompute(self) -> bool:
@@ -120,7 +122,7 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     # graph_fsdp.training.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
     if cfg.load_path:
-        ckpt.load(cfg.load_path, lm, opt)
+        load_checkpoint(cfg, lm, opt)
     return lm, opt
 
 
@@ -282,6 +284,9 @@ class MCoreAdapter(ModelAdapter):
         return lambda batches: _schedule_step(
             self.cfg, trainer.model, [b for micro in batches for b in micro]
         )
+
+    def checkpoint_meta(self, step: int) -> dict:
+        return {"iteration": step, "model": self.cfg.model_name}
 
     def finish(self, trainer: Trainer, graphs, result: dict) -> None:
         if self.start_bytes is not None:
