@@ -35,14 +35,12 @@ from graph_fsdp.bench.runner import DEFAULT_ROWS, ROWS, BenchJob, bench_worker
 from graph_fsdp.capture.scopes import GRAPH_IMPLS, scope_label
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import (
-    add_common_args,
-    add_fused_adamw_arg,
+from graph_fsdp.cli.graph_options import (
     add_scope_sets_arg,
     check_graph_environment,
-    resolve,
     scope_sets_from,
 )
+from graph_fsdp.cli.options import add_common_args, add_fused_adamw_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.training.processes import launch

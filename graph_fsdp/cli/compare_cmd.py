@@ -38,7 +38,8 @@ from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import add_common_args, add_scope_sets_arg, resolve, scope_sets_from
+from graph_fsdp.cli.graph_options import add_scope_sets_arg, scope_sets_from
+from graph_fsdp.cli.options import add_common_args, resolve
 from graph_fsdp.fsdp.api import STRATEGIES
 from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 from graph_fsdp.integrations.megatron.train import run as run_mcore

@@ -24,7 +24,7 @@ import sys
 import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import apply_megatron_graph_spellings
+from graph_fsdp.cli.graph_options import apply_megatron_graph_spellings
 from graph_fsdp.distributed import TIMEOUT_ENV
 from graph_fsdp.training.supervision import VERBOSE_ENV, Interrupted, RankFailure
 

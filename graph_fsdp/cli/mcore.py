@@ -37,20 +37,22 @@ from graph_fsdp.bench.runner import DEFAULT_ROWS
 from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.launch import resolve_plan
-from graph_fsdp.cli.options import (
+from graph_fsdp.cli.graph_options import (
     allocator_of,
     buffer_policy_of,
-    check_clip_grad,
     check_graph_environment,
-    check_moe_flags,
-    check_positive,
-    check_tensor_parallel_flags,
     check_whole_step_flag,
-    grad_accumulation,
     graph_policy,
     registration_off_for_all_to_alls,
     scope_sets_from,
+)
+from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.cli.model_options import check_moe_flags
+from graph_fsdp.cli.options import (
+    check_clip_grad,
+    check_positive,
+    check_tensor_parallel_flags,
+    grad_accumulation,
 )
 from graph_fsdp.cli.packing_options import packing_of
 from graph_fsdp.cli.train_options import (

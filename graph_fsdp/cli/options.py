@@ -5,40 +5,47 @@ Every check here runs before a process group or a CUDA context exists and raises
 reported before environment ones (no CUDA, missing TransformerEngine), so a CPU-only CI can
 exercise the rules through the CLI - except the static-buffer flags that graphs need: a
 machine that cannot run graphs is told so before it is asked for buffer flags (CPU tests call
-:func:`check_graph_buffers` directly).
+:func:`check_graph_buffers` directly). The model flags live in model_options.py, the CUDA
+graph flags in graph_options.py, the packed-sequence flags in packing_options.py; this module
+adds the training, FSDP and launch flags and :func:`resolve` builds the TrainConfig of them all.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import re
 from dataclasses import dataclass
 from typing import get_args
 
-from graph_fsdp.capture.policy import GraphPolicy, capture_impl
-from graph_fsdp.capture.scopes import (
-    GRAPH_IMPLS,
-    MOE_SCOPES,
-    SCOPES,
-    GraphConfigError,
-    check_static_buffers,
-    parse_scope_modules,
-)
-from graph_fsdp.capture.scopes import check_scopes as check_scope_rules
+from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.graph_options import (
+    add_graph_args,
+    allocator_of,
+    check_graph_buffers,
+    check_graph_environment,
+    check_scopes,
+    check_transformer_environment,
+    check_whole_step_flag,
+    graph_policy,
+    registration_off_for_all_to_alls,
+    scope_modules_of,
+)
 from graph_fsdp.cli.launch import resolve_plan
+from graph_fsdp.cli.model_options import (
+    _flag,
+    add_model_args,
+    check_divides_ranks,
+    check_moe_flags,
+    model_config,
+)
 from graph_fsdp.cli.packing_options import add_packing_args, packing_of
-from graph_fsdp.distributed import GRAPH_REGISTER_ENV
-from graph_fsdp.fsdp.api import STRATEGIES, AllocatorKind, BufferPolicy
+from graph_fsdp.fsdp.api import STRATEGIES, AllocatorKind
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.models.tp_plans import check_gpt_plan
 from graph_fsdp.training.processes import LaunchPlan
 from graph_fsdp.training.train import TrainConfig
 
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-"""Megatron's --transformer-impl: the reference torch layers or TransformerEngine layers."""
 OUTER_STRATEGIES = ("no_shard", "optim")
 """Megatron-FSDP's --outer-dp-sharding-strategy (HSDP across distributed-optimizer instances)."""
 BUFFER_ALLOCATORS = get_args(AllocatorKind)
@@ -48,95 +55,6 @@ BUFFER_ALLOCATORS = get_args(AllocatorKind)
 # --------------------------------------------------------------------------------------------
 # Flags
 # --------------------------------------------------------------------------------------------
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4, help="Transformer layers.")
-    g.add_argument("--hidden-size", type=int, default=256, help="Model width (residual size).")
-    g.add_argument(
-        "--num-attention-heads",
-        type=int,
-        default=4,
-        help="Attention heads; must divide --hidden-size.",
-    )
-    g.add_argument(
-        "--ffn-hidden-size",
-        type=int,
-        default=None,
-        help="MLP/expert inner size (default: 4 x --hidden-size).",
-    )
-    g.add_argument("--seq-length", type=int, default=128, help="Tokens per sequence.")
-    g.add_argument("--vocab-size", type=int, default=1024, help="Vocabulary size.")
-    g.add_argument(
-        "--num-experts",
-        type=int,
-        default=None,
-        help="Experts per MoE layer (>= 2); unset builds a dense model.",
-    )
-    g.add_argument(
-        "--moe-router-topk", type=int, default=2, help="Experts each token is routed to."
-    )
-    g.add_argument(
-        "--moe-layer-freq",
-        type=int,
-        default=1,
-        help="Layer i is MoE when i %% freq == 0 (1: every layer; 2: alternate).",
-    )
-    g.add_argument(
-        "--moe-expert-capacity-factor",
-        type=float,
-        default=None,
-        metavar="FACTOR",
-        help="MoE: each expert takes ceil(tokens x topk / experts x FACTOR) token copies, the "
-        "rest are dropped (> 0). Megatron-Core models: unset = dropless (Megatron's default); "
-        "graph_fsdp's GPT always has a capacity (default 1.0).",
-    )
-    g.add_argument(
-        "--moe-pad-expert-input-to-capacity",
-        action="store_true",
-        help="MoE drop-padding: pad every expert's input to its capacity (static expert "
-        "shapes, so Megatron-Core's experts capture whole); needs "
-        "--moe-expert-capacity-factor. graph_fsdp's GPT always pads.",
-    )
-    g.add_argument(
-        "--moe-dropless",
-        action="store_true",
-        help="graph_fsdp's GPT: dropless routing (no capacity; grouped GEMMs over device-side "
-        "counts; under --expert-model-parallel-size fixed-size exchanges that CUDA graphs "
-        "hold). Megatron-Core models are dropless when --moe-expert-capacity-factor is unset.",
-    )
-    g.add_argument(
-        "--moe-receive-buffer-factor",
-        type=float,
-        default=None,
-        metavar="FACTOR",
-        help="--moe-dropless with expert parallelism: rows an EP rank receives from one peer, "
-        "as a multiple of the balanced load (default: every copy, never drops; a smaller "
-        "factor that overflows stops the run naming the layers).",
-    )
-    g.add_argument(
-        "--expert-model-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="MoE expert parallelism: the experts are partitioned over groups of N consecutive "
-        "ranks and sharded over the expert-data-parallel group (world / N ranks); the other "
-        "parameters over every rank. N must divide the number of ranks and --num-experts.",
-    )
-    g.add_argument(
-        "--transformer-impl",
-        choices=TRANSFORMER_IMPLS,
-        default="local",
-        help="local: the reference torch layers; transformer_engine: TransformerEngine "
-        "TransformerLayer layers (dense models only; CUDA and TransformerEngine needed).",
-    )
-    g.add_argument(
-        "--seed",
-        type=int,
-        default=1234,
-        help="Seed of the weights and the synthetic data (same seed, same run).",
-    )
 
 
 def add_training_args(
@@ -296,123 +214,6 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_graph_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("CUDA graphs")
-    g.add_argument(
-        "--cuda-graph-impl",
-        choices=(*GRAPH_IMPLS, *MEGATRON_IMPLS),
-        default="none",
-        help="none: eager; te: TransformerEngine make_graphed_callables; "
-        "torch: pure-PyTorch capture. CUDA only. Megatron-Core 0.19's spellings work too: "
-        "transformer_engine (te), local (torch), full_iteration (torch with "
-        "--cuda-graph-scope full_iteration).",
-    )
-    g.add_argument(
-        "--cuda-graph-modules",
-        nargs="*",
-        default=None,
-        metavar="MODULE",
-        help="Megatron-Core 0.19's spelling of the per-layer scopes: any of "
-        f"{', '.join(s for s in SCOPES if s != 'full_iteration')}; none, or full: the whole "
-        "layer. Instead of --cuda-graph-scope, not with it.",
-    )
-    g.add_argument(
-        "--cuda-graph-scope",
-        nargs="*",
-        default=None,
-        metavar="SCOPE",
-        help=f"What to capture: any of {', '.join(SCOPES)}. No scope (or the flag "
-        "with no value): the whole layer. moe_preprocess requires moe_router; "
-        "full_iteration stands alone (forward+backward of the whole model in one graph per "
-        "microbatch, FSDP collectives inside; torch impl, static buffers).",
-    )
-    g.add_argument(
-        "--cuda-graph-optimizer",
-        "--optimizer-cuda-graph",
-        dest="cuda_graph_optimizer",
-        action="store_true",
-        help="With --cuda-graph-scope full_iteration: the whole training step in one graph - "
-        "every microbatch, the reductions, --clip-grad by the global norm, the fused AdamW "
-        "step with an Inf/NaN skip decided on the device, the zeroing: one replay per step "
-        "(Megatron's --optimizer-cuda-graph spelling works too). The learning rate lives on "
-        "the device; eager rows of bench/compare run the same step without graphs.",
-    )
-    g.add_argument(
-        "--cuda-graph-warmup-steps",
-        type=int,
-        default=2,
-        help="Eager training steps before capture.",
-    )
-    g.add_argument(
-        "--cuda-graph-comm",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="Layerwise graphs: replay each FSDP unit's gather (cast + all-gather) and "
-        "reduction (cast + reduce-scatter + scaling) as CUDA graphs of their own, captured "
-        "on first use; the layers' graphs stay collective-free. --no-cuda-graph-comm: "
-        "issue them eagerly.",
-    )
-    g.add_argument(
-        "--cuda-graph-scope-modules",
-        nargs="+",
-        default=None,
-        metavar="SCOPE=PATH[,PATH]",
-        help="Which submodules (paths relative to each FSDP unit) a scope captures, replacing "
-        "that scope's presets or defining a new scope, e.g. attn=self_attn "
-        "mlp=mlp,feed_forward.",
-    )
-
-
-MEGATRON_IMPLS = {"transformer_engine": "te", "local": "torch", "full_iteration": "torch"}
-"""Megatron-Core 0.19's ``cuda_graph_impl`` values -> ours (Megatron's ``local`` is its own
-per-layer capture in PyTorch; here the torch backend captures those layers)."""
-
-
-def apply_megatron_graph_spellings(args: argparse.Namespace) -> None:
-    """Map Megatron-Core 0.19's ``--cuda-graph-impl {transformer_engine,local,full_iteration}``
-    and ``--cuda-graph-modules`` onto ``--cuda-graph-impl``/``--cuda-graph-scope`` in place;
-    a contradiction between the two spellings is a CLIError naming both flags."""
-    impl = getattr(args, "cuda_graph_impl", None)
-    modules = getattr(args, "cuda_graph_modules", None)
-    if impl is None:
-        return
-    if modules is not None:
-        if args.cuda_graph_scope is not None:
-            raise CLIError(
-                f"--cuda-graph-modules {' '.join(modules)} and --cuda-graph-scope "
-                f"{' '.join(args.cuda_graph_scope)} both name what to capture: give one of them"
-            )
-        if "full_iteration" in modules:
-            raise CLIError(
-                "--cuda-graph-modules full_iteration: Megatron-Core spells the whole-iteration "
-                "graph --cuda-graph-impl full_iteration (or use --cuda-graph-scope full_iteration)"
-            )
-        own = {
-            item.split("=", 1)[0] for item in getattr(args, "cuda_graph_scope_modules", None) or []
-        }
-        known = [s for s in SCOPES if s != "full_iteration"] + sorted(own)
-        unknown = [] if modules == ["full"] else [m for m in modules if m not in known]
-        if unknown:
-            raise CLIError(
-                f"--cuda-graph-modules {' '.join(unknown)}: not a module Megatron-Core or "
-                f"graph_fsdp captures per layer; use any of {', '.join(known)} (full, or no "
-                "value: the whole layer)"
-            )
-        args.cuda_graph_scope = [] if modules in ([], ["full"]) else list(modules)
-    if impl == "full_iteration":
-        scope = args.cuda_graph_scope
-        if scope not in (None, ["full_iteration"]):
-            flag = "--cuda-graph-modules" if modules is not None else "--cuda-graph-scope"
-            raise CLIError(
-                f"--cuda-graph-impl full_iteration captures the whole iteration, so "
-                f"{flag} {' '.join(modules if modules is not None else scope) or '(empty)'} "
-                "has no place beside it: drop it, or use --cuda-graph-impl te|torch for "
-                "per-layer graphs"
-            )
-        args.cuda_graph_scope = ["full_iteration"]
-    args.cuda_graph_impl = MEGATRON_IMPLS.get(impl, impl)
-
-
 def add_fused_adamw_arg(group, rows: str) -> None:
     """``--fused-adamw`` (default on): AdamW(fused=True) in ``rows``."""
     group.add_argument(
@@ -482,20 +283,6 @@ def add_common_args(
 # --------------------------------------------------------------------------------------------
 
 
-def _flag(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-def check_divides_ranks(flag: str, value: int, world_size: int, why: str) -> None:
-    """``flag value`` must divide the number of ranks (``why``: what the quotient is)."""
-    if world_size % value:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise CLIError(
-            f"{flag} {value} does not divide the {world_size} ranks (the {why}); use one of "
-            f"{', '.join(map(str, divisors))}"
-        )
-
-
 def check_tensor_parallel_flags(args: argparse.Namespace, world_size: int) -> int:
     """--tensor-model-parallel-size / --sequence-parallel against the ranks and the other
     parallelisms (every model family); returns the data-parallel size (ranks / TP)."""
@@ -544,106 +331,6 @@ def check_vocab_parallel(args: argparse.Namespace, model: GPTConfig, world_size:
             f"--vocab-parallel-embedding: --vocab-size {model.vocab_size} is not a multiple of "
             f"the {world_size} ranks; pad the vocabulary to a multiple of {world_size}"
         )
-
-
-def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_size: int) -> None:
-    """The MoE flags every model family shares (Megatron's spellings): the capacity, drop-
-    padding and expert parallelism against the experts and the number of ranks."""
-    factor, pad = args.moe_expert_capacity_factor, args.moe_pad_expert_input_to_capacity
-    ep = args.expert_model_parallel_size
-    given = [
-        flag
-        for flag, value in (
-            ("--moe-expert-capacity-factor", factor is not None),
-            ("--moe-pad-expert-input-to-capacity", pad),
-            ("--expert-model-parallel-size", ep != 1),
-            ("--moe-dropless", getattr(args, "moe_dropless", False)),
-        )
-        if value
-    ]
-    if given and num_experts is None:
-        raise CLIError(
-            f"{', '.join(given)} need(s) an MoE model, but this model is dense: add "
-            "--num-experts N (N >= 2) or drop them"
-        )
-    if factor is not None and not factor > 0:  # NaN fails too
-        raise CLIError(
-            f"--moe-expert-capacity-factor {factor} must be > 0 (e.g. 1.0: each expert takes "
-            "its fair share of the tokens); leave it unset for dropless Megatron-Core MoE"
-        )
-    if pad and factor is None:
-        raise CLIError(
-            "--moe-pad-expert-input-to-capacity pads each expert's input to its capacity, which "
-            "--moe-expert-capacity-factor sets: add --moe-expert-capacity-factor 1.0 (or drop "
-            "the pad flag)"
-        )
-    check_dropless_flags(args, factor)
-    if ep < 1:
-        raise CLIError(f"--expert-model-parallel-size {ep} must be >= 1 (1: no expert parallelism)")
-    check_divides_ranks(
-        "--expert-model-parallel-size", ep, world_size, "expert-data-parallel size is ranks / EP"
-    )
-    if num_experts is not None and num_experts % ep:
-        raise CLIError(
-            f"--expert-model-parallel-size {ep} does not divide --num-experts {num_experts}: "
-            "each EP rank holds num_experts / EP experts; use an EP that divides it"
-        )
-
-
-def check_dropless_flags(args: argparse.Namespace, capacity_factor: float | None) -> None:
-    """--moe-dropless (graph_fsdp's GPT) against the capacity flags and its buffer factor."""
-    dropless = getattr(args, "moe_dropless", False)
-    buffer = getattr(args, "moe_receive_buffer_factor", None)
-    if dropless and capacity_factor is not None:
-        raise CLIError(
-            f"--moe-dropless and --moe-expert-capacity-factor {capacity_factor}: a dropless "
-            "layer has no capacity; drop one of them"
-        )
-    if buffer is not None and not dropless:
-        raise CLIError(
-            f"--moe-receive-buffer-factor {buffer} sizes the dropless exchange: add "
-            "--moe-dropless (or drop the factor)"
-        )
-
-
-def model_config(args: argparse.Namespace) -> GPTConfig:
-    """The GPTConfig of the flags; its errors are re-worded to name the flags."""
-    if args.num_attention_heads and args.hidden_size % args.num_attention_heads != 0:
-        divisors = [d for d in range(1, args.hidden_size + 1) if args.hidden_size % d == 0]
-        nearest = min(divisors, key=lambda d: abs(d - args.num_attention_heads)) if divisors else 1
-        raise CLIError(
-            f"--num-attention-heads {args.num_attention_heads} does not divide --hidden-size "
-            f"{args.hidden_size}; use a head count that divides it (e.g. {nearest})"
-        )
-    if args.transformer_impl == "transformer_engine" and args.num_experts is not None:
-        raise CLIError(
-            "--transformer-impl transformer_engine builds dense TransformerEngine layers, but "
-            f"--num-experts {args.num_experts} asks for an MoE model: drop --num-experts, or use "
-            "--transformer-impl local for MoE models"
-        )
-    try:
-        return GPTConfig(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
-            num_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_layer_freq=args.moe_layer_freq,
-            **(
-                {"moe_capacity_factor": args.moe_expert_capacity_factor}
-                if args.moe_expert_capacity_factor is not None
-                else {}
-            ),
-            moe_dropless=args.moe_dropless,
-            moe_receive_buffer_factor=args.moe_receive_buffer_factor,
-            seed=args.seed,
-            transformer_impl=args.transformer_impl,
-        )
-    except ValueError as err:
-        raise CLIError(re.sub(r"GPTConfig\.(\w+)", lambda m: _flag(m.group(1)), str(err))) from err
 
 
 def grad_accumulation(args: argparse.Namespace, world_size: int) -> int:
@@ -695,196 +382,6 @@ def hsdp_mesh(args: argparse.Namespace, world_size: int) -> tuple[tuple[int, int
     if n == 1:
         return None, False
     return (n, world_size // n), outer == "optim"
-
-
-def parse_scope_set(text: str) -> list[str]:
-    """``"attn moe_router"`` or ``"attn,moe_router"`` -> list; ``""`` -> [] (whole layer)."""
-    return [s for s in re.split(r"[,\s]+", text.strip()) if s]
-
-
-def add_scope_sets_arg(group) -> None:
-    group.add_argument(
-        "--scopes",
-        action="append",
-        default=None,
-        metavar="SCOPES",
-        help="One graphed run per occurrence: scopes separated by spaces or "
-        'commas, "" for the whole layer; repeat for several runs, e.g. '
-        '--scopes "" --scopes "attn moe_router". Default: '
-        "--cuda-graph-scope, else the whole layer.",
-    )
-
-
-def scope_sets_from(args: argparse.Namespace) -> tuple[list[list[str]], str]:
-    """The graphed runs' scope sets (``--scopes``, repeatable) and the flag they came from."""
-    if args.scopes is not None and args.cuda_graph_scope is not None:
-        raise CLIError("give the scope sets with --scopes only (drop --cuda-graph-scope)")
-    if args.scopes is not None:
-        return [parse_scope_set(s) for s in args.scopes], "--scopes"
-    if args.cuda_graph_scope is not None:
-        return [list(args.cuda_graph_scope)], "--cuda-graph-scope"
-    return ([[]] if args.cuda_graph_impl != "none" else []), "--scopes"
-
-
-def scope_modules_of(args: argparse.Namespace) -> dict[str, list[str]]:
-    """``--cuda-graph-scope-modules attn=self_attn ...`` as ``{"attn": ["self_attn"]}``."""
-    items = getattr(args, "cuda_graph_scope_modules", None) or []
-    try:
-        return {k: list(v) for k, v in parse_scope_modules(items).items()}
-    except GraphConfigError as err:
-        raise CLIError(str(err)) from err
-
-
-def check_scopes(
-    scopes: list[str],
-    model: GPTConfig,
-    *,
-    flag: str,
-    scope_modules: dict[str, list[str]] | None = None,
-) -> list[str]:
-    """Reject unknown, repeated or conflicting scopes and scopes the model does not have.
-
-    The model-independent rules are the engine's (:func:`graph_fsdp.capture.scopes.check_scopes`,
-    same messages); the checks against the model's shape are the CLI's, made before any model
-    exists (not for scopes --cuda-graph-scope-modules maps: the model tells at capture).
-    """
-    try:
-        check_scope_rules(scopes, flag=flag, scope_modules=scope_modules)
-    except GraphConfigError as err:
-        raise CLIError(str(err)) from err
-    mapped = set(scope_modules or ())
-    scopes = [s for s in scopes if s not in mapped]
-    moe_wanted = [s for s in scopes if s in MOE_SCOPES]
-    if moe_wanted and model.num_experts is None:
-        raise CLIError(
-            f"{flag} {' '.join(moe_wanted)} needs an MoE model, but this model is dense: add "
-            f"--num-experts N (N >= 2) or drop {' '.join(moe_wanted)}"
-        )
-    if "mlp" in scopes and all(model.is_moe_layer(i) for i in range(model.num_layers)):
-        raise CLIError(
-            f"{flag} mlp: every layer is MoE (--num-experts {model.num_experts} with "
-            f"--moe-layer-freq {model.moe_layer_freq}), so there is no dense MLP to capture; use "
-            "moe or moe_router, or raise --moe-layer-freq so that some layers are dense"
-        )
-    return list(scopes)
-
-
-def allocator_of(args: argparse.Namespace) -> str:
-    """BufferPolicy.allocator of --fsdp-buffer and its Megatron alias --fsdp-double-buffer."""
-    allocator = args.fsdp_buffer
-    if args.fsdp_double_buffer:
-        if allocator not in (None, "double_buffer"):
-            raise CLIError(
-                f"--fsdp-double-buffer and --fsdp-buffer {allocator} name two allocators for the "
-                "same buffers (--fsdp-double-buffer is --fsdp-buffer double_buffer): pass one "
-                "of them"
-            )
-        allocator = "double_buffer"
-    allocator = allocator or "dynamic"
-    if args.fsdp_db_use_persist_buf_on_alloc_fail and allocator == "dynamic":
-        raise CLIError(
-            "--fsdp-db-use-persist-buf-on-alloc-fail has no effect with the dynamic allocator: "
-            "add --fsdp-double-buffer (or --fsdp-buffer trace_pool)"
-        )
-    return allocator
-
-
-def graph_policy(
-    args: argparse.Namespace,
-    impl: str,
-    scopes: list[str],
-    scope_modules: dict[str, list[str]] | None = None,
-) -> GraphPolicy:
-    """The GraphPolicy of one graphed run of the flags (its own rules raise as CLIError),
-    with the optimizer the command builds checked against it."""
-    try:
-        policy = GraphPolicy(
-            impl=impl,
-            scopes=tuple(scopes),
-            warmup_steps=args.cuda_graph_warmup_steps,
-            comm_graphs=getattr(args, "cuda_graph_comm", True),
-            scope_modules=scope_modules or {},
-            # train's --cuda-graph-verify, for the rules only (train_options.verify_option
-            # gives the run its value)
-            verify=bool(getattr(args, "cuda_graph_verify", None)),
-            optimizer=args.cuda_graph_optimizer,
-        )
-        policy.check_optimizer(
-            fused=getattr(args, "fused_adamw", True),  # train/compare: fused with the flag
-            offload_fraction=(
-                args.optimizer_offload_fraction
-                if getattr(args, "optimizer_cpu_offload", False)
-                else 0.0
-            ),
-        )
-    except GraphConfigError as err:
-        raise CLIError(str(err)) from err
-    return policy
-
-
-def check_whole_step_flag(args: argparse.Namespace, impl: str) -> None:
-    """--cuda-graph-optimizer extends a full_iteration graph: refused without graphs."""
-    if args.cuda_graph_optimizer and impl == "none":
-        raise CLIError(
-            "--cuda-graph-optimizer puts the optimizer step inside the full_iteration graph, "
-            "but --cuda-graph-impl is none: add --cuda-graph-impl torch --cuda-graph-scope "
-            "full_iteration"
-        )
-
-
-def buffer_policy_of(args: argparse.Namespace) -> BufferPolicy:
-    """The BufferPolicy of --fsdp-buffer / --fsdp-double-buffer and the persist flag."""
-    return BufferPolicy(
-        allocator=allocator_of(args),
-        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-    )
-
-
-def check_graph_buffers(args: argparse.Namespace, scopes: list[str], *, flag: str) -> None:
-    """Graphs replay fixed addresses: FSDP's buffers must never move.
-
-    The rule (and its message) is the engine's :func:`graph_fsdp.capture.scopes.
-    check_static_buffers` (GraphPolicy.check_buffers), applied to the BufferPolicy the flags
-    build.
-    """
-    try:
-        check_static_buffers(buffer_policy_of(args), scopes, flag=flag)
-    except GraphConfigError as err:
-        raise CLIError(str(err)) from err
-
-
-def check_graph_environment(
-    impl: str, plan: LaunchPlan, cpu_hint: str = "use --cuda-graph-impl none on CPU"
-) -> None:
-    """Environment checks last: everything else about the flags is already valid."""
-    if impl == "none":
-        return
-    if plan.device != "cuda":
-        raise CLIError(
-            f"--cuda-graph-impl {impl} needs a CUDA device, but this run is on {plan.device} "
-            f"(no CUDA available, or --device cpu); {cpu_hint}"
-        )
-    if impl == "te" and importlib.util.find_spec("transformer_engine") is None:
-        raise CLIError(
-            "--cuda-graph-impl te needs TransformerEngine >= 2.19, which is not importable: "
-            "install graph-fsdp[te] or use --cuda-graph-impl torch"
-        )
-
-
-def check_transformer_environment(impl: str, plan: LaunchPlan) -> None:
-    """--transformer-impl transformer_engine needs CUDA and an importable TransformerEngine."""
-    if impl != "transformer_engine":
-        return
-    if plan.device != "cuda":
-        raise CLIError(
-            f"--transformer-impl transformer_engine needs a CUDA device, but this run is on "
-            f"{plan.device} (no CUDA available, or --device cpu); use --transformer-impl local"
-        )
-    if importlib.util.find_spec("transformer_engine") is None:
-        raise CLIError(
-            "--transformer-impl transformer_engine needs TransformerEngine, which is not "
-            "importable: install graph-fsdp[te] or use --transformer-impl local"
-        )
 
 
 def check_positive(args: argparse.Namespace, *names: str) -> None:
@@ -965,16 +462,6 @@ def check_fp32_accumulation(args: argparse.Namespace, mesh_shape) -> bool:
             "(HSDP) drop it"
         )
     return True
-
-
-def registration_off_for_all_to_alls(all_to_all: bool, scope_sets) -> None:
-    """``NCCL_GRAPH_REGISTER=0`` when a ``full_iteration`` graph of this command captures an
-    all-to-all (the gradients' with fp32 accumulation, an expert dispatch's): capture/step.py
-    [Note: NCCL graph registration and the all-to-all]. Set before the launcher's ranks (or
-    this torchrun rank) create their NCCL groups; a value the user exported is kept (and
-    refused at capture unless it is 0)."""
-    if all_to_all and any("full_iteration" in scopes for scopes in scope_sets):
-        os.environ.setdefault(GRAPH_REGISTER_ENV, "0")
 
 
 def resolve(

@@ -17,8 +17,8 @@ from graph_fsdp.capture import (
 )
 from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import add_graph_args, scope_modules_of
-from graph_fsdp.cli.options import check_scopes as cli_check_scopes
+from graph_fsdp.cli.graph_options import add_graph_args, scope_modules_of
+from graph_fsdp.cli.graph_options import check_scopes as cli_check_scopes
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.models.hf import hf_decoder_layers
 

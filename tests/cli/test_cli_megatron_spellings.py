@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from graph_fsdp.cli.errors import CLIError
+from graph_fsdp.cli.graph_options import apply_megatron_graph_spellings
 from graph_fsdp.cli.main import build_parser, main
-from graph_fsdp.cli.options import apply_megatron_graph_spellings
 
 
 def _mapped(*flags: str, command: str = "train") -> tuple[str, list[str] | None]:

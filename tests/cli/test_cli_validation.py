@@ -209,7 +209,7 @@ def test_layerwise_graphs_need_static_buffers(argv: list[str], expected: list[st
     """The buffer-flag rule itself (on a CUDA machine the CLI applies it after the device
     check; a CPU-only machine is told first that graphs need a GPU, above)."""
     from graph_fsdp.cli.errors import CLIError
-    from graph_fsdp.cli.options import check_graph_buffers
+    from graph_fsdp.cli.graph_options import check_graph_buffers
 
     args = _args("train", *argv)
     scopes = args.cuda_graph_scope or []
@@ -343,7 +343,7 @@ def _args(command: str, *argv: str):
 
 
 def test_transformer_impl_maps_to_gpt_config_and_is_checked(capsys: pytest.CaptureFixture) -> None:
-    from graph_fsdp.cli.options import model_config
+    from graph_fsdp.cli.model_options import model_config
 
     assert model_config(_args("train")).transformer_impl == "local"
     te = model_config(_args("train", "--transformer-impl", "transformer_engine"))
@@ -412,7 +412,7 @@ def test_deterministic_is_opt_in_for_train_and_default_for_compare() -> None:
 def test_scope_rules_are_the_engines(scopes: list[str]) -> None:
     """The CLI delegates model-independent scope rules to graph_fsdp.capture.scopes."""
     from graph_fsdp.capture import scopes as engine
-    from graph_fsdp.cli import options
+    from graph_fsdp.cli import graph_options as options
     from graph_fsdp.cli.errors import CLIError
     from graph_fsdp.models import GPTConfig
 
