@@ -190,7 +190,9 @@ class HFAdapter(ModelAdapter):
                     vocab_size=cfg.vocab_size,
                     eval=eval,
                 )
-            return self._packed[eval].batch(cfg.micro_batch_size, index, rank, self.world_size, device)
+            return self._packed[eval].batch(
+                cfg.micro_batch_size, index, rank, self.world_size, device
+            )
         g = torch.Generator().manual_seed(
             (cfg.seed * 1_000_003 + index * 7919 + rank * 104729 + (1 << 20 if eval else 0)) % 2**63
         )

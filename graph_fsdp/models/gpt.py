@@ -159,7 +159,7 @@ class TransformerLayer(nn.Module):
 def _te_layer(config: GPTConfig, layer_number: int) -> nn.Module:
     """A TransformerEngine layer of the same shape: pre-RMSNorm, causal attention, GELU MLP."""
     try:
-        import transformer_engine.pytorch as te  # noqa: PLC0415
+        import transformer_engine.pytorch as te  # noqa: PLC0415 (optional dependency)
     except ImportError as err:
         raise ImportError(
             "GPTConfig.transformer_impl='transformer_engine' needs TransformerEngine: pip "
@@ -335,5 +335,3 @@ def synthetic_batch(
     if device is not None:
         input_ids, labels = input_ids.to(device), labels.to(device)
     return input_ids, labels
-
-

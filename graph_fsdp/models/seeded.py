@@ -44,7 +44,7 @@ def _copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
             param.copy_(full)
             return
         # torch.distributed.tensor exists only where torch.distributed does (_is_dtensor)
-        from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
+        from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415 (slow import)
 
         assert isinstance(param, DTensor)
         # Every rank generated the same full tensor, so each cuts out its own shard locally
@@ -160,5 +160,3 @@ class _SeededEmbedding(_SeededInit, nn.Embedding):
 def _rms_norm(config: GPTConfig) -> nn.RMSNorm:
     # RMSNorm.reset_parameters fills ones, which is already deterministic.
     return nn.RMSNorm(config.hidden_size, eps=_NORM_EPS)
-
-

@@ -105,8 +105,8 @@ def init_parallel_state(
 def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
     """The Megatron ``TransformerConfig`` of ``cfg`` (dropout off: runs are reproducible)."""
     require_megatron()
-    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415
-    from megatron.core.transformer.enums import AttnBackend  # noqa: PLC0415
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 (optional dependency)
+    from megatron.core.transformer.enums import AttnBackend  # noqa: PLC0415 (optional dependency)
 
     moe = {}
     if cfg.is_moe:
@@ -146,7 +146,7 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
 
 def layer_spec(cfg: MCoreGPTConfig):
     require_megatron()
-    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415
+    from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 (optional dependency)
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -159,7 +159,7 @@ def layer_spec(cfg: MCoreGPTConfig):
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
     if cfg.is_moe and cfg.moe_experts_impl == "grouped_mm":
-        from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec  # noqa: PLC0415
+        from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
         spec = grouped_mm_moe_spec(spec)
     return spec
@@ -195,7 +195,7 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
     Call :func:`init_parallel_state` first. ``device`` defaults to the current CUDA device.
     """
     require_megatron()
-    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 (optional dependency)
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cfg.transformer_impl == "transformer_engine" and device.type != "cuda":
@@ -204,7 +204,7 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
             "transformer_impl='local' on CPU"
         )
     if cfg.is_moe and cfg.moe_token_dispatcher_type == "alltoall" and device.type != "cuda":
-        from megatron.core.transformer.moe.token_dispatcher import (  # noqa: PLC0415
+        from megatron.core.transformer.moe.token_dispatcher import (  # noqa: PLC0415 (optional dependency)
             MoEAlltoAllTokenDispatcher,
         )
 
@@ -221,7 +221,7 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
     # no tracker to fork in every forward: the default tracker's fork sets the CUDA
     # generator's state, which torch refuses during graph capture, and TE's capture-safe
     # tracker is only registered by TE's own capture (not torch.cuda.graph).
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker  # noqa: PLC0415
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker  # noqa: PLC0415 (optional dependency)
 
     # no states yet; graph-safe on CUDA (a CPU build of torch lacks the graph-safe API)
     initialize_rng_tracker(use_cudagraphable_rng=device.type == "cuda", force_reset=True)
@@ -238,7 +238,7 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
     )
     gpt = gpt.to(device)
     if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415 (optional dependency)
 
         # The local spec's attention forks the tracker in every forward: a graph-safe one.
         model_parallel_cuda_manual_seed(cfg.seed, use_cudagraphable_rng=True, force_reset_rng=True)

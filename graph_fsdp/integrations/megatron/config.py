@@ -23,7 +23,7 @@ with device token counts (megatron_moe.GroupedMMMoELayer)."""
 def require_megatron():
     """Import megatron.core, or raise an ImportError that says what to install."""
     try:
-        import megatron.core  # noqa: PLC0415
+        import megatron.core  # noqa: PLC0415 (optional dependency)
         from megatron.core import parallel_state  # noqa: F401, PLC0415
     except ImportError as err:
         raise ImportError(

@@ -86,7 +86,7 @@ def initialize(expert_model_parallel_size: int | None) -> None:
     EP is destroyed and re-created (models built under it keep its groups: build new ones); a
     state initialised elsewhere with another EP is refused.
     """
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -129,7 +129,7 @@ def initialize(expert_model_parallel_size: int | None) -> None:
 def parallel_state_ep(what: str) -> int:
     """Megatron's initialised expert-model-parallel size, after checking that its dense
     data-parallel group is the whole world (``what`` names the caller in errors)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError(f"call init_parallel_state() before {what}")
@@ -217,7 +217,7 @@ def expert_mesh_for(layers: list[nn.Module], ep: int, expert_groups: bool | None
         params = dict(layer.named_parameters())
         for fqn, layout in expert_layouts(layer).items():
             setattr(params[fqn], EXPERT_ATTR, layout)
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     return expert_mesh_from_groups(
         device_type,
@@ -282,7 +282,7 @@ class GlobalExpertInit:
             return experts
         ep_group = getattr(pg_collection, "ep", None)
         if ep_group is None:
-            from megatron.core import parallel_state as ps  # noqa: PLC0415
+            from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
             ep_group = ps.get_expert_model_parallel_group()
         first = dist.get_rank(ep_group) * num_local_experts
@@ -303,7 +303,7 @@ def with_global_expert_init(spec, seed: int):
     """A copy of a GPT layer (or block) spec whose MoE layers build their experts through
     :class:`GlobalExpertInit` (one layer counter per call: call it once per model built);
     dense layer specs are kept."""
-    from graph_fsdp.integrations.megatron.moe import map_moe_layer_specs  # noqa: PLC0415
+    from graph_fsdp.integrations.megatron.moe import map_moe_layer_specs  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
     layers = itertools.count()
     return map_moe_layer_specs(

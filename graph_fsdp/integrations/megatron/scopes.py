@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from graph_fsdp.capture.scopes import SCOPE_PRESETS, GraphConfigError, check_scopes
+from graph_fsdp.capture.te_backend import check_attention_capture
 from graph_fsdp.cuda_streams import stream_capturing
 from graph_fsdp.integrations.megatron.config import MCoreGPTConfig
 
@@ -237,8 +238,6 @@ def install_moe_preprocess(lm: nn.Module) -> int:
 def check_mcore_attention_capture(cfg: MCoreGPTConfig, impl: str, scopes: list[str]) -> None:
     """TE attention in the captured scopes at a sequence length TE's cuDNN attention cannot
     be captured at (te_backend.py [Note: TE attention under capture])."""
-    from graph_fsdp.capture.te_backend import check_attention_capture  # noqa: PLC0415
-
     if cfg.transformer_impl == "transformer_engine":
         check_attention_capture(
             seq_length=cfg.seq_length,

@@ -57,7 +57,7 @@ def initialize(tensor_model_parallel_size: int) -> None:
     """Megatron's parallel state with TP = ``tensor_model_parallel_size`` (PP = EP = 1). A
     state this function created with another TP size is re-created (build models after the
     call); one initialised elsewhere with other sizes is refused."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -102,7 +102,7 @@ def _owned(ps) -> bool:
 def release() -> None:
     """Destroy a parallel state :func:`initialize` created with TP > 1 (before another one is
     initialised with TP = 1); anything else is left alone."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     if ps.model_parallel_is_initialized() and _owned(ps):
         if ps.get_tensor_model_parallel_world_size() > 1:
@@ -112,7 +112,7 @@ def release() -> None:
 
 def tensor_parallel_size() -> int:
     """Megatron's initialised TP size (1 when Megatron's state is not initialised)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     if not ps.model_parallel_is_initialized():
         return 1
@@ -124,7 +124,7 @@ def data_parallel_rank(rank: int, world_size: int) -> tuple[int, int]:
     TP = 1, Megatron's DP rank and size otherwise (TP ranks read the same batches)."""
     if tensor_parallel_size() == 1:
         return rank, world_size
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
@@ -144,8 +144,8 @@ def check_model(config) -> int:
 
 def data_parallel_mesh(device_type: str):
     """The 1-D DeviceMesh of Megatron's data-parallel group (graph_fsdp's sharding group)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
+    from torch.distributed.device_mesh import DeviceMesh  # noqa: PLC0415 (optional dependency)
 
     return DeviceMesh.from_group(ps.get_data_parallel_group(), device_type, mesh_dim_names=("dp",))
 
@@ -153,7 +153,7 @@ def data_parallel_mesh(device_type: str):
 def mark_params(module: nn.Module) -> None:
     """Describe Megatron's tensor-parallel parameters (``tensor_model_parallel``,
     ``partition_dim``) of ``module`` for ``fully_shard`` (before it)."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     marked = []
     for name, p in module.named_parameters():
@@ -196,7 +196,7 @@ def install_grad_sync(units: list[nn.Module], reduced: dict[int, str], originals
     ``reduced`` (``originals``: id -> the original parameter, which points at its sharded
     one) that all-reduces their sharded gradients over TP ([Note: Megatron-Core tensor
     parallelism])."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
     group = ps.get_tensor_model_parallel_group()
     by_sharded = {id(originals[i]._graph_fsdp_sharded_as): op for i, op in reduced.items()}

@@ -127,8 +127,8 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
 
 
 def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
-    from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
-    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415 (optional dependency)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 (optional dependency)
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
     if cfg.bf16:
@@ -139,7 +139,7 @@ def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
 
 
 def _schedule_step(cfg: MCoreTrainConfig, lm, batches) -> torch.Tensor:
-    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415 (optional dependency)
 
     out = get_forward_backward_func()(
         forward_step_func=gm.forward_step,
@@ -158,7 +158,7 @@ def _set_moe_aux_loss_scale(cfg: MCoreTrainConfig, device: torch.device) -> None
     (``MoEAuxLossAutoScaler.set_loss_scale``), as it divides each microbatch's loss; graph_fsdp's
     loop divides its losses the same way, so it sets the same scale. One tensor, filled in
     place: captured graphs read it at a fixed address."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415 (optional dependency)
 
     scale = 1.0 / cfg.grad_accum
     current = MoEAuxLossAutoScaler.main_loss_backward_scale
