@@ -25,10 +25,8 @@ from graph_fsdp.models.config import (
     _NORM_EPS,
     GPTConfig,
     _is_int,
-    model_flops_per_token,
-    moe_capacity,
 )
-from graph_fsdp.models.moe import MoEExperts, MoELayer, MoEPreprocess, MoERouter
+from graph_fsdp.models.moe import MoEExperts, MoELayer
 from graph_fsdp.models.packed import (
     at_least_fp32,
     check_packed_inputs,
@@ -41,27 +39,7 @@ from graph_fsdp.models.seeded import (
     _SeededEmbedding,
     _SeededLinear,
     _stable_seed,
-    init_weights,
 )
-
-__all__ = [
-    "MLP",
-    "GPTConfig",
-    "GPTModel",
-    "MoEExperts",
-    "MoELayer",
-    "MoEPreprocess",
-    "MoERouter",
-    "SelfAttention",
-    "TransformerLayer",
-    "build_model",
-    "init_weights",
-    "model_flops_per_token",
-    "moe_capacity",
-    "partition_experts",
-    "synthetic_batch",
-    "transformer_layers",
-]
 
 # --------------------------------------------------------------------------------------------
 # Dense blocks
