@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from graph_fsdp.models.gpt import GPTConfig, GPTModel
+from graph_fsdp.models.config import GPTConfig
+from graph_fsdp.models.gpt import GPTModel
 
 
 def _styles():
