@@ -15,7 +15,7 @@ the library (before a runner is built) refuse the same settings with the same wo
    sharded model and its device.
 
 Family rules (a TransformerEngine attention check, Megatron-Core's MoE scopes) run before
-:meth:`build`, in the model adapter that knows the family (train.py, megatron_train.py).
+:meth:`build`, in the model adapter that knows the family (train.py, megatron/train.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 
 This is torchtitan's order (``apply_tp`` then ``apply_fsdp``). Megatron-Core's tensor-parallel
 layers hold plain tensors with its ``tensor_model_parallel`` / ``partition_dim`` attributes
-instead; :func:`mark_tensor_parallel` describes them the same way (integrations/megatron_tp.py).
+instead; :func:`mark_tensor_parallel` describes them the same way (integrations/megatron/tp.py).
 
 [Note: tensor-parallel parameters]
 - What graph_fsdp shards: a parameter's *local* tensor (this TP rank's piece), flattened into
@@ -32,7 +32,7 @@ instead; :func:`mark_tensor_parallel` describes them the same way (integrations/
   DTensor with the parameter's placements and autograd's accumulation into it does the same
   all-reduce inside the backward graph. Megatron all-reduces its own (``sequence_parallel``)
   ones after the data-parallel reduction, in ``finalize_model_grads``
-  (integrations/megatron_tp.py).
+  (integrations/megatron/tp.py).
 """
 
 from __future__ import annotations

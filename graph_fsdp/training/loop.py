@@ -1,5 +1,5 @@
 """The training loop every model family runs (train.py: graph_fsdp's GPT and the unsharded
-reference; integrations/megatron_train.py: Megatron-Core GPTs)::
+reference; integrations/megatron/train.py: Megatron-Core GPTs)::
 
     result = run_loop(GPTAdapter(cfg), rank, world_size)
 
@@ -18,7 +18,7 @@ What differs between families lives in two small objects:
   run sets up and releases around the loop;
 - the **trainer** (:class:`Trainer`) - where the weights live and how they are stepped:
   graph_fsdp's ``fully_shard`` (:class:`ShardedTrainer`), or a placement without it (the
-  unsharded mixed-precision reference in train.py, Megatron-FSDP in megatron_train.py).
+  unsharded mixed-precision reference in train.py, Megatron-FSDP in megatron/train.py).
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_layer_keeps_less_for_backward_than_megatrons_and_nothing_after(gated: b
     """The whole MoE layer (dispatch, experts, combine, shared expert) keeps less for backward
     than Megatron's dropless layer (here SequentialMLP, fp32): the experts recompute their
     activation (grouped_moe.py). Megatron's dispatcher keeps the routing weights with their
-    autograd graph after the step (megatron_train.py [Note: MoE dispatchers keep the last
+    autograd graph after the step (megatron/train.py [Note: MoE dispatchers keep the last
     routing]); release_moe_dispatch_state drops them, and graph_fsdp's keeps none."""
     out = spawn(_saved_and_kept, 1, gated)[0]
     rows, ffn1 = 64 * TOPK, FFN * (2 if gated else 1)

@@ -7,7 +7,7 @@
     gm.shard_gpt(lm, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
     # expert parallelism: init_parallel_state(expert_model_parallel_size=2) and
-    # MCoreGPTConfig(..., expert_model_parallel_size=2) (megatron_ep.py)
+    # MCoreGPTConfig(..., expert_model_parallel_size=2) (megatron/ep.py)
     loss = lm(tokens, labels)                         # mean per-token loss (fp32 scalar)
 
 Needs megatron-core (``pip install -e ".[megatron]"``); importing this module without it
@@ -19,10 +19,10 @@ What the integration maps (facts from megatron-core 0.19's source):
   parallel size 1 on the existing process group, so graph_fsdp's data-parallel group is the
   whole world. With expert-model-parallel size N > 1 each rank holds num_experts / N experts;
   their parameters are sharded over Megatron's expert-data-parallel group (world / N ranks),
-  the dense ones over the world (megatron_ep.py [Note: Megatron-Core expert parallelism]).
+  the dense ones over the world (megatron/ep.py [Note: Megatron-Core expert parallelism]).
   Tensor parallelism (``init_parallel_state(tensor_model_parallel_size=N)``, dense GPTs,
   optionally ``sequence_parallel``): each TP rank's pieces are sharded over Megatron's
-  data-parallel group (megatron_tp.py [Note: Megatron-Core tensor parallelism]).
+  data-parallel group (megatron/tp.py [Note: Megatron-Core tensor parallelism]).
 - Units: ``fully_shard`` per ``TransformerLayer`` (``gpt.decoder.layers``), then the root
   (:class:`MCoreLM`, which owns the embedding, final norm and output layer).
 - Gradients: autograd's ``.grad`` of each unsharded parameter - in eager steps collected
@@ -86,8 +86,8 @@ def init_parallel_state(
     None keeps an initialised state's, else 1), tensor parallel size
     ``tensor_model_parallel_size`` (dense GPTs, EP = 1). A state these functions created with
     other sizes is re-created (build models after the call); one initialised elsewhere with
-    other sizes is refused. [Note: Megatron-Core expert parallelism] (megatron_ep.py),
-    [Note: Megatron-Core tensor parallelism] (megatron_tp.py)"""
+    other sizes is refused. [Note: Megatron-Core expert parallelism] (megatron/ep.py),
+    [Note: Megatron-Core tensor parallelism] (megatron/tp.py)"""
     require_megatron()
     if tensor_model_parallel_size != 1:
         if expert_model_parallel_size not in (None, 1):
@@ -265,11 +265,11 @@ def shard_gpt(
     every layer's ``fully_shard``). None (default): when expert_model_parallel_size > 1 (where
     it is required); at EP = 1 they stay in the layers' dense groups (the same ranks, one
     collective fewer). True at EP = 1 runs the EP path over one EP rank. [Note: Megatron-Core
-    expert parallelism] (megatron_ep.py)
+    expert parallelism] (megatron/ep.py)
     """
     require_megatron()
     config = lm.module.config
-    # TP > 1: over Megatron's data-parallel group (megatron_tp.py); dense GPTs only
+    # TP > 1: over Megatron's data-parallel group (megatron/tp.py); dense GPTs only
     tp = megatron_tp.prepare(lm, config, next(lm.parameters()).device.type)
     ep = 1 if tp is not None else megatron_ep.check_model_ep(config, "shard_gpt")
     if getattr(config, "gradient_accumulation_fusion", False):
@@ -320,7 +320,7 @@ def finalize_model_grads(
     embedding and layernorm gradients across TP/PP ranks; with PP = 1 only the first part and
     the TP all-reduce of sequence-parallel gradients apply. This waits for graph_fsdp's
     reduce-scatters and exposes the sharded ``.grad``; the TP all-reduce already ran at the end
-    of the backward (a grad sync hook, megatron_tp.py).
+    of the backward (a grad sync hook, megatron/tp.py).
     ``num_tokens`` (``calculate_per_token_loss``): graph_fsdp averages gradients over the
     data-parallel ranks, so they are scaled by ``world / total tokens``.
     """

@@ -88,12 +88,12 @@ class MCoreGPTConfig:
     exchanges tokens over the EP group (N consecutive ranks); expert parameters are sharded
     over the expert-data-parallel group (world / N ranks), dense ones over every rank. Must
     divide num_experts and the world size; init_parallel_state(expert_model_parallel_size=N)
-    sets up Megatron's groups (megatron_ep.py)."""
+    sets up Megatron's groups (megatron/ep.py)."""
     tensor_model_parallel_size: int = 1
     """Megatron's TP size N (dense GPTs): each rank holds its TP piece of the parallel linears,
     embedding and output layer; graph_fsdp shards those local pieces over the data-parallel
     group (world / N ranks). init_parallel_state(tensor_model_parallel_size=N) first
-    (megatron_tp.py [Note: Megatron-Core tensor parallelism])."""
+    (megatron/tp.py [Note: Megatron-Core tensor parallelism])."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (TP > 1): activations between the TP blocks split over
     the sequence; the norms' gradients are summed over TP after the data-parallel reduction."""
@@ -260,7 +260,7 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
 
 
 def _check_tensor_parallel(cfg: MCoreGPTConfig) -> None:
-    """The TP / SP fields against the model's shape (megatron_tp.py)."""
+    """The TP / SP fields against the model's shape (megatron/tp.py)."""
     tp, name = cfg.tensor_model_parallel_size, "MCoreGPTConfig"
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"{name}.tensor_model_parallel_size={tp!r} must be a positive integer")

@@ -2,7 +2,7 @@
 
 :func:`megatron_fsdp_shard` wraps a model and its AdamW the way both comparisons need it:
 the benchmark's megatron_fsdp row (bench/peers.py) and the Megatron-Core loop's
-``engine="megatron_fsdp"`` (integrations/megatron_train.py). ``megatron_fsdp`` is imported
+``engine="megatron_fsdp"`` (integrations/megatron/train.py). ``megatron_fsdp`` is imported
 only when it runs (``pip install graph-fsdp[megatron]``).
 """
 

@@ -236,7 +236,7 @@ class MCoreAdapter(ModelAdapter):
             gc.collect()
             torch.cuda.empty_cache()  # run_loop resets the peaks next
             self.start_bytes = torch.cuda.memory_allocated(device)
-        # The TP ranks of a data-parallel rank read the same batches (megatron_tp.py).
+        # The TP ranks of a data-parallel rank read the same batches (megatron/tp.py).
         self.data_rank, self.data_world = megatron_tp.data_parallel_rank(rank, world_size)
         return device
 
