@@ -158,6 +158,7 @@ def test_nan_stops_the_run_and_never_reaches_a_checkpoint(run_dir, tmp_path) -> 
         assert _finite(ck / f"iter_{i:07d}", tmp_path), f"iteration {i} holds NaN/Inf"
 
 
+@pytest.mark.slow
 def test_without_the_check_a_nan_model_is_still_never_saved(run_dir, tmp_path) -> None:
     """--no-check-for-nan-in-loss-and-grad trains on through NaN, but the save at the end
     refuses the model: exit 1, one line; the checkpoint directory is byte for byte as it was."""
@@ -172,6 +173,7 @@ def test_without_the_check_a_nan_model_is_still_never_saved(run_dir, tmp_path) -
     assert _tree(ck) == before
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_shard_is_named(run_dir, tmp_path) -> None:
     """One byte of a shard flipped, the size unchanged: the checksum names the file (exit 1)."""
     ck = shutil.copytree(run_dir["ck"], tmp_path / "ck")
@@ -207,6 +209,7 @@ filesystem.FileSystem.create_stream = _disk_full
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux /dev/full")
 def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(run_dir, tmp_path) -> None:
     """Every rank's shard write fails with the kernel's ENOSPC (the shards go to /dev/full, in

@@ -201,6 +201,7 @@ def test_train_expert_parallel_on_two_gloo_ranks() -> None:
     assert final[0] == pytest.approx(final[1], rel=1e-5), final
 
 
+@pytest.mark.slow
 def test_command_line_dropless_ep_trains(tmp_path):
     """graph-fsdp train --moe-dropless --expert-model-parallel-size 2 on 2 gloo ranks."""
     log = tmp_path / "log.jsonl"

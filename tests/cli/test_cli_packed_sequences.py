@@ -24,6 +24,7 @@ def document_file(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_train_packed_documents_from_a_token_file(tmp_path, document_file):
     log = tmp_path / "log.jsonl"
     out = run_cli(

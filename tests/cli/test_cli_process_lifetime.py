@@ -126,6 +126,7 @@ def test_the_watchdog_ends_an_orphan_within_a_second(tmp_path) -> None:
     assert gone_after < 1.5, f"the orphan outlived its parent by {gone_after:.1f} s"
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_run_within_the_distributed_timeout(tmp_path) -> None:
     """--distributed-timeout-minutes 0.05 (3 s): rank 1 stopped by SIGSTOP; the command exits
     1 within the timeout plus a few seconds, its one line naming rank 1 and the timeout."""

@@ -44,6 +44,7 @@ def test_unknown_module_is_still_an_import_error():
         importlib.import_module("graph_fsdp.no_such_module")
 
 
+@pytest.mark.slow
 def test_readme_example_runs_on_cpu(tmp_path):
     """examples/quickstart.py under torchrun, 2 gloo ranks: 10 steps of the one-graph step's
     eager twin, each printing a finite loss."""
