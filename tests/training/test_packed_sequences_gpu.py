@@ -59,6 +59,17 @@ def _train(rank: int, world: int, model: GPTConfig, strategy: str) -> dict:
     return out
 
 
+def _assert_same_run(name: str, got: dict, eager: dict) -> None:
+    """Losses, eval losses and final weights of a graphed run equal eager's bit for bit."""
+    assert got["losses"] == eager["losses"], (
+        name,
+        _first_difference(got["losses"], eager["losses"]),
+    )
+    assert got["eval_losses"] == eager["eval_losses"], name
+    for p, value in eager["params"].items():
+        assert torch.equal(got["params"][p], value), (name, p)
+
+
 def _first_difference(a: list, b: list) -> str:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if x != y:
@@ -100,13 +111,7 @@ def test_packed_documents_every_capture_mode_bit_identical(model, strategy):
         if name == "full_iteration":
             per_step = 2  # one graph per microbatch position
         assert report["replays"] >= (STEPS - WARMUP - 1) * per_step, (name, report)
-        assert got["losses"] == eager["losses"], (
-            name,
-            _first_difference(got["losses"], eager["losses"]),
-        )
-        assert got["eval_losses"] == eager["eval_losses"], name
-        for p, value in eager["params"].items():
-            assert torch.equal(got["params"][p], value), (name, p)
+        _assert_same_run(name, got, eager)
 
 
 def _train_hf(rank: int, world: int) -> dict:
@@ -161,10 +166,4 @@ def test_huggingface_llama_packed_every_capture_mode_bit_identical():
         )
         assert report["captures"] == 1 and report["eager_fallbacks"] == 0, (name, report)
         assert report["replays"] >= HF_STEPS - WARMUP - 1, (name, report)
-        assert got["losses"] == eager["losses"], (
-            name,
-            _first_difference(got["losses"], eager["losses"]),
-        )
-        assert got["eval_losses"] == eager["eval_losses"], name
-        for p, value in eager["params"].items():
-            assert torch.equal(got["params"][p], value), (name, p)
+        _assert_same_run(name, got, eager)
