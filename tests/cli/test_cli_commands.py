@@ -81,6 +81,7 @@ def test_train_writes_one_record_per_step_and_resumes_across_strategies(tmp_path
     assert "2 steps on 2 x cpu" in out and "no_shard" in out
 
 
+@pytest.mark.slow
 def test_train_moe_recompute_bf16_with_token_file(tmp_path) -> None:
     tokens = tmp_path / "tokens.bin"
     (np.arange(1000) % 128).astype(np.uint16).tofile(tokens)
@@ -179,6 +180,7 @@ def test_compare_strategies_identical_then_injected_difference(tmp_path) -> None
     assert "params 16/16 tensors differ" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
     out_dir = tmp_path / "bench"
     out = _ok(
@@ -237,6 +239,7 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
     assert (out_dir / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_profile_writes_traces_and_prints_summary(tmp_path) -> None:
     out_dir = tmp_path / "profile"
     out = _ok(

@@ -186,6 +186,7 @@ def test_bench_plans_rows_for_dropless_and_drop_padding(monkeypatch, experts, sc
     assert megatron_cli.moe_label(job.base.model) in setup
 
 
+@pytest.mark.slow
 def test_train_expert_parallel_on_two_gloo_ranks() -> None:
     """--expert-model-parallel-size 2 and the capacity flags reach graph_fsdp's GPT: the
     experts are partitioned over the 2 ranks, and the run trains like the EP = 1 run (the same

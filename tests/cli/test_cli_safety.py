@@ -124,6 +124,7 @@ def test_profile_default_warmup_covers_the_graph_warmup(capsys) -> None:
         assert "needs a CUDA device" in line and "--warmup-iters" not in line, line
 
 
+@pytest.mark.slow
 def test_version_and_python_m_graph_fsdp() -> None:
     from graph_fsdp import __version__
 
@@ -273,6 +274,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
 def test_sigint_while_the_ranks_start(tmp_path) -> None:
     """A Ctrl-C before the ranks handle signals (still importing): no KeyboardInterrupt
@@ -290,6 +292,7 @@ def test_sigint_while_the_ranks_start(tmp_path) -> None:
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+@pytest.mark.slow
 def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
     """A save that hangs (paused by the test hook) after the first SIGTERM: the second one
     ends the ranks at once; the half-written checkpoint directory is refused by nothing later

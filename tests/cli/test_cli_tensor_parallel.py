@@ -94,6 +94,7 @@ def test_tensor_parallel_flags_build_both_families_configs(monkeypatch) -> None:
     assert "tensor parallel 2 with sequence parallel" in setup
 
 
+@pytest.mark.slow
 def test_train_tensor_parallel_on_two_gloo_ranks() -> None:
     """TP 2 with sequence parallelism (dp 1 x tp 2) trains like the one-rank run on the same
     batches, to fp32 rounding (TP splits the GEMMs and sums their pieces in another order)."""
@@ -107,6 +108,7 @@ def test_train_tensor_parallel_on_two_gloo_ranks() -> None:
     assert final[0] == pytest.approx(final[1], rel=1e-5), final
 
 
+@pytest.mark.slow
 def test_bench_tensor_parallel_runs_graph_fsdps_rows(tmp_path, capsys) -> None:
     """bench with TP: graph_fsdp's own rows (the peers train the data-parallel model only);
     tokens per step count the data-parallel ranks."""

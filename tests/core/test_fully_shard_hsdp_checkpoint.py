@@ -57,6 +57,7 @@ def _save_then_load(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_checkpoints_load_across_1d_and_2d_meshes(tmp_path):
     results = spawn(_save_then_load, 4, str(tmp_path))
     for name in SAVED:

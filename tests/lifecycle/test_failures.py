@@ -138,6 +138,7 @@ def _world(rank: int, world_size: int) -> int:
     return int(t.item())
 
 
+@pytest.mark.slow
 def test_spawn_retries_when_its_port_was_taken(monkeypatch):
     import socket
 
