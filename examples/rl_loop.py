@@ -60,6 +60,7 @@ from graph_fsdp.fsdp.address_keeping import preload_library  # noqa: E402
 from graph_fsdp.fsdp.state import collect_states  # noqa: E402
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch  # noqa: E402
 from graph_fsdp.models.gpt import sharding_units  # noqa: E402
+from graph_fsdp.training.loop import with_token_scale  # noqa: E402
 from graph_fsdp.training.packing import PackedData, PackingPolicy  # noqa: E402
 
 PRESETS = {
@@ -222,10 +223,8 @@ def batch_for(ctx: dict, step: int) -> tuple:
         return synthetic_batch(cfg, ctx["batch"], step, rank=rank, device=device)
     world = dist.get_world_size()
     batch = ctx["packs"].batch(ctx["batch"], step, rank, world, device)
-    tokens = batch.real_tokens().to(torch.float32)
-    if world > 1:
-        dist.all_reduce(tokens)  # the per-token loss over every rank's responses
-    return (*batch, world / tokens.clamp_min(1))
+    # The per-token loss over every rank's responses: (*batch, world / their real tokens).
+    return with_token_scale([[batch]], world)[0][0]
 
 
 def train_step(ctx: dict, step_fn, optimizer, graphs, step) -> tuple[float, float]:

@@ -63,7 +63,7 @@ from graph_fsdp.capture.step import eager_forward_backward
 from graph_fsdp.capture.whole_step import WholeStepGraph
 from graph_fsdp.fsdp.state import collect_states
 from graph_fsdp.training.data import batch_for
-from graph_fsdp.training.loop import whole_step_microbatch
+from graph_fsdp.training.loop import MicrobatchStep
 from graph_fsdp.training.train import (
     build_for,
     device_of,
@@ -199,7 +199,7 @@ def _graph_fsdp_run(cfg, device: torch.device, rank: int, world_size: int):
         return batch_for(cfg, i * cfg.grad_accum + micro, rank, device, world_size=world_size)
 
     if isinstance(graphs, WholeStepGraph):  # --cuda-graph-optimizer: one replay per step
-        whole = graphs.capture(whole_step_microbatch(model, cfg.grad_accum))
+        whole = graphs.capture(MicrobatchStep(model, cfg.grad_accum))
 
         def whole_step(i: int) -> None:
             whole([batch(i, m) for m in range(cfg.grad_accum)])

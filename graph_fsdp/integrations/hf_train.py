@@ -32,7 +32,7 @@ from graph_fsdp.training.loop import (
     run_loop,
     use_deterministic_kernels,
 )
-from graph_fsdp.training.packing import PackedData, PackingPolicy
+from graph_fsdp.training.packing import PackingPolicy, RunDocuments
 from graph_fsdp.training.train import MixedPrecisionReference, make_optimizer, vocab_parallel_mesh
 
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0}
@@ -121,8 +121,12 @@ class HFAdapter(ModelAdapter):
         self.cfg = cfg
         self.reference = cfg.mode == "reference"
         self.rank, self.world_size = 0, 1
-        self._packed: dict[bool, PackedData] = {}
-        """Packed runs: the documents of training (False) and eval (True) batches."""
+        self._documents = (
+            RunDocuments(dataclasses.replace(cfg.packing, seed=cfg.seed), vocab_size=cfg.vocab_size)
+            if cfg.packing is not None
+            else None
+        )
+        """Packed runs: the training and eval documents."""
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
@@ -183,14 +187,8 @@ class HFAdapter(ModelAdapter):
 
     def _batch(self, index: int, rank: int, device: torch.device, *, eval: bool = False):
         cfg = self.cfg
-        if cfg.packing is not None:
-            if eval not in self._packed:
-                self._packed[eval] = PackedData(
-                    dataclasses.replace(cfg.packing, seed=cfg.seed),
-                    vocab_size=cfg.vocab_size,
-                    eval=eval,
-                )
-            return self._packed[eval].batch(
+        if self._documents is not None:
+            return self._documents(eval).batch(
                 cfg.micro_batch_size, index, rank, self.world_size, device
             )
         g = torch.Generator().manual_seed(

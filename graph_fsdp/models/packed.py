@@ -70,6 +70,13 @@ def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
 
 
+def _within_documents(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """Bool ``[b, 1, s, s]``: query ``i`` may attend key ``j`` (same document, ``j <= i``)."""
+    docs = document_ids(cu_seqlens, b * s).view(b, s)
+    causal = torch.ones(s, s, dtype=torch.bool, device=cu_seqlens.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+
+
 def document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
 ) -> torch.Tensor:
@@ -81,10 +88,7 @@ def document_attention(
         flat = [t.transpose(1, 2).reshape(b * s, heads, head_dim) for t in (q, k, v)]
         out = _varlen_attn(*flat, cu_seqlens, cu_seqlens, max_len, max_len, window_size=(-1, 0))
         return out.view(b, s, heads, head_dim).transpose(1, 2)
-    docs = document_ids(cu_seqlens, b * s).view(b, s)
-    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    mask = (docs[:, :, None] == docs[:, None, :]) & causal  # [b, s, s]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_within_documents(cu_seqlens, b, s))
 
 
 def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -97,11 +101,8 @@ def document_mask(cu_seqlens: torch.Tensor, b: int, s: int, dtype: torch.dtype) 
     token may attend, the dtype's lowest value elsewhere - the 4-D ``attention_mask`` a
     HuggingFace decoder uses as it is (no data-dependent mask decisions, so eager and captured
     steps run the same kernels)."""
-    docs = document_ids(cu_seqlens, b * s).view(b, s)
-    causal = torch.ones(s, s, dtype=torch.bool, device=cu_seqlens.device).tril()
-    allowed = (docs[:, :, None] == docs[:, None, :]) & causal
     mask = torch.zeros(b, 1, s, s, dtype=dtype, device=cu_seqlens.device)
-    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
+    return mask.masked_fill(~_within_documents(cu_seqlens, b, s), torch.finfo(dtype).min)
 
 
 def packed_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -437,11 +437,6 @@ class MicrobatchStep:
         return loss.detach()
 
 
-def whole_step_microbatch(model: nn.Module, denom: int) -> MicrobatchStep:
-    """The microbatch function of a whole-step runner (``WholeStepGraph.capture``)."""
-    return MicrobatchStep(model, denom)
-
-
 def with_token_scale(batches: Iterable[Iterable[Batch]], loss_world: int) -> list[list[Batch]]:
     """The step's microbatches as lists; packed batches ``(x, y, position_ids, cu_seqlens)``
     gain the per-token loss scale ``loss_world / (real tokens of the step)``, the tokens counted

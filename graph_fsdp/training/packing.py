@@ -64,7 +64,10 @@ class PackingPolicy:
 
 
 def first_fit(
-    lengths: Iterator[int], policy: PackingPolicy, *, name: Callable[[int], str] = "document {}".format
+    lengths: Iterator[int],
+    policy: PackingPolicy,
+    *,
+    name: Callable[[int], str] = "document {}".format,
 ) -> Iterator[list]:
     """Packs of ``(document, start, length)`` pieces from a stream of document lengths, in
     order (module docstring). ``name(i)`` names document ``i`` in a refusal."""
@@ -261,7 +264,9 @@ class PackedData:
 
     def _tokens(self, doc: int, start: int, length: int) -> torch.Tensor:
         if self.file is None:
-            full = synthetic_tokens(self.policy, self.stream_id, doc, start + length, self.vocab_size)
+            full = synthetic_tokens(
+                self.policy, self.stream_id, doc, start + length, self.vocab_size
+            )
             return full[start : start + length]
         return self.file.tokens_of(self._doc_index[doc], start, length)
 
@@ -282,7 +287,9 @@ class PackedData:
     def batch(self, micro_batch_size: int, step_index: int, rank: int, world_size: int, device):
         """The microbatch of ``(step_index, rank)``: a PackedBatch of ``micro_batch_size``
         packs, or with ``policy.padded`` their documents as padded rows."""
-        rows = self.rows(self.first_pack(micro_batch_size, step_index, rank, world_size), micro_batch_size)
+        rows = self.rows(
+            self.first_pack(micro_batch_size, step_index, rank, world_size), micro_batch_size
+        )
         if self.policy.padded:
             return padded_tensors(rows, self.policy, device)
         return pack_tensors(rows, self.policy, device)
@@ -294,6 +301,28 @@ class PackedData:
     def document_tokens(self, first: int, count: int) -> int:
         """The document (non-padding) tokens of packs ``first .. first + count - 1``."""
         return sum(piece[2] for i in range(first, first + count) for piece in self.stream.pack(i))
+
+
+class RunDocuments:
+    """A run's packed documents: its training stream and its eval stream (another region of
+    the data), each made on first use."""
+
+    def __init__(
+        self,
+        policy: PackingPolicy,
+        *,
+        vocab_size: int,
+        data_path: str | os.PathLike | None = None,
+        eod_token_id: int | None = None,
+    ) -> None:
+        self._settings = dict(vocab_size=vocab_size, data_path=data_path, eod_token_id=eod_token_id)
+        self.policy = policy
+        self._streams: dict[bool, PackedData] = {}
+
+    def __call__(self, eval: bool = False) -> PackedData:
+        if eval not in self._streams:
+            self._streams[eval] = PackedData(self.policy, eval=eval, **self._settings)
+        return self._streams[eval]
 
 
 def padding_fraction(packs: Sequence[Sequence[tuple[int, int, int]]], budget: int) -> float:
@@ -308,6 +337,7 @@ __all__ = [
     "PackStream",
     "PackedData",
     "PackingPolicy",
+    "RunDocuments",
     "first_fit",
     "pack_tensors",
     "padded_tensors",

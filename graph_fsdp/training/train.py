@@ -41,7 +41,7 @@ from graph_fsdp.training.loop import (
     run_loop,
     use_deterministic_kernels,
 )
-from graph_fsdp.training.packing import PackedData, PackingPolicy
+from graph_fsdp.training.packing import PackingPolicy, RunDocuments
 
 
 @dataclass(kw_only=True)
@@ -412,8 +412,17 @@ class GPTAdapter(ModelAdapter):
         self.reference = cfg.mode == "reference"
         self.data_rank, self.data_world = 0, 1
         """This rank's place among the data-parallel ranks (the TP ranks of one share it)."""
-        self._packed: dict[bool, PackedData] = {}
-        """The packed documents of training (False) and eval (True) batches, made on first use."""
+        self._documents = (
+            RunDocuments(
+                cfg.packing,
+                vocab_size=cfg.model.vocab_size,
+                data_path=cfg.data_path,
+                eod_token_id=cfg.eod_token_id,
+            )
+            if cfg.packing is not None
+            else None
+        )
+        """Packed runs: the training and eval documents."""
         self.document_tokens: list[int] = []
         """Packed runs: each step's document (non-padding) tokens on this rank, from the host."""
 
@@ -446,10 +455,12 @@ class GPTAdapter(ModelAdapter):
         ranks = range(self.data_world) if self.reference else [self.data_rank]
         accum = self.cfg.grad_accum
         if self.cfg.packing is not None:  # host-side count of the step's document tokens
-            data, mbs = self._packed_data(False), self.cfg.micro_batch_size
+            data, mbs = self._documents(), self.cfg.micro_batch_size
             self.document_tokens.append(
                 sum(
-                    data.document_tokens(data.first_pack(mbs, step * accum + m, r, self.data_world), mbs)
+                    data.document_tokens(
+                        data.first_pack(mbs, step * accum + m, r, self.data_world), mbs
+                    )
                     for m in range(accum)
                     for r in ranks
                 )
@@ -468,21 +479,9 @@ class GPTAdapter(ModelAdapter):
         cfg = self.cfg
         if cfg.packing is None:
             return batch_for(cfg, index, rank, device, eval=eval, world_size=self.data_world)
-        data = self._packed_data(eval)
-        return data.batch(cfg.micro_batch_size, index, rank, self.data_world, device)
-
-    def _packed_data(self, eval: bool) -> PackedData:
-        data = self._packed.get(eval)
-        if data is None:
-            cfg = self.cfg
-            data = self._packed[eval] = PackedData(
-                cfg.packing,
-                vocab_size=cfg.model.vocab_size,
-                data_path=cfg.data_path,
-                eod_token_id=cfg.eod_token_id,
-                eval=eval,
-            )
-        return data
+        return self._documents(eval).batch(
+            cfg.micro_batch_size, index, rank, self.data_world, device
+        )
 
     def finish(self, trainer: Trainer, graphs, result: dict) -> None:
         if self.cfg.packing is not None:
