@@ -1,7 +1,6 @@
 """A Megatron-Core MoE GPT with expert parallelism under graph_fsdp on 4 CPU ranks (gloo).
 
-Needs megatron-core (Python >= 3.12 wheels: these tests skip in CI; locally
-``PYTHONPATH=$PWD:/path/to/megatron-core python -m pytest -q tests/integrations/test_megatron_ep_gloo.py``).
+Needs megatron-core (0.16 on Python 3.11, as CI installs it, or 0.19 on Python >= 3.12).
 
 - EP = 2 (x EDP = 2) and EP = 4 train like EP = 1 (every rank's dense and expert parameters
   over one group) and like EP = 1 with expert groups: Megatron's allgather dispatcher
@@ -15,10 +14,11 @@ Needs megatron-core (Python >= 3.12 wheels: these tests skip in CI; locally
   bit; training goes on as it would have at EP = 2, within fp32 rounding, so the AdamW state
   came along), saved there and loaded at EP = 4 and into EP = 1 with expert groups.
 
-Megatron-Core runs on CUDA; three device details are bridged in the worker processes only
+Megatron-Core runs on CUDA; four details are bridged in the worker processes only
 (:func:`_megatron_on_cpu`), none of them in the code under test: its allocations with
 ``device=torch.cuda.current_device()`` (communication outputs, the attention's buffer, the
-router's weight) go to the CPU; the attention's dropout RNG fork (dropout is 0) is Megatron's
+router's weight) go to the CPU; megatron-core 0.16's router linear finds its TE-less branch;
+the attention's dropout RNG fork (dropout is 0) is Megatron's
 no-op inference tracker; and the alltoall dispatcher's CUDA stream for dropless host copies,
 which drop-padding never touches, is a placeholder that fails if it is ever used.
 """
@@ -84,10 +84,15 @@ class _NoStream:
 
 
 def _megatron_on_cpu() -> None:
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     torch.cuda.current_device = lambda: "cpu"
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    # megatron-core 0.16 reads te_general_gemm in the router's linear whether or not
+    # TransformerEngine imported (0.19 defines it as None without TE).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _build(cfg, ep: int, expert_groups: bool | None, seed: int | None = None):

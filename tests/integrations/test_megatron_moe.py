@@ -11,8 +11,6 @@ both compute the same sums in the same order, so they must be bit-identical.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +19,7 @@ from graph_fsdp.training.processes import spawn
 
 try:
     from graph_fsdp.integrations.megatron import moe as mm
+    from graph_fsdp.integrations.megatron import versions
 except ImportError as err:  # megatron-core does not import here
     pytest.skip(f"megatron-core does not import ({err})", allow_module_level=True)
 
@@ -58,10 +57,8 @@ def build_pair(cfg: TransformerConfig):
     gm.init_parallel_state()
     spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
     torch.manual_seed(0)
-    ref = spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False)
-    ours = mm.grouped_mm_moe_spec(spec).submodules.mlp(
-        config=cfg, pg_collection=None, is_mtp_layer=False
-    )
+    ref = versions.build_mlp(spec, cfg)
+    ours = versions.build_mlp(mm.grouped_mm_moe_spec(spec), cfg)
     state = {k: v for k, v in ref.state_dict().items() if not k.startswith("experts.")}
     for lin in ("linear_fc1", "linear_fc2"):
         state[f"experts.{lin}.weight"] = torch.stack(
@@ -142,16 +139,21 @@ def test_layer_parameters_and_parts() -> None:
     assert facts["shared"] == "SharedExpertMLP"
 
 
+def _mlp_class(layer_spec):
+    return versions.mlp_spec_parts(layer_spec.submodules.mlp)[0]
+
+
 def test_spec_swaps_only_the_moe_block() -> None:
-    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=True)
+    spec = versions.local_layer_spec(num_experts=E, moe_grouped_gemm=True)
     new = mm.grouped_mm_moe_spec(spec)
     mlp, old = new.submodules.mlp, spec.submodules.mlp
-    assert isinstance(mlp, functools.partial) and mlp.func is mm.GroupedMMMoELayer
-    sub, old_sub = mlp.keywords["submodules"], old.keywords["submodules"]
-    assert sub.experts is mm.GroupedMMExperts
+    assert type(mlp) is type(old)  # the kind this megatron-core's specs use
+    cls, sub, _ = versions.mlp_spec_parts(mlp)
+    old_cls, old_sub, _ = versions.mlp_spec_parts(old)
+    assert cls is mm.GroupedMMMoELayer and sub.experts is mm.GroupedMMExperts
     assert sub.router is old_sub.router and sub.shared_experts is old_sub.shared_experts
     assert new.submodules.self_attention is spec.submodules.self_attention
-    assert old.func is not mm.GroupedMMMoELayer  # the input spec is left as it was
+    assert old_cls is not mm.GroupedMMMoELayer  # the input spec is left as it was
     with pytest.raises(ValueError, match="not Megatron-Core's MoELayer"):
         mm.grouped_mm_moe_spec(get_gpt_layer_local_spec())
 
@@ -163,7 +165,7 @@ def test_block_spec_swaps_moe_layers_and_keeps_dense_ones() -> None:
     moe = get_gpt_layer_local_spec(num_experts=E)
     block = mm.grouped_mm_moe_spec(TransformerBlockSubmodules(layer_specs=[dense, moe]))
     assert block.layer_specs[0] is dense
-    assert block.layer_specs[1].submodules.mlp.func is mm.GroupedMMMoELayer
+    assert _mlp_class(block.layer_specs[1]) is mm.GroupedMMMoELayer
 
 
 @pytest.mark.parametrize(
@@ -266,9 +268,9 @@ def test_mcore_gpt_config_reaches_megatron() -> None:
     tc = gm.transformer_config(drop_pad, torch.device("cpu"))
     assert tc.moe_expert_capacity_factor == 1.0 and tc.moe_pad_expert_input_to_capacity
     assert tc.moe_aux_loss_coeff == 1e-2 and tc.moe_router_load_balancing_type == "aux_loss"
-    assert gm.layer_spec(drop_pad).submodules.mlp.func is not mm.GroupedMMMoELayer
+    assert _mlp_class(gm.layer_spec(drop_pad)) is not mm.GroupedMMMoELayer
     grouped = gm.MCoreGPTConfig(
         num_experts=E, transformer_impl="local", moe_experts_impl="grouped_mm"
     )
-    assert gm.layer_spec(grouped).submodules.mlp.func is mm.GroupedMMMoELayer
+    assert _mlp_class(gm.layer_spec(grouped)) is mm.GroupedMMMoELayer
     assert mm.grouped_mm_moe_problems(gm.transformer_config(grouped, torch.device("cpu"))) == []

@@ -1,7 +1,6 @@
 """Megatron-Core's --cuda-graph-scope through graph_fsdp's generic scope presets (CPU).
 
-megatron-core does not import here (it needs Python >= 3.12), so these tests run the
-integration's own logic on a small module tree with Megatron-Core's attribute names
+These tests need no megatron-core: they run the integration's own logic on a small module tree with Megatron-Core's attribute names
 (TransformerLayer: ``self_attention``, ``mlp``; MoELayer: ``router``, ``experts``,
 ``token_dispatcher``, a ``preprocess`` *method*). The real model is covered by
 tests/integrations/test_megatron_gpu.py.

@@ -1,7 +1,6 @@
 """Megatron-Core tensor (and sequence) parallelism under graph_fsdp on 4 gloo ranks.
 
-megatron-core imports here only with a checkout on PYTHONPATH (it needs Python >= 3.12 as a
-wheel; CI skips these): ``PYTHONPATH=$PWD:/path/to/megatron-core pytest ...``.
+Needs megatron-core (0.16 on Python 3.11, as CI installs it, or 0.19 on Python >= 3.12).
 
 Megatron's GPT (local layers, learned positions) at TP 2 x DP 2 - every TP rank's local pieces
 sharded over Megatron's data-parallel group - against Megatron at TP 2 alone (no FSDP) training
@@ -24,6 +23,7 @@ TE spec unpatched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -102,9 +102,7 @@ class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
 def _build(cfg: gm.MCoreGPTConfig) -> gm.MCoreLM:
     """``gm.build_gpt`` with the CPU norm in the local spec."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_submodules,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import (
@@ -112,8 +110,11 @@ def _build(cfg: gm.MCoreGPTConfig) -> gm.MCoreLM:
     )
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    sub = get_gpt_layer_local_submodules()
-    sub.input_layernorm = sub.pre_mlp_layernorm = _SequenceParallelRMSNorm
+    sub = dataclasses.replace(
+        get_gpt_layer_local_spec().submodules,
+        input_layernorm=_SequenceParallelRMSNorm,
+        pre_mlp_layernorm=_SequenceParallelRMSNorm,
+    )
     layer = ModuleSpec(module=TransformerLayer, submodules=sub)
     spec = TransformerBlockSubmodules(
         layer_specs=[layer] * cfg.num_layers, layer_norm=_SequenceParallelRMSNorm

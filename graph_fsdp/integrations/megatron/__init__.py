@@ -147,9 +147,10 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
 def layer_spec(cfg: MCoreGPTConfig):
     require_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 (optional dependency)
-        get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+
+    from graph_fsdp.integrations.megatron.versions import local_layer_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
     grouped = cfg.moe_grouped_gemm if cfg.is_moe else False
     if cfg.transformer_impl == "transformer_engine":
@@ -157,7 +158,7 @@ def layer_spec(cfg: MCoreGPTConfig):
             num_experts=cfg.num_experts, moe_grouped_gemm=grouped
         )
     else:
-        spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
+        spec = local_layer_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
     if cfg.is_moe and cfg.moe_experts_impl == "grouped_mm":
         from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 

@@ -27,9 +27,9 @@ def require_megatron():
         from megatron.core import parallel_state  # noqa: F401, PLC0415
     except ImportError as err:
         raise ImportError(
-            f"graph_fsdp.integrations.megatron needs megatron-core >= 0.19, which does not "
-            f"import here ({type(err).__name__}: {err}); install it with {INSTALL_HINT} "
-            "(megatron-core 0.19 wheels need Python >= 3.12)"
+            f"graph_fsdp.integrations.megatron needs megatron-core (0.16 on Python 3.11, 0.19 "
+            f"on Python >= 3.12), which does not import here ({type(err).__name__}: {err}); "
+            f"install it with {INSTALL_HINT}"
         ) from err
     return megatron.core
 

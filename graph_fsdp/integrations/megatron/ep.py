@@ -275,8 +275,12 @@ class GlobalExpertInit:
         self.inner, self.seed, self.layers = inner, seed, layers
 
     def __call__(self, num_local_experts: int, config, pg_collection=None, name=None):
+        from graph_fsdp.integrations.megatron.versions import build  # noqa: PLC0415 (imports megatron-core: optional dependency)
+
         with torch.random.fork_rng(devices=[]):
-            experts = self.inner(num_local_experts, config, pg_collection=pg_collection, name=name)
+            experts = build(
+                self.inner, num_local_experts, config, pg_collection=pg_collection, name=name
+            )
         layer = next(self.layers)
         if not config.perform_initialization:
             return experts
@@ -304,9 +308,10 @@ def with_global_expert_init(spec, seed: int):
     :class:`GlobalExpertInit` (one layer counter per call: call it once per model built);
     dense layer specs are kept."""
     from graph_fsdp.integrations.megatron.moe import map_moe_layer_specs  # noqa: PLC0415 (imports megatron-core: optional dependency)
+    from graph_fsdp.integrations.megatron.versions import builder_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
     layers = itertools.count()
     return map_moe_layer_specs(
         spec,
-        lambda sub: replace(sub, experts=GlobalExpertInit(sub.experts, seed, layers)),
+        lambda sub: replace(sub, experts=builder_spec(GlobalExpertInit(sub.experts, seed, layers))),
     )

@@ -64,6 +64,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from graph_fsdp.integrations.megatron.versions import mlp_spec, mlp_spec_parts, moe_layer_kwargs
 from graph_fsdp.parallel.grouped_moe import (
     GROUPED_MM_ALIGN_BYTES,
     MAX_GROUPS,
@@ -372,8 +373,7 @@ class GroupedMMMoELayer(MoELayer):
             submodules=submodules,
             layer_number=layer_number,
             pg_collection=pg_collection,
-            is_mtp_layer=is_mtp_layer,
-            name=name,
+            **moe_layer_kwargs(is_mtp_layer=is_mtp_layer, name=name),
         )
         # MoELayer built the dispatcher config.moe_token_dispatcher_type names; replace it.
         self.token_dispatcher = DeviceCountDispatcher(
@@ -382,11 +382,9 @@ class GroupedMMMoELayer(MoELayer):
 
 
 def _moe_submodules(mlp) -> tuple[type, MoESubmodules, dict]:
-    if isinstance(mlp, functools.partial) and _is_moe_class(mlp.func):
-        kwargs = dict(mlp.keywords)
-        return mlp.func, kwargs.pop("submodules"), kwargs
-    if isinstance(mlp, ModuleSpec) and _is_moe_class(mlp.module):
-        return mlp.module, mlp.submodules, dict(mlp.params)
+    module, submodules, params = mlp_spec_parts(mlp)
+    if _is_moe_class(module):
+        return module, submodules, params
     raise ValueError(
         f"the layer spec's mlp is {mlp!r}, not Megatron-Core's MoELayer; build the spec with "
         "num_experts=N (e.g. get_gpt_layer_local_spec(num_experts=8))"
@@ -398,8 +396,9 @@ def _is_moe_class(obj) -> bool:
 
 
 def _map_moe_layer_spec(layer_spec: ModuleSpec, edit, layer_class) -> ModuleSpec:
-    cls, submodules, kwargs = _moe_submodules(layer_spec.submodules.mlp)
-    mlp = functools.partial(layer_class or cls, submodules=edit(submodules), **kwargs)
+    like = layer_spec.submodules.mlp
+    cls, submodules, kwargs = _moe_submodules(like)
+    mlp = mlp_spec(like, layer_class or cls, edit(submodules), kwargs)
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp)
     )
@@ -445,5 +444,4 @@ def grouped_mm_moe_spec(spec):
 
 def _is_moe_layer_spec(spec) -> bool:
     mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
-    func = mlp.func if isinstance(mlp, functools.partial) else getattr(mlp, "module", None)
-    return _is_moe_class(func)
+    return _is_moe_class(mlp_spec_parts(mlp)[0])
