@@ -54,7 +54,7 @@ from graph_fsdp.cli.options import (
     check_tensor_parallel_flags,
     grad_accumulation,
 )
-from graph_fsdp.cli.packing_options import packing_of
+from graph_fsdp.cli.packing_options import check_packed_data, packing_of
 from graph_fsdp.cli.train_options import (
     check_data_path,
     checkpoint_lines,
@@ -208,10 +208,10 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             "--moe-expert-capacity-factor is unset; its dropless experts under expert "
             "parallelism are not captured yet (use --model gpt --moe-dropless)"
         )
-    if packing_of(args) is not None:
+    if packing_of(args) is not None and args.use_megatron_schedule:
         raise CLIError(
-            f"--packed-sequences with --model {args.model} is not supported yet: Megatron-Core "
-            "models train on fixed rows here; use --model gpt for packed documents"
+            f"--packed-sequences with --model {args.model} runs in graph_fsdp's loop (the "
+            "per-token loss scale over the step); drop --use-megatron-schedule"
         )
     experts = args.num_experts
     if args.model == "mcore-moe" and experts is None:
@@ -372,6 +372,8 @@ def base_train_config(args: argparse.Namespace, model, plan, **fields):
         cuda_graph_optimizer=args.cuda_graph_optimizer,
         fused_optimizer=args.cuda_graph_optimizer,  # the whole step's update is AdamW(fused)
         deterministic=args.deterministic,
+        packing=packing_of(args),  # TE's THD attention (integrations/megatron/packed.py)
+        eod_token_id=args.eod_token_id,
     )
     return MCoreTrainConfig(**{**base, **fields})
 
@@ -413,7 +415,14 @@ def train_main(args: argparse.Namespace) -> int:
     ckpt_plan = checkpoint_plan(args)
     start = ckpt_plan.start
     data_path = None
-    if args.data_path:
+    packing = packing_of(args)
+    if args.data_path and packing is not None:
+        # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
+        packs = args.train_iters * grad_accum * data_world
+        data_path = check_packed_data(
+            args, packing, vocab_size=model.vocab_size, packs_needed=packs * args.micro_batch_size
+        )
+    elif args.data_path:
         data_path = check_data_path(
             args,
             seq_length=model.seq_length,
@@ -505,9 +514,16 @@ def _bench_impls(args: argparse.Namespace) -> list[str]:
 
 def _bench_rows(args: argparse.Namespace) -> list[str]:
     tp = args.tensor_model_parallel_size
+    packed = packing_of(args) is not None
     if list(args.rows) == list(DEFAULT_ROWS):  # not given: every row this model has
-        # megatron_fsdp compares data-parallel runs (build_sharded refuses TP for it)
-        return [r for r in MCORE_ROWS if tp == 1 or r != "megatron_fsdp"]
+        # megatron_fsdp compares data-parallel runs (build_sharded refuses TP for it) of
+        # fixed rows (packs run in graph_fsdp's loop only)
+        return [r for r in MCORE_ROWS if (tp == 1 and not packed) or r != "megatron_fsdp"]
+    if packed and "megatron_fsdp" in args.rows:
+        raise CLIError(
+            "--rows megatron_fsdp trains fixed rows; --packed-sequences runs in graph_fsdp's "
+            "loop only: drop megatron_fsdp from --rows"
+        )
     other = [r for r in args.rows if r not in MCORE_ROWS]
     if other:
         raise CLIError(

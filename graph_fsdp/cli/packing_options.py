@@ -63,7 +63,9 @@ def add_packing_args(parser: argparse.ArgumentParser) -> None:
 
 def packing_of(args: argparse.Namespace) -> PackingPolicy | None:
     """The run's PackingPolicy (None without --packed-sequences); refuses what packing does not
-    support, naming the flag."""
+    support, naming the flag. The layers each --model packs with: graph_fsdp's GPT its local
+    layers (they take the document boundaries), Megatron-Core models the TransformerEngine
+    spec (TE's THD attention: integrations/megatron/packed.py)."""
     trio = [name for name in MEGATRON_TRIO if getattr(args, name, False)]
     if trio and len(trio) < len(MEGATRON_TRIO):
         missing = [f"--{n.replace('_', '-')}" for n in MEGATRON_TRIO if n not in trio]
@@ -82,10 +84,18 @@ def packing_of(args: argparse.Namespace) -> PackingPolicy | None:
             f"--packed-sequences with --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size} is not supported: drop one of them"
         )
-    if args.transformer_impl != "local":
+    model = getattr(args, "model", "gpt")
+    if model == "gpt" and args.transformer_impl != "local":
         raise CLIError(
             f"--packed-sequences needs --transformer-impl local (got {args.transformer_impl}): "
             "the reference layers take the document boundaries"
+        )
+    if model != "gpt" and args.transformer_impl != "transformer_engine":
+        raise CLIError(
+            f"--packed-sequences with --model {model} needs --transformer-impl "
+            f"transformer_engine (got {args.transformer_impl}): Megatron-Core's packed attention "
+            "is TransformerEngine's THD attention (PackedSeqParams), and the local spec's "
+            "DotProductAttention refuses packed sequences"
         )
     if getattr(args, "data_path", None) and args.eod_token_id is None:
         raise CLIError(

@@ -55,7 +55,7 @@ def test_megatron_spellings_mean_packed_sequences(capsys):
         (["--transformer-impl", "transformer_engine"], "needs --transformer-impl local"),
         (["--data-path", "x.bin"], "needs --eod-token-id"),
         (["--packed-max-documents", "0"], "max_documents=0"),
-        (["--model", "mcore-gpt"], "--model mcore-gpt is not supported yet"),
+        (["--model", "mcore-gpt"], "--model mcore-gpt needs --transformer-impl transformer_engine"),
     ],
 )
 def test_refusals_name_the_flag(capsys, extra, match):

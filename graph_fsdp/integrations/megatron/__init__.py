@@ -64,6 +64,10 @@ from graph_fsdp.integrations.megatron.config import MOE_EXPERTS_IMPLS as MOE_EXP
 from graph_fsdp.integrations.megatron.config import TRANSFORMER_IMPLS as TRANSFORMER_IMPLS
 from graph_fsdp.integrations.megatron.config import MCoreGPTConfig as MCoreGPTConfig
 from graph_fsdp.integrations.megatron.config import require_megatron as require_megatron
+from graph_fsdp.integrations.megatron.packed import check_packed_config as check_packed_config
+from graph_fsdp.integrations.megatron.packed import packed_loss
+from graph_fsdp.integrations.megatron.packed import packed_model_config as packed_model_config
+from graph_fsdp.integrations.megatron.packed import packed_seq_params as packed_seq_params
 from graph_fsdp.integrations.megatron.scopes import MCORE_SCOPE_MODULES as MCORE_SCOPE_MODULES
 from graph_fsdp.integrations.megatron.scopes import PREPROCESS_CONSTS as PREPROCESS_CONSTS
 from graph_fsdp.integrations.megatron.scopes import PREPROCESS_TENSORS as PREPROCESS_TENSORS
@@ -125,6 +129,7 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -140,6 +145,7 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         attention_backend=AttnBackend[cfg.attention_backend],
+        apply_rope_fusion=cfg.apply_rope_fusion,
         **moe,
     )
 
@@ -171,7 +177,9 @@ class MCoreLM(nn.Module):
 
     ``GPTModel.forward(input_ids, position_ids, attention_mask, labels=...)`` returns the
     per-token loss ``[b, s]``; this reduces it to an fp32 mean, the ``model(x, y)`` call
-    graph_fsdp's training loops and ``FullIterationGraphs`` make. Megatron's helpers reach the
+    graph_fsdp's training loops and ``FullIterationGraphs`` make. A packed call
+    (``position_ids`` and ``cu_seqlens`` given, a PackedBatch's) returns the loss summed over
+    the pack's real tokens (megatron/packed.py [Note: Megatron-Core packed sequences]). Megatron's helpers reach the
     GPTModel through ``.module`` (``get_model_config``, ``get_attr_wrapped_model``).
     """
 
@@ -180,7 +188,16 @@ class MCoreLM(nn.Module):
         self.module = gpt
         self.seq_length = seq_length
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ):
+        if cu_seqlens is not None:  # a pack: the loss summed over its real tokens
+            return packed_loss(self.module, input_ids, labels, position_ids, cu_seqlens)
         b, s = input_ids.shape
         position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
         mask = None  # causal attention (TE / flash: mask type causal)

@@ -44,6 +44,9 @@ class MCoreGPTConfig:
     """Model width."""
     num_attention_heads: int = 4
     """Attention heads; must divide hidden_size."""
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); must divide num_attention_heads. None: one
+    per attention head."""
     ffn_hidden_size: int | None = None
     """MLP / expert inner size (None: 4 x hidden_size)."""
     seq_length: int = 128
@@ -79,6 +82,10 @@ class MCoreGPTConfig:
     get_gpt_layer_local_spec (no TransformerEngine)."""
     position_embedding_type: str = "rope"
     """rope or learned_absolute."""
+    apply_rope_fusion: bool = False
+    """TransformerConfig.apply_rope_fusion: TransformerEngine's fused RoPE kernel. Packed
+    sequences need it (megatron/packed.py [Note: Megatron-Core packed sequences]);
+    packed_model_config sets it."""
     bf16: bool = False
     """TransformerConfig.bf16 (the compute dtype comes from graph_fsdp's MixedPrecisionPolicy)."""
     gradient_accumulation_fusion: bool = False
@@ -109,6 +116,12 @@ class MCoreGPTConfig:
             raise ValueError(
                 f"MCoreGPTConfig: num_attention_heads={self.num_attention_heads} does not divide "
                 f"hidden_size={self.hidden_size}; pick a head count that divides it"
+            )
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            raise ValueError(
+                f"MCoreGPTConfig: num_query_groups={groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}; pick a divisor (or None)"
             )
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(

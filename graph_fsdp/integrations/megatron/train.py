@@ -37,6 +37,7 @@ from graph_fsdp.training.loop import (
     run_loop,
     use_deterministic_kernels,
 )
+from graph_fsdp.training.packing import PackingPolicy, RunDocuments
 from graph_fsdp.training.train import make_optimizer
 
 
@@ -60,6 +61,30 @@ class MCoreTrainConfig(LoopConfig):
     """Run each step through megatron.core's get_forward_backward_func()."""
     model_name: str = "mcore-gpt"
     """The CLI's ``--model`` every checkpoint records (a ``--load`` of another is refused)."""
+    packing: PackingPolicy | None = None
+    """Packed variable-length documents (training/packing.py): each row a pack of
+    ``packing.budget`` (= ``model.seq_length``) tokens through TransformerEngine's THD
+    attention, the per-token loss (megatron/packed.py [Note: Megatron-Core packed
+    sequences]). Needs the TE layer spec and TP = 1. None: fixed rows."""
+    eod_token_id: int | None = None
+    """Packed documents from ``data_path``: the token that ends each document."""
+
+    def __post_init__(self) -> None:
+        if self.packing is None:
+            return
+        if self.packing.budget != self.model.seq_length:
+            raise ValueError(
+                f"PackingPolicy.budget={self.packing.budget} != MCoreGPTConfig.seq_length="
+                f"{self.model.seq_length}: a pack is one sequence of the model's length"
+            )
+        gm.check_packed_config(self.model)
+        if self.engine != "graph_fsdp" or self.use_megatron_schedule:
+            raise ValueError(
+                "packed sequences run in graph_fsdp's loop (its per-token loss scale over the "
+                f"step); engine={self.engine!r}, use_megatron_schedule="
+                f"{self.use_megatron_schedule}: use engine='graph_fsdp' without "
+                "use_megatron_schedule (drop --use-megatron-schedule)"
+            )
 
     @property
     def recompute(self) -> bool:
@@ -103,7 +128,8 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
 def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     """The sharded model, its optimizer and step function (``step(i, rank) -> loss``)."""
     # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
-    lm = gm.build_gpt(dataclasses.replace(cfg.model, bf16=cfg.bf16), device)
+    model = dataclasses.replace(cfg.model, bf16=cfg.bf16)
+    lm = gm.build_gpt(model if cfg.packing is None else gm.packed_model_config(model), device)
     if cfg.engine == "megatron_fsdp":
         if cfg.model.tensor_model_parallel_size != 1:
             raise ValueError(
@@ -213,6 +239,17 @@ class MCoreAdapter(ModelAdapter):
         self.cfg = cfg
         self.data_rank, self.data_world = 0, 1
         self.start_bytes = None
+        self._documents = (
+            RunDocuments(
+                cfg.packing,
+                vocab_size=cfg.model.vocab_size,
+                data_path=cfg.data_path,
+                eod_token_id=cfg.eod_token_id,
+            )
+            if cfg.packing is not None
+            else None
+        )
+        """Packed runs: the training and eval documents."""
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
@@ -262,21 +299,19 @@ class MCoreAdapter(ModelAdapter):
 
     def microbatches(self, step: int, device: torch.device):
         cfg = self.cfg
-        return [
-            [
-                batch(
-                    cfg,
-                    step * cfg.grad_accum + m,
-                    self.data_rank,
-                    device,
-                    world_size=self.data_world,
-                )
-            ]
-            for m in range(cfg.grad_accum)
-        ]
+        return [[self._batch(step * cfg.grad_accum + m, device)] for m in range(cfg.grad_accum)]
 
     def eval_batch(self, step: int, device: torch.device):
-        return batch(self.cfg, step, self.data_rank, device, eval=True, world_size=self.data_world)
+        return self._batch(step, device, eval=True)
+
+    def _batch(self, index: int, device: torch.device, *, eval: bool = False):
+        """Microbatch ``index`` of this data-parallel rank: fixed rows, or a PackedBatch."""
+        cfg = self.cfg
+        if self._documents is None:
+            return batch(cfg, index, self.data_rank, device, eval=eval, world_size=self.data_world)
+        return self._documents(eval).batch(
+            cfg.micro_batch_size, index, self.data_rank, self.data_world, device
+        )
 
     def schedule(self, trainer: Trainer):
         if not self.cfg.use_megatron_schedule:

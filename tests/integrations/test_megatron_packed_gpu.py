@@ -1,0 +1,246 @@
+"""Packed documents through a Megatron-Core GPT (TransformerEngine layer spec, THD attention;
+integrations/megatron/packed.py [Note: Megatron-Core packed sequences]) on NCCL.
+
+- Every capture mode over packs whose document counts and lengths change every step: eager vs
+  whole layers, ``attn``, ``attn mlp`` (torch graphs), ``attn`` (TE graphs), ``full_iteration``
+  and the one-graph step, at world 1 and 2 (FSDP over the ranks): one capture, a replay every
+  graphed step, no eager fallback, and losses, eval losses and final weights bit-identical to
+  eager's.
+- Attention stays within documents: a pack's loss equals the sum of its documents' losses,
+  each run alone as an unpacked sequence (fp32 to 1e-4 relative, bf16 to 2e-2 per document),
+  and the same pack with its boundaries removed does not.
+
+Deterministic kernels (``deterministic=True``: ``torch.use_deterministic_algorithms`` and
+``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` before the model is built, which TE's attention reads at
+construction). Run:
+
+    python -m pytest -q -s -m gpu tests/integrations/test_megatron_packed_gpu.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import traceback
+
+import pytest
+import torch
+from graph_fsdp_testing import megatron_stack_missing, needs_gpus
+
+from graph_fsdp.training.processes import spawn
+
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # the spawned ranks inherit it
+
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
+MISSING = megatron_stack_missing() if torch.cuda.is_available() else None
+if MISSING:
+    pytestmark.append(pytest.mark.skip(reason=MISSING))
+
+STEPS, WARMUP, EVAL = 12, 2, 4
+BUDGET, MAX_DOCS = 512, 8
+MODES = {
+    "layerwise": {"cuda_graph_impl": "torch"},
+    "attn": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["attn"]},
+    "attn_mlp": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["attn", "mlp"]},
+    "te_attn": {"cuda_graph_impl": "te", "cuda_graph_scope": ["attn"]},
+    "full_iteration": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]},
+    "one_graph": {
+        "cuda_graph_impl": "torch",
+        "cuda_graph_scope": ["full_iteration"],
+        "cuda_graph_optimizer": True,
+    },
+}
+
+
+def _model(**kw):
+    from graph_fsdp.integrations import megatron as gm
+
+    # 4 TE layers, hidden 256, 4 heads over 2 key/value groups (GQA), RoPE; the budget is a
+    # multiple of 128 (te_backend.py [Note: TE attention under capture]).
+    base = dict(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        seq_length=BUDGET,
+        vocab_size=1024,
+        transformer_impl="transformer_engine",
+    )
+    return gm.MCoreGPTConfig(**{**base, **kw})
+
+
+def _cfg(**kw):
+    from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
+    from graph_fsdp.training.packing import PackingPolicy
+
+    base = dict(
+        model=_model(),
+        packing=PackingPolicy(budget=BUDGET, max_documents=MAX_DOCS, mean_document_length=90),
+        steps=STEPS,
+        micro_batch_size=1,
+        grad_accum=2,
+        eval_interval=EVAL,
+        clip_grad=1.0,
+        fused_optimizer=True,
+        bf16=True,
+        deterministic=True,
+        allocator="double_buffer",
+        persist_on_alloc_fail=True,
+        return_params=True,
+        cuda_graph_warmup_steps=WARMUP,
+    )
+    return MCoreTrainConfig(**{**base, **kw})
+
+
+def _train(rank: int, world: int) -> dict:
+    from graph_fsdp.integrations.megatron.train import run
+
+    base = _cfg()
+    out = {"eager": run(rank, world, base)}
+    for name, change in MODES.items():
+        try:  # one failing mode must not hide the others' results
+            out[name] = run(rank, world, dataclasses.replace(base, **change))
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def _first_difference(a: list, b: list) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            return f"step {i}: {x!r} vs {y!r} (delta {y - x:.3e})"
+    return "none"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_packed_mcore_gpt_every_capture_mode_bit_identical(world: int) -> None:
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    results = spawn(_train, world, backend="nccl", timeout=1200)[0]
+    eager = results["eager"]
+    assert len(eager["losses"]) == STEPS
+    assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
+    failures = []
+    for name in MODES:
+        got = results[name]
+        if "error" in got:
+            failures.append(f"{name}: {got['error']}")
+            continue
+        report = got["cuda_graphs"]
+        print(
+            json.dumps(
+                {
+                    "model": "mcore-gpt packed",
+                    "mode": name,
+                    "world": world,
+                    "captures": report["captures"],
+                    "replays": report["replays"],
+                    "eager_fallbacks": report["eager_fallbacks"],
+                    "median_step_s": sorted(got["times"])[len(got["times"]) // 2],
+                    "eager_median_step_s": sorted(eager["times"])[len(eager["times"]) // 2],
+                }
+            )
+        )
+        per_step = {"full_iteration": 2, "one_graph": 1}.get(name, len(report["callables"]))
+        checks = {
+            "one capture": report["captures"] == 1,
+            "no eager fallback": report["eager_fallbacks"] == 0,
+            "a replay every graphed step": report["replays"] >= (STEPS - WARMUP - 1) * per_step,
+            "losses": got["losses"] == eager["losses"],
+            "eval losses": got["eval_losses"] == eager["eval_losses"],
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            failures.append(
+                f"{name}: {bad}; report {report}; losses "
+                f"{_first_difference(eager['losses'], got['losses'])}"
+            )
+        differing = [p for p, v in eager["params"].items() if not torch.equal(got["params"][p], v)]
+        if differing:
+            failures.append(f"{name}: final weights differ from eager's: {differing[:4]}")
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ attention within documents
+def _document_losses(rank: int, world: int) -> dict:
+    """Per document (fp32 weights, then bf16): its loss and logits inside the pack against the
+    document run alone, unpacked; and how far the logits move when the pack's boundaries are
+    removed (one document per row: documents see their predecessors)."""
+    from graph_fsdp.integrations import megatron as gm
+    from graph_fsdp.models.packed import IGNORE_INDEX, packed_loss_sum
+    from graph_fsdp.training.loop import use_deterministic_kernels
+    from graph_fsdp.training.packing import PackingPolicy, pack_tensors
+
+    use_deterministic_kernels(warn_only=True)
+    gm.init_parallel_state()
+    budget = 256
+    policy = PackingPolicy(budget=budget, max_documents=4)
+    g = torch.Generator().manual_seed(0)
+    rows = [[37, 100, 5], [200, 56], [3]]  # the last row: a short document, a long tail
+    docs = [[torch.randint(0, 1024, (n,), generator=g) for n in row] for row in rows]
+    pack = pack_tensors(docs, policy, "cuda")
+    b = len(rows)
+    # One document per row (the row's tail slot holds it all), the same tokens and labels.
+    joined = [r * budget for r in range(b) for _ in range(policy.max_documents + 1)]
+    joined = torch.tensor([*joined, b * budget], dtype=torch.int32, device="cuda")
+    flat = [t.reshape(1, -1) for t in (pack.input_ids, pack.position_ids)]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = gm.packed_model_config(_model(seq_length=budget, bf16=dtype == torch.bfloat16))
+        lm = gm.build_gpt(model, "cuda").to(dtype)
+        gpt = lm.module
+        with torch.no_grad():
+            logits = gpt(
+                *flat, None, packed_seq_params=gm.packed_seq_params(pack.cu_seqlens, budget)
+            )
+            crossed = gpt(*flat, None, packed_seq_params=gm.packed_seq_params(joined, budget))
+            logits, crossed = logits[0].float(), crossed[0].float()
+            labels = pack.labels.flatten()
+            token_loss = torch.nn.functional.cross_entropy(
+                logits, labels, ignore_index=IGNORE_INDEX, reduction="none"
+            )
+            rec = dict(packed=[], alone=[], logit_diff=0.0, logit_scale=0.0, crossed_diff=0.0)
+            for r, row in enumerate(docs):
+                start = r * budget
+                for i, tokens in enumerate(row):
+                    n = tokens.numel()
+                    ids = tokens.cuda()[None]
+                    alone_logits = gpt(ids, torch.arange(n, device="cuda")[None], None)
+                    doc_labels = labels[start : start + n][None]
+                    rec["alone"].append(packed_loss_sum(alone_logits, doc_labels).item())
+                    rec["packed"].append(token_loss[start : start + n].sum().item())
+                    here = logits[start : start + n]
+                    diff = (here - alone_logits[0].float()).abs().max().item()
+                    rec["logit_diff"] = max(rec["logit_diff"], diff)
+                    rec["logit_scale"] = max(rec["logit_scale"], here.abs().max().item())
+                    if i > 0:  # a document with predecessors in its row
+                        moved = (crossed[start : start + n] - here).abs().max().item()
+                        rec["crossed_diff"] = max(rec["crossed_diff"], moved)
+                    start += n
+            rec["total"] = lm(
+                pack.input_ids,
+                pack.labels,
+                position_ids=pack.position_ids,
+                cu_seqlens=pack.cu_seqlens,
+            ).item()
+        out[str(dtype)] = rec
+        del lm, gpt
+    return out
+
+
+def test_packed_attention_stays_within_documents() -> None:
+    """fp32 runs TE's unfused THD attention, bf16 its cuDNN fused one (the training path)."""
+    out = spawn(_document_losses, 1, backend="nccl", timeout=600)[0]
+    print(json.dumps({"mcore_packed_document_losses": out}))
+    for dtype, rtol in (("torch.float32", 1e-3), ("torch.bfloat16", 3e-2)):
+        got = out[dtype]
+        packed, alone = torch.tensor(got["packed"]), torch.tensor(got["alone"])
+        torch.testing.assert_close(packed, alone, rtol=rtol, atol=rtol, msg=dtype)
+        total = torch.tensor(got["total"])
+        torch.testing.assert_close(total, alone.sum(), rtol=rtol, atol=rtol, msg=dtype)
+        assert got["logit_diff"] <= 10 * rtol * max(got["logit_scale"], 1.0), (dtype, got)
+    # Without the boundaries a document's logits move by far more than packed and alone
+    # differ: the comparison above would see attention that crossed a document.
+    fp32 = out["torch.float32"]
+    assert fp32["crossed_diff"] > 20 * fp32["logit_diff"], fp32
