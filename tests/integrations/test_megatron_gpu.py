@@ -509,9 +509,13 @@ def _flat(obj, prefix: str = "") -> dict:
 
 
 def _checkpoint(path: str) -> dict:
-    """Every tensor and value of a graph_fsdp DCP checkpoint (weights and AdamW state)."""
+    """Every tensor and value of a graph_fsdp DCP checkpoint (weights and AdamW state): ``path``
+    is a run directory (its latest saved iteration) or one checkpoint."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from graph_fsdp.training.checkpoints import resolve_checkpoint
+
+    path = resolve_checkpoint(path)
     dcp_to_torch_save(path, f"{path}.pt")
     return _flat(torch.load(f"{path}.pt", weights_only=False))
 
