@@ -72,6 +72,10 @@ needs_megatron = pytest.mark.skipif(
         (dict(sequence_parallel=True), ["sequence_parallel=True", "tensor_model_parallel_size=1"]),
         (dict(tensor_model_parallel_size=0), ["positive integer"]),
         (dict(normalization="LN"), ["normalization='LN'", "RMSNorm"]),
+        (
+            dict(tensor_model_parallel_size=2, num_query_groups=1),
+            ["'num_query_groups': 1", "key/value groups"],
+        ),
         (dict(tensor_model_parallel_size=2, num_experts=4), ["dense GPTs", "num_experts=4"]),
         (
             dict(tensor_model_parallel_size=4, sequence_parallel=True, seq_length=18),

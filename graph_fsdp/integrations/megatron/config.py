@@ -305,14 +305,16 @@ def _check_tensor_parallel(cfg: MCoreGPTConfig) -> None:
         "ffn_hidden_size": ffn,
         "vocab_size": cfg.vocab_size,
     }
+    if cfg.num_query_groups is not None:
+        sizes["num_query_groups"] = cfg.num_query_groups
     if cfg.sequence_parallel:
         sizes["seq_length"] = cfg.seq_length
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         raise ValueError(
             f"{name}.tensor_model_parallel_size={tp} must divide {bad}: each TP rank holds "
-            "whole heads, an equal share of the MLP and vocabulary (and of the sequence with "
-            "sequence_parallel); pick a TP size that divides them"
+            "whole heads (and key/value groups), an equal share of the MLP and vocabulary "
+            "(and of the sequence with sequence_parallel); pick a TP size that divides them"
         )
     if cfg.num_experts is not None:
         raise ValueError(
