@@ -359,7 +359,17 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     _state(2)
     out["tp2 -> tp1 -> tp2"] = _load(tp2, os.path.join(root, "tp1"))
     out["swiglu tp2 -> tp1 -> tp2"] = _load(swiglu2, os.path.join(root, "swiglu1"))
+    out["swiglu global state dict"] = _load_global(swiglu2, out["swiglu tp1"]["tp2 -> tp1"])
     return out
+
+
+def _load_global(cfg: gm.MCoreGPTConfig, state: dict) -> dict[str, torch.Tensor]:
+    """``load_state_dict`` of global tensors (a pretrained TP 1 model's) into a sharded model."""
+    from graph_fsdp.fsdp import checkpoint as ckpt
+
+    lm = gm.shard_gpt(_build(cfg))
+    lm.load_state_dict(state, strict=False)
+    return ckpt.full_state_dict(lm)
 
 
 def _resave(cfg: gm.MCoreGPTConfig, src: str, dst: str) -> None:
@@ -520,3 +530,6 @@ def test_swiglu_checkpoints_move_between_tp_sizes(results):
         torch.testing.assert_close(
             res["swiglu tp1"]["resumed at tp1"], res["swiglu"]["resumed at tp2"], rtol=0, atol=1e-5
         )
+        loaded = res["swiglu global state dict"]  # load_state_dict of the TP 1 weights at TP 2
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name
