@@ -138,8 +138,9 @@ def _refs(model: nn.Module) -> list[ParamRef]:
 class Entry:
     """A parameter as the checkpoint sees it: its name, global ``shape`` and this rank's piece
     (``ref.sharded``): ``[offset, offset + n)`` of the flattened global parameter, or for a
-    tensor-parallel parameter (``tp``) that range of its flattened local tensor, which lies at
-    ``tp.offsets`` in the global one (tensor_parallel.py [Note: tensor-parallel parameters])."""
+    tensor-parallel parameter (``tp``) that range of its flattened local tensor, whose place in
+    the global one ``tp.global_boxes`` gives (tensor_parallel.py [Note: tensor-parallel
+    parameters])."""
 
     __slots__ = ("key", "keys", "numel", "offset", "ref", "shape", "tp")
 
@@ -193,12 +194,9 @@ class Entry:
             if flat or len(shape) <= 1:
                 return FlatPiece(local, [(0, n, (start,), (n,))], size)
             boxes = flat_boxes(shape, start, start + n)
-        else:
-            start, base = self.offset, self.tp.offsets
-            boxes = [
-                (s, tuple(o + b for o, b in zip(offs, base)), z)
-                for s, offs, z in flat_boxes(tuple(self.tp.local_shape), start, start + n)
-            ]
+        else:  # strided pieces too (tensor_parallel.py [Note: strided tensor-parallel pieces])
+            start = self.offset
+            boxes = self.tp.global_boxes(start, start + n)
         chunks = []
         for first, offs, sizes in boxes:
             pos = first - start

@@ -33,6 +33,21 @@ instead; :func:`mark_tensor_parallel` describes them the same way (integrations/
   all-reduce inside the backward graph. Megatron all-reduces its own (``sequence_parallel``)
   ones after the data-parallel reduction, in ``finalize_model_grads``
   (integrations/megatron/tp.py).
+
+[Note: strided tensor-parallel pieces]
+Megatron's gated MLP (SwiGLU: ``gated_linear_unit``) builds ``linear_fc1`` with
+``partition_stride=2`` (megatron/core/transformer/mlp.py, ``fc1_stride``): the global weight is
+``[gate; up]`` (2 x ffn rows) and TP rank r of N holds ``[gate_r; up_r]``, its slice of the gate
+rows then its slice of the up rows, so that its local output chunks into (gate, up) for the
+GLU. In general (``_initialize_affine_weight_cpu`` in megatron/core/tensor_parallel/layers.py)
+the partition dim is cut into ``N * stride`` equal blocks and rank r holds blocks
+``r, r + N, r + 2N, ...`` in that order. :class:`TPSpec` keeps ``partition_stride`` and maps
+both ways: :meth:`TPSpec.full_tensor` puts the gathered blocks back in global order,
+:meth:`TPSpec.local_of` cuts a rank's blocks out of a global tensor, and
+:meth:`TPSpec.global_boxes` gives the checkpoint each local block as its box of the global
+tensor. So checkpoints and full state dicts hold the *logical* weight (``[gate; up]``, which is
+what a TP 1 model holds), and load at any TP size. Norms need nothing: the squares of a rank's
+blocks are its share of the global sum whatever their order.
 """
 
 from __future__ import annotations
@@ -81,14 +96,38 @@ class TPSpec:
     placements: tuple = ()
     stride: tuple[int, ...] = ()
     """The global tensor's stride (DTensor metadata)."""
+    partition_stride: int = 1
+    """Blocks of ``dim`` per TP rank, interleaved across ranks ([Note: strided tensor-parallel
+    pieces]); 1 = one contiguous piece (``offsets`` is then where it lies; with more, where the
+    first block lies)."""
 
     @property
     def sharded(self) -> bool:
         return self.dim is not None and self.size > 1
 
+    @property
+    def strided(self) -> bool:
+        return self.sharded and self.partition_stride > 1
+
     def describe(self) -> str:
         where = "replicated" if self.dim is None else f"split along dim {self.dim}"
+        if self.strided:
+            where += f" in {self.partition_stride} interleaved blocks per rank"
         return f"{where} over a TP group of {self.size}, global shape {tuple(self.shape)}"
+
+    def blocks(self) -> list[tuple[int, int, int]]:
+        """The local tensor's pieces along ``dim``: ``(local offset, global offset, length)``
+        ([Note: strided tensor-parallel pieces])."""
+        d = self.dim
+        if d is None:
+            return []
+        if not self.strided:
+            return [(0, self.offsets[d], self.local_shape[d])]
+        block = self.local_shape[d] // self.partition_stride
+        return [
+            (k * block, (k * self.size + self.rank) * block, block)
+            for k in range(self.partition_stride)
+        ]
 
     # ----------------------------------------------------------------- compute weights
     def compute_param(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
@@ -142,13 +181,49 @@ class TPSpec:
             (self.size * chunk, *moved.shape[1:]), dtype=local.dtype, device=local.device
         )
         dist.all_gather_into_tensor(out, padded, group=self.group)
+        if self.strided:  # [rank][block] -> [block][rank]: the global order (even split)
+            k = self.partition_stride
+            out = out.view(self.size, k, chunk // k, *moved.shape[1:]).transpose(0, 1)
+            out = out.reshape(self.size * chunk, *moved.shape[1:])
         return out[: self.shape[d]].movedim(0, d).contiguous()
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a global tensor ``full``."""
+        """This rank's piece of a global tensor ``full`` (a copy for strided pieces)."""
         if self.dim is None:
             return full
+        if self.strided:
+            return torch.cat([full.narrow(self.dim, g, n) for _, g, n in self.blocks()], self.dim)
         return full.narrow(self.dim, self.offsets[self.dim], self.local_shape[self.dim])
+
+    def global_boxes(self, start: int, stop: int) -> list[tuple[int, tuple, tuple]]:
+        """``[start, stop)`` of the row-major flattening of the local tensor as boxes of the
+        global tensor: ``(flat position in the local tensor of the box's first element, global
+        offsets, sizes)``, each contiguous in the local flattening (a checkpoint's chunks)."""
+        local = tuple(self.local_shape)
+        if not self.strided:
+            base = self.offsets
+            return [
+                (s, tuple(o + b for o, b in zip(offs, base)), z)
+                for s, offs, z in flat_boxes(local, start, stop)
+            ]
+        # The local tensor seen with its blocks as an axis before ``dim``: (..., k, block, ...).
+        d, k = self.dim, self.partition_stride
+        block = local[d] // k
+        split = (*local[:d], k, block, *local[d + 1 :])
+        strides = [math.prod(split[i + 1 :]) for i in range(len(split))]
+        out = []
+        for _, offs, sizes in flat_boxes(split, start, stop):
+            # One block per box: fix every axis up to the block axis (the box covers the ones
+            # after its first ranged axis whole, so each part stays contiguous).
+            lead = itertools.product(*(range(o, o + z) for o, z in zip(offs[: d + 1], sizes)))
+            for index in lead:
+                first = (*index, *offs[d + 1 :])
+                pos = sum(i * st for i, st in zip(first, strides))
+                g = [*index[:d], (index[d] * self.size + self.rank) * block + offs[d + 1]]
+                g += list(offs[d + 2 :])
+                z = (*[1] * d, *sizes[d + 1 :])
+                out.append((pos, tuple(g), z))
+        return out
 
 
 def _chunk(size: int, parts: int, rank: int) -> tuple[int, int]:
@@ -164,12 +239,13 @@ def make_spec(
     dim: int | None,
     local_shape: torch.Size,
     global_shape: torch.Size,
+    partition_stride: int = 1,
     **dtensor,
 ) -> TPSpec:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     offsets = [0] * len(global_shape)
-    if dim is not None:
-        offsets[dim] = _chunk(global_shape[dim], size, rank)[0]
+    if dim is not None:  # strided: the first block's (rank r's blocks are r, r + size, ...)
+        offsets[dim] = _chunk(global_shape[dim] // partition_stride, size, rank)[0]
     return TPSpec(
         group,
         size,
@@ -178,19 +254,24 @@ def make_spec(
         torch.Size(global_shape),
         tuple(offsets),
         torch.Size(local_shape),
+        partition_stride=partition_stride,
         **dtensor,
     )
 
 
 def mark_tensor_parallel(
-    params: Iterable[tuple[nn.Parameter, int | None]], group: dist.ProcessGroup
+    params: Iterable[tuple[nn.Parameter, int | None] | tuple[nn.Parameter, int | None, int]],
+    group: dist.ProcessGroup,
 ) -> None:
     """Describe plain parameters holding this rank's piece of a tensor-parallel parameter
-    (Megatron's ``tensor_model_parallel`` ones: ``(param, partition_dim)``; ``None`` for the
-    ones every TP rank holds whole) before ``fully_shard``: the global shape is the local
-    one with ``dim`` times the group size (an even split, as Megatron requires)."""
+    (Megatron's ``tensor_model_parallel`` ones: ``(param, partition_dim)`` or ``(param,
+    partition_dim, partition_stride)``; dim ``None`` for the ones every TP rank holds whole)
+    before ``fully_shard``: the global shape is the local one with ``dim`` times the group size
+    (an even split, as Megatron requires); a stride above 1 says the piece is that many
+    interleaved blocks ([Note: strided tensor-parallel pieces])."""
     size = dist.get_world_size(group)
-    for p, dim in params:
+    for p, dim, *rest in params:
+        stride = rest[0] if rest else 1
         if getattr(p, "_graph_fsdp_sharded", False) or getattr(p, "_graph_fsdp_sharded_as", None):
             raise ValueError(
                 "mark_tensor_parallel after fully_shard: describe the parameters before "
@@ -204,7 +285,14 @@ def mark_tensor_parallel(
                     f"{tuple(p.shape)} is out of range"
                 )
             shape[dim] *= size
-        setattr(p, TP_ATTR, make_spec(group, dim, p.shape, torch.Size(shape)))
+        if stride != 1 and (dim is None or stride < 1 or p.shape[dim] % stride):
+            raise ValueError(
+                f"mark_tensor_parallel: partition_stride={stride} for a parameter of shape "
+                f"{tuple(p.shape)} split along dim {dim}: the stride must be a positive divisor "
+                "of the local size along a partition dim (Megatron's blocks are equal)"
+            )
+        spec = make_spec(group, dim, p.shape, torch.Size(shape), partition_stride=stride)
+        setattr(p, TP_ATTR, spec)
 
 
 def dtensor_spec(p: torch.Tensor, fqn: str, owner: str) -> TPSpec:

@@ -26,6 +26,7 @@ Everything runs in one spawn of 4 processes (graph_fsdp.training.processes.spawn
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -528,6 +529,49 @@ def test_flat_boxes_and_runs_cover_a_range_once():
                 pos += box.numel()
             whole = torch.cat(got) if got else torch.empty(0, dtype=torch.int64)
             assert torch.equal(whole, torch.arange(start, stop)), (start, stop)
+
+
+@pytest.mark.parametrize(("dim", "stride", "size"), [(0, 2, 2), (0, 2, 4), (1, 3, 2), (0, 1, 2)])
+def test_strided_pieces_are_megatrons_blocks(dim, stride, size):
+    """A strided TP piece (Megatron's gated fc1: partition_stride=2) against Megatron's own
+    split (``_initialize_affine_weight_cpu``: ``size * stride`` blocks, rank r holds blocks
+    r, r + size, ...): ``local_of`` cuts those blocks out of the global tensor, and
+    ``global_boxes`` maps every flat range of the local tensor to global boxes holding the
+    same elements, in order and contiguous."""
+    from graph_fsdp.fsdp.tensor_parallel import TPSpec
+
+    shape = [6, 4]
+    shape[dim] = 2 * size * stride
+    full = torch.arange(math.prod(shape)).view(shape)
+    blocks = torch.split(full, shape[dim] // (size * stride), dim=dim)
+    for rank in range(size):
+        local_shape = list(shape)
+        local_shape[dim] //= size
+        offsets = [0, 0]
+        offsets[dim] = rank * local_shape[dim] // stride
+        spec = TPSpec(
+            None,
+            size,
+            rank,
+            dim,
+            torch.Size(shape),
+            tuple(offsets),
+            torch.Size(local_shape),
+            partition_stride=stride,
+        )
+        local = torch.cat(blocks[rank::size], dim=dim)
+        assert torch.equal(spec.local_of(full), local), rank
+        n = local.numel()
+        for start in range(0, n, 5):
+            for stop in range(start, n + 1, 7):
+                got, pos = [], start
+                for first, offs, sizes in spec.global_boxes(start, stop):
+                    assert first == pos, (rank, start, stop)
+                    box = full[tuple(slice(o, o + z) for o, z in zip(offs, sizes))].reshape(-1)
+                    assert torch.equal(box, local.reshape(-1)[first : first + box.numel()])
+                    got.append(box)
+                    pos += box.numel()
+                assert pos == stop, (rank, start, stop)
 
 
 def _dtensor_addresses(rank: int, world: int) -> dict:

@@ -13,11 +13,16 @@ pass every 5 steps):
   under capture: tests/core/test_third_party_gpu.py).
 - Megatron: eager, TE whole-layer and ``attn`` graphs, torch ``full_iteration``, and a graphed
   run saved at step 10 and resumed: bit-identical losses and eval losses.
+- Megatron, Llama-style (GQA, SwiGLU, RMSNorm, RoPE; TE spec, TP 2 + SP): eager vs TE and
+  torch whole-layer graphs, ``full_iteration`` and the one-graph step - losses, eval losses and
+  final weights bit-identical, every run captured once, replayed, never fell back; one
+  ``MCORE_LLAMA_TP`` JSON line per run with its median step time and peak memory.
 - Step time (GPT, DP x TP on every GPU, one microbatch): graph_fsdp eager, layerwise and
   full_iteration against torch FSDP2 + TP eager and with its forward+backward captured in one
   graph on the same mesh; one JSON line ``TP_TIMING`` (medians), not asserted beyond sanity.
 
 Run: python -m pytest -q -s -m gpu tests/core/test_tensor_parallel_gpu.py
+(the Llama-style case alone: ``-k swiglu``)
 """
 
 from __future__ import annotations
@@ -255,6 +260,116 @@ def test_megatron_tp_sp_graphed_bit_identical_to_eager(world):
         report = report or {}
         if not report.get("replays") or report.get("eager_fallbacks"):
             problems.append(f"{label}: graphs did not replay throughout: {report}")
+    assert not problems, "\n".join(problems)
+
+
+# ----------------------------------------------------------------------------- Llama-style
+LLAMA_MODES = {
+    "te layer": {"cuda_graph_impl": "te"},
+    "torch layer": {"cuda_graph_impl": "torch"},
+    "full_iteration": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]},
+    "one_graph": {
+        "cuda_graph_impl": "torch",
+        "cuda_graph_scope": ["full_iteration"],
+        "cuda_graph_optimizer": True,
+    },
+}
+"""MCoreTrainConfig fields of the graphed runs of the Llama-style GPT, each against eager."""
+
+
+def _llama_all(rank: int, world: int) -> dict:
+    """The Llama-style Megatron GPT (TE spec: GQA, SwiGLU - fc1 [gate_r; up_r] per TP rank,
+    partition_stride=2 -, RMSNorm, RoPE) at TP 2 + SP: eager, then every graphed mode."""
+    import dataclasses
+    import traceback
+
+    from graph_fsdp.integrations.megatron import MCoreGPTConfig
+    from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, run
+
+    model = MCoreGPTConfig(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        swiglu=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        seq_length=SEQ,
+        vocab_size=VOCAB,
+        transformer_impl="transformer_engine",
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+    )
+    base = MCoreTrainConfig(
+        model=model,
+        steps=STEPS,
+        grad_accum=ACCUM,
+        eval_interval=EVAL,
+        clip_grad=1.0,
+        fused_optimizer=True,  # the one-graph step's optimizer; eager runs the same
+        bf16=True,
+        deterministic=True,
+        allocator="double_buffer",
+        persist_on_alloc_fail=True,
+        return_params=True,
+    )
+    out = {"eager": run(rank, world, base)}
+    for label, change in LLAMA_MODES.items():
+        try:  # one failing mode must not hide the others' results
+            out[label] = run(rank, world, dataclasses.replace(base, **change))
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[label] = {"error": traceback.format_exc()}
+    return out
+
+
+def _llama_row(label: str, world: int, got: dict) -> str:
+    report = got.get("cuda_graphs") or {}
+    times = sorted(got["times"][2:])  # past the warmup and capture steps
+    row = {
+        "model": "mcore llama-style tp2 sp",
+        "mode": label,
+        "world": world,
+        "median_step_ms": round(1e3 * median(times), 3),
+        "peak_reserved_mib": round(got["peak_reserved_bytes"] / 2**20, 1),
+        "peak_allocated_mib": round(got["peak_memory_bytes"] / 2**20, 1),
+        **{k: report[k] for k in ("captures", "replays", "eager_fallbacks") if k in report},
+    }
+    return "MCORE_LLAMA_TP " + json.dumps(row)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_swiglu_gqa_tp_sp_every_capture_mode_bit_identical(world):
+    """TP 2 (DP 2 x TP 2 on 4 GPUs) of a Llama-style GPT: eager vs TE and torch whole-layer
+    graphs, full_iteration and the one-graph step; 20 steps of 2 microbatches with evals,
+    bit-identical losses, eval losses and final global weights (fc1 gathered as [gate; up]);
+    every graphed run captured once and replayed with no eager fallback. Prints one
+    ``MCORE_LLAMA_TP`` JSON line per run (median step time, peak memory)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    missing = megatron_stack_missing()
+    if missing:
+        pytest.skip(missing)
+    res = spawn(_llama_all, world, backend="nccl", timeout=1500)[0]
+    eager, problems = res["eager"], []
+    print(_llama_row("eager", world, eager))
+    for label in LLAMA_MODES:
+        got = res[label]
+        if "error" in got:
+            problems.append(f"{label}: {got['error']}")
+            continue
+        print(_llama_row(label, world, got))
+        for what in ("losses", "eval_losses"):
+            if got[what] != eager[what]:
+                problems.append(f"{label} {what}: {got[what]} vs eager {eager[what]}")
+        differ = [n for n, v in eager["params"].items() if not torch.equal(got["params"][n], v)]
+        if differ:
+            problems.append(f"{label}: final weights differ from eager's: {differ[:4]}")
+        report = got.get("cuda_graphs") or {}
+        if report.get("captures") != 1 or not report.get("replays") or report["eager_fallbacks"]:
+            problems.append(f"{label}: graphs did not replay throughout: {report}")
+    fc1 = "module.decoder.layers.0.mlp.linear_fc1.weight"
+    assert eager["params"][fc1].shape[0] == 2 * 512, eager["params"][fc1].shape  # [gate; up]
     assert not problems, "\n".join(problems)
 
 

@@ -12,6 +12,12 @@ norm to 1e-6 relative (another order of fp32 additions). Checkpoints: TP 2 x DP 
 -> TP 2 x DP 2, bit-identical weights, and a TP 1 model matches the TP 2 one's first losses
 (the same global weights: Megatron's CPU initialisation draws every full weight).
 
+SwiGLU (``swiglu=True``: fc1 holds ``[gate; up]``, each TP rank ``[gate_r; up_r]``,
+``partition_stride=2``) at TP 2 x DP 2 with sequence parallelism: bit-identical to Megatron at
+TP 2 alone; its global weights those of the TP 1 model bit for bit and its first gradients
+within 1e-6; checkpoints TP 2 -> TP 1 -> TP 2 bit-identical, training resumed at TP 1 within
+1e-5 of TP 2.
+
 Megatron's CPU gaps are bridged in the spawned processes only (:func:`_megatron_on_cpu`): its
 sequence-parallel collectives and attention allocate on ``torch.cuda.current_device()`` (made
 the CPU), its attention forks the CUDA RNG tracker (a no-op: dropout is 0), and its local spec's
@@ -39,6 +45,8 @@ TP_CFG = dict(
     transformer_impl="local",
     position_embedding_type="learned_absolute",
 )
+SWIGLU_CFG = dict(TP_CFG, swiglu=True, normalization="RMSNorm")
+"""Llama-style MLP: linear_fc1 = [gate; up], each TP rank [gate_r; up_r] (partition_stride=2)."""
 MICRO = 2
 STEPS = 3
 
@@ -63,6 +71,11 @@ needs_megatron = pytest.mark.skipif(
         (dict(tensor_model_parallel_size=3), ["must divide", "num_attention_heads"]),
         (dict(sequence_parallel=True), ["sequence_parallel=True", "tensor_model_parallel_size=1"]),
         (dict(tensor_model_parallel_size=0), ["positive integer"]),
+        (dict(normalization="LN"), ["normalization='LN'", "RMSNorm"]),
+        (
+            dict(tensor_model_parallel_size=2, num_query_groups=1),
+            ["'num_query_groups': 1", "key/value groups"],
+        ),
         (dict(tensor_model_parallel_size=2, num_experts=4), ["dense GPTs", "num_experts=4"]),
         (
             dict(tensor_model_parallel_size=4, sequence_parallel=True, seq_length=18),
@@ -152,18 +165,23 @@ def _dp_rank() -> tuple[int, int]:
     return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
-def _global(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The reference's global weights: TP pieces all-gathered along their partition dim."""
+def _global(lm: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The reference's global weights (or gradients): TP pieces all-gathered along their
+    partition dim, a strided piece's blocks put back in Megatron's order (rank r holds blocks
+    r, r + TP, ...: ``_initialize_affine_weight_cpu``)."""
     from megatron.core import parallel_state as ps
 
     group = ps.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
     out = {}
     for name, p in lm.named_parameters():
-        t = p.detach()
-        if getattr(p, "tensor_model_parallel", False) and dist.get_world_size(group) > 1:
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        t = (p.grad if grads else p).detach()
+        if getattr(p, "tensor_model_parallel", False) and size > 1:
+            parts = [torch.empty_like(t) for _ in range(size)]
             dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
+            stride, d = p.partition_stride, p.partition_dim
+            blocks = [part.chunk(stride, dim=d) for part in parts]
+            t = torch.cat([blocks[r][k] for k in range(stride) for r in range(size)], dim=d)
         out[name] = t.clone()
     return out
 
@@ -248,6 +266,48 @@ def _load(cfg: gm.MCoreGPTConfig, path: str) -> dict[str, torch.Tensor]:
     return ckpt.full_state_dict(lm)
 
 
+def _grads_and_weights(cfg: gm.MCoreGPTConfig, sharded: bool) -> dict:
+    """The first step's gradients of the global batch (the mean over its microbatches) and
+    the initial weights, as global tensors: through graph_fsdp (``sharded``; the gradients
+    copied into the weights to gather them) or of a plain Megatron model."""
+    from graph_fsdp.fsdp import checkpoint as ckpt
+
+    lm = _build(cfg)
+    if not sharded:
+        weights = _global(lm)
+        for m in range(MICRO):
+            (lm(*_batch(0, m, cfg)) / MICRO).backward()
+        return {"weights": weights, "grads": _global(lm, grads=True)}
+    lm = gm.shard_gpt(lm)
+    weights = ckpt.full_state_dict(lm)
+    d, dp = _dp_rank()
+    accum = MICRO // dp
+    for i in range(accum):
+        lm.set_requires_gradient_sync(i == accum - 1)
+        (lm(*_batch(0, d * accum + i, cfg)) / accum).backward()
+    with torch.no_grad():
+        for p in lm.parameters():  # a rank with an empty piece has no gradient
+            p.copy_(p.grad) if p.grad is not None else p.zero_()
+    return {"weights": weights, "grads": ckpt.full_state_dict(lm)}
+
+
+def _resumed_loss(cfg: gm.MCoreGPTConfig, path: str) -> torch.Tensor:
+    """A graph_fsdp model loaded from ``path`` takes a training step; its next loss."""
+    from graph_fsdp.fsdp import checkpoint as ckpt
+
+    lm = gm.shard_gpt(_build(cfg))
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
+    ckpt.load(path, lm, opt)
+    d, dp = _dp_rank()
+    accum = 4 // dp  # a global batch of 4 microbatches at DP 2 and DP 4 alike
+    for i in range(accum):
+        lm.set_requires_gradient_sync(i == accum - 1)
+        (lm(*_batch(STEPS, d * accum + i, cfg)) / accum).backward()
+    opt.step()
+    with torch.no_grad():
+        return lm(*_batch(STEPS + 1, 0, cfg))
+
+
 def _first_losses(cfg: gm.MCoreGPTConfig) -> torch.Tensor:
     lm = _build(cfg)
     with torch.no_grad():
@@ -270,21 +330,56 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
             save = os.path.join(root, "tp2") if sp and clip > 1 else None
             out[key] = {"fsdp": _graph_fsdp(cfg, clip, save), "ref": _reference(cfg, clip)}
         out[f"sp={sp} first"] = _first_losses(cfg)
+    swiglu2 = gm.MCoreGPTConfig(**SWIGLU_CFG, tensor_model_parallel_size=2, sequence_parallel=True)
+    out["swiglu"] = {
+        "fsdp": _graph_fsdp(swiglu2, 1e9, os.path.join(root, "swiglu2")),
+        "ref": _reference(swiglu2, 1e9),
+        "first": _first_losses(swiglu2),
+        "step 0": _grads_and_weights(swiglu2, sharded=True),
+        "resumed at tp2": _resumed_loss(swiglu2, os.path.join(root, "swiglu2")),
+    }
+    out["swiglu fc1 stride"] = (
+        _build(swiglu2).get_submodule(FC1.rsplit(".", 1)[0]).weight.partition_stride
+    )
     tp2 = gm.MCoreGPTConfig(**TP_CFG, tensor_model_parallel_size=2, sequence_parallel=True)
     _state(1)
+    swiglu1 = gm.MCoreGPTConfig(**SWIGLU_CFG)
+    out["swiglu tp1"] = {
+        "first": _first_losses(swiglu1),
+        "step 0": _grads_and_weights(swiglu1, sharded=False),
+        "tp2 -> tp1": _load(swiglu1, os.path.join(root, "swiglu2")),
+        "resumed at tp1": _resumed_loss(swiglu1, os.path.join(root, "swiglu2")),
+    }
+    _resave(swiglu1, os.path.join(root, "swiglu2"), os.path.join(root, "swiglu1"))
     tp1 = gm.MCoreGPTConfig(**TP_CFG)
     out["tp1 first"] = _first_losses(tp1)
     out["tp2 -> tp1"] = _load(tp1, os.path.join(root, "tp2"))
-    from graph_fsdp.fsdp import checkpoint as ckpt
-
-    lm = gm.shard_gpt(_build(tp1))
-    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
-    ckpt.load(os.path.join(root, "tp2"), lm, opt)
-    ckpt.save(os.path.join(root, "tp1"), lm, opt)
+    _resave(tp1, os.path.join(root, "tp2"), os.path.join(root, "tp1"))
     out["errors"] = _errors(tp2)
     _state(2)
     out["tp2 -> tp1 -> tp2"] = _load(tp2, os.path.join(root, "tp1"))
+    out["swiglu tp2 -> tp1 -> tp2"] = _load(swiglu2, os.path.join(root, "swiglu1"))
+    out["swiglu global state dict"] = _load_global(swiglu2, out["swiglu tp1"]["tp2 -> tp1"])
     return out
+
+
+def _load_global(cfg: gm.MCoreGPTConfig, state: dict) -> dict[str, torch.Tensor]:
+    """``load_state_dict`` of global tensors (a pretrained TP 1 model's) into a sharded model."""
+    from graph_fsdp.fsdp import checkpoint as ckpt
+
+    lm = gm.shard_gpt(_build(cfg))
+    lm.load_state_dict(state, strict=False)
+    return ckpt.full_state_dict(lm)
+
+
+def _resave(cfg: gm.MCoreGPTConfig, src: str, dst: str) -> None:
+    """Load ``src`` into a model of ``cfg`` and save it to ``dst``."""
+    from graph_fsdp.fsdp import checkpoint as ckpt
+
+    lm = gm.shard_gpt(_build(cfg))
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-2, weight_decay=0.01)
+    ckpt.load(src, lm, opt)
+    ckpt.save(dst, lm, opt)
 
 
 def _errors(tp2: gm.MCoreGPTConfig) -> dict[str, str]:
@@ -379,3 +474,62 @@ def test_errors_name_the_fix(results):
         ), errors
         assert "positive divisor of the world size 4" in errors["init 3"], errors
         assert "initialised elsewhere" in errors["init 2"], errors
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+FC1 = "module.decoder.layers.0.mlp.linear_fc1.weight"
+
+
+@needs_megatron
+def test_swiglu_fc1_is_strided(results):
+    """The layout these tests rest on: Megatron builds the gated fc1 with partition_stride=2."""
+    for res in results:
+        assert res["swiglu fc1 stride"] == 2, res["swiglu fc1 stride"]
+
+
+@needs_megatron
+def test_swiglu_tp_fsdp_bit_identical_to_megatron_tp(results):
+    for rank, res in enumerate(results):
+        fsdp, ref = res["swiglu"]["fsdp"], res["swiglu"]["ref"]
+        for step, (a, b) in enumerate(zip(fsdp["losses"], ref["losses"], strict=True)):
+            assert torch.equal(a, b), (rank, step, a, b)
+        assert sorted(fsdp["params"]) == sorted(ref["params"])
+        for name, value in ref["params"].items():
+            assert torch.equal(fsdp["params"][name], value), (rank, name)
+        torch.testing.assert_close(fsdp["norms"], ref["norms"], rtol=1e-6, atol=0)
+
+
+@needs_megatron
+def test_swiglu_tp2_is_the_unsharded_tp1_model(results):
+    """graph_fsdp's global tensors at TP 2 x DP 2 are the TP 1 model's: the initial weights bit
+    for bit (fc1 = [gate; up], Megatron's CPU initialisation draws that full weight at every TP
+    size), the first gradients and losses within fp32 rounding of the other GEMM splits."""
+    for res in results:
+        tp2, tp1 = res["swiglu"]["step 0"], res["swiglu tp1"]["step 0"]
+        assert sorted(tp2["weights"]) == sorted(tp1["weights"])
+        for name, value in tp1["weights"].items():
+            assert torch.equal(tp2["weights"][name], value), name
+        for name, value in tp1["grads"].items():
+            torch.testing.assert_close(tp2["grads"][name], value, rtol=0, atol=1e-6, msg=name)
+        assert tp1["grads"][FC1].abs().max() > 1e-4  # the MLP trained
+        torch.testing.assert_close(
+            res["swiglu"]["first"], res["swiglu tp1"]["first"], rtol=0, atol=1e-6
+        )
+
+
+@needs_megatron
+def test_swiglu_checkpoints_move_between_tp_sizes(results):
+    """TP 2 -> TP 1 (where fc1 is simply [gate; up]) -> TP 2, bit-identical; training resumed
+    at TP 1 continues the TP 2 run (the GEMM splits differ: within 1e-5)."""
+    for res in results:
+        saved = res["swiglu"]["fsdp"]["params"]
+        for loaded in (res["swiglu tp1"]["tp2 -> tp1"], res["swiglu tp2 -> tp1 -> tp2"]):
+            assert sorted(loaded) == sorted(saved)
+            for name, value in saved.items():
+                assert torch.equal(loaded[name], value), name
+        torch.testing.assert_close(
+            res["swiglu tp1"]["resumed at tp1"], res["swiglu"]["resumed at tp2"], rtol=0, atol=1e-5
+        )
+        loaded = res["swiglu global state dict"]  # load_state_dict of the TP 1 weights at TP 2
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name

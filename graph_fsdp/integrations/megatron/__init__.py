@@ -61,6 +61,7 @@ from graph_fsdp.integrations.megatron.config import ATTENTION_BACKENDS as ATTENT
 from graph_fsdp.integrations.megatron.config import INSTALL_HINT as INSTALL_HINT
 from graph_fsdp.integrations.megatron.config import MOE_DISPATCHERS as MOE_DISPATCHERS
 from graph_fsdp.integrations.megatron.config import MOE_EXPERTS_IMPLS as MOE_EXPERTS_IMPLS
+from graph_fsdp.integrations.megatron.config import NORMALIZATIONS as NORMALIZATIONS
 from graph_fsdp.integrations.megatron.config import TRANSFORMER_IMPLS as TRANSFORMER_IMPLS
 from graph_fsdp.integrations.megatron.config import MCoreGPTConfig as MCoreGPTConfig
 from graph_fsdp.integrations.megatron.config import require_megatron as require_megatron
@@ -146,8 +147,17 @@ def transformer_config(cfg: MCoreGPTConfig, device: torch.device):
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         attention_backend=AttnBackend[cfg.attention_backend],
         apply_rope_fusion=cfg.apply_rope_fusion,
+        normalization=cfg.normalization,
+        **_swiglu(cfg),
         **moe,
     )
+
+
+def _swiglu(cfg: MCoreGPTConfig) -> dict:
+    """What Megatron's ``--swiglu`` sets (megatron/training/arguments.py)."""
+    if not cfg.swiglu:
+        return {}
+    return dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
 
 
 def layer_spec(cfg: MCoreGPTConfig):

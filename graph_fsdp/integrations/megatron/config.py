@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+"""TransformerConfig.normalization values graph_fsdp's configs build."""
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 """Megatron's AttnBackend names (TransformerConfig.attention_backend)."""
 MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
@@ -77,6 +79,13 @@ class MCoreGPTConfig:
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of Megatron's load-balancing loss (moe_router_load_balancing_type aux_loss);
     0 = off, Megatron's default."""
+    swiglu: bool = False
+    """Megatron's ``--swiglu``: a gated MLP (``gated_linear_unit``, SiLU) as Llama and Qwen use;
+    ``linear_fc1`` then holds ``[gate; up]`` (2 x ffn_hidden_size rows), each TP rank its
+    slice of both (``partition_stride=2``: fsdp/tensor_parallel.py [Note: strided
+    tensor-parallel pieces])."""
+    normalization: str = "LayerNorm"
+    """TransformerConfig.normalization: LayerNorm or RMSNorm."""
     transformer_impl: str = "transformer_engine"
     """transformer_engine: get_gpt_layer_with_transformer_engine_spec; local:
     get_gpt_layer_local_spec (no TransformerEngine)."""
@@ -122,6 +131,11 @@ class MCoreGPTConfig:
             raise ValueError(
                 f"MCoreGPTConfig: num_query_groups={groups} does not divide "
                 f"num_attention_heads={self.num_attention_heads}; pick a divisor (or None)"
+            )
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"MCoreGPTConfig.normalization={self.normalization!r}; choose one of "
+                f"{', '.join(NORMALIZATIONS)}"
             )
         if self.transformer_impl not in TRANSFORMER_IMPLS:
             raise ValueError(
@@ -291,14 +305,16 @@ def _check_tensor_parallel(cfg: MCoreGPTConfig) -> None:
         "ffn_hidden_size": ffn,
         "vocab_size": cfg.vocab_size,
     }
+    if cfg.num_query_groups is not None:
+        sizes["num_query_groups"] = cfg.num_query_groups
     if cfg.sequence_parallel:
         sizes["seq_length"] = cfg.seq_length
     bad = {k: v for k, v in sizes.items() if v % tp}
     if bad:
         raise ValueError(
             f"{name}.tensor_model_parallel_size={tp} must divide {bad}: each TP rank holds "
-            "whole heads, an equal share of the MLP and vocabulary (and of the sequence with "
-            "sequence_parallel); pick a TP size that divides them"
+            "whole heads (and key/value groups), an equal share of the MLP and vocabulary "
+            "(and of the sequence with sequence_parallel); pick a TP size that divides them"
         )
     if cfg.num_experts is not None:
         raise ValueError(

@@ -160,13 +160,17 @@ def mark_params(module: nn.Module) -> None:
         if not getattr(p, "tensor_model_parallel", False):
             continue
         stride = getattr(p, "partition_stride", 1)
-        if stride != 1:
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"parameter {name} has partition_stride={stride!r}, not an int >= 1")
+        if stride > 1 and p.shape[p.partition_dim] % stride:
             raise ValueError(
-                f"parameter {name} is tensor-parallel with partition_stride={stride}: its TP "
-                "pieces interleave, which graph_fsdp's checkpoints and norms do not describe; "
-                "use a layer spec whose parallel linears have stride 1"
+                f"parameter {name} of local shape {tuple(p.shape)} has partition_stride="
+                f"{stride}, which does not divide its partition dim {p.partition_dim}: "
+                "Megatron's strided layers hold equal blocks"
             )
-        marked.append((p, p.partition_dim))
+        # Strided ones (the gated MLP's linear_fc1: [gate_r; up_r]): tensor_parallel.py
+        # [Note: strided tensor-parallel pieces].
+        marked.append((p, p.partition_dim, stride))
     mark_tensor_parallel(marked, ps.get_tensor_model_parallel_group())
 
 
