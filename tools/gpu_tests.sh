@@ -11,7 +11,8 @@
 # capture_safety, lifecycle, hsdp, fully_shard, expert_parallel (its 2- and 4-GPU layouts skip
 # on fewer GPUs), megatron_ep (Megatron-Core MoE GPT with expert parallelism: EP 1 through the
 # expert mesh, EP 2 and checkpoints across EP sizes; 2-GPU parts skip on one), megatron_ep4 (its
-# 4-GPU layouts, EP 2 x EDP 2 and EP 4), bench, comm_graphs (real communication-graph replays,
+# 4-GPU layouts, EP 2 x EDP 2 and EP 4), megatron_ep_dropless (its dropless grouped_mm experts
+# over EP 2, captured whole; the EP 2 x EDP 2 layout skips below 4 GPUs), bench, comm_graphs (real communication-graph replays,
 # also at world size 1), whole_step (the one-graph training step: bit-exactness and the timing
 # rows, ~4 min at world 1), tensor_parallel (DTensor and Megatron-Core TP with FSDP; needs 2 or 4
 # GPUs, skips on one), rl_offload (examples/rl_loop.py per graph scope and ZeRO level under
@@ -44,7 +45,7 @@ mkdir -p "$OUT"
 declare -A LIMIT=(
   [megatron]=560 [megatron_attn]=300 [te]=300 [graphs]=400 [third_party]=540 [hf_families]=560 [capture_safety]=300
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [megatron_ep]=560
-  [megatron_ep4]=560 [bench]=400 [comm_graphs]=300 [whole_step]=480
+  [megatron_ep4]=560 [megatron_ep_dropless]=560 [bench]=400 [comm_graphs]=300 [whole_step]=480
   [tensor_parallel]=560 [rl_offload]=560 [rl_offload_1b]=560 [fi_pool]=300 [packed]=300 [megatron_packed]=560
 )
 declare -A ARGS=(
@@ -59,8 +60,9 @@ declare -A ARGS=(
   [hsdp]="tests/core/test_hsdp_gpu.py"
   [fully_shard]="tests/core/test_fully_shard_gpu.py"
   [expert_parallel]="tests/core/test_expert_parallel_gpu.py"
-  [megatron_ep]="tests/integrations/test_megatron_ep_gpu.py -k not world4"
-  [megatron_ep4]="tests/integrations/test_megatron_ep_gpu.py -k world4"
+  [megatron_ep]="tests/integrations/test_megatron_ep_gpu.py -k not world4 and not grouped_mm"
+  [megatron_ep4]="tests/integrations/test_megatron_ep_gpu.py -k world4 and not grouped_mm"
+  [megatron_ep_dropless]="tests/integrations/test_megatron_ep_gpu.py -k grouped_mm"
   [bench]="tests/bench/test_bench_gpu.py"
   [comm_graphs]="tests/capture/test_comm_graphs_gpu.py"
   [whole_step]="tests/capture/test_whole_step_gpu.py"
@@ -72,7 +74,7 @@ declare -A ARGS=(
   [megatron_packed]="tests/integrations/test_megatron_packed_gpu.py"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b fi_pool packed megatron_packed)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 megatron_ep_dropless bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b fi_pool packed megatron_packed)
 
 # The header of every log: the commit, the machine, the versions.
 STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"

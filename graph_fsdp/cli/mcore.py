@@ -104,8 +104,9 @@ def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
         "dispatcher (dropless, they copy the token counts to the host, so only attn / "
         "moe_router [moe_preprocess] capture; with --moe-expert-capacity-factor and "
         "--moe-pad-expert-input-to-capacity they capture whole); grouped_mm - graph_fsdp's "
-        "dropless experts with device token counts (torch._grouped_mm, bf16 on sm90+; "
-        "--expert-model-parallel-size 1), captured whole.",
+        "dropless experts with device token counts (torch._grouped_mm, bf16 on sm90+; with "
+        "--expert-model-parallel-size > 1 fixed-size all-to-alls into a receive buffer sized "
+        "by --moe-receive-buffer-factor), captured whole.",
     )
     g.add_argument(
         "--use-megatron-schedule",
@@ -202,11 +203,11 @@ def validate_optimizer_offload(args: argparse.Namespace) -> None:
 def mcore_config(args: argparse.Namespace, world_size: int | None = None):
     """The MCoreGPTConfig of the flags (no megatron import: the dataclass is pure);
     ``world_size``: the ranks the run has (the expert-parallel size must divide them)."""
-    if getattr(args, "moe_dropless", False) or getattr(args, "moe_receive_buffer_factor", None):
+    if getattr(args, "moe_dropless", False):
         raise CLIError(
             f"--moe-dropless is graph_fsdp's GPT's: --model {args.model} is dropless when "
-            "--moe-expert-capacity-factor is unset; its dropless experts under expert "
-            "parallelism are not captured yet (use --model gpt --moe-dropless)"
+            "--moe-expert-capacity-factor is unset; for dropless experts captured whole (also "
+            "with --expert-model-parallel-size) add --moe-experts-impl grouped_mm"
         )
     if packing_of(args) is not None and args.use_megatron_schedule:
         raise CLIError(
@@ -248,6 +249,7 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
             moe_experts_impl=args.moe_experts_impl if experts else "megatron",
+            moe_receive_buffer_factor=getattr(args, "moe_receive_buffer_factor", None),
             expert_model_parallel_size=args.expert_model_parallel_size,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             sequence_parallel=args.sequence_parallel,
@@ -277,6 +279,8 @@ def moe_label(model) -> str:
         parts.append(f"capacity factor {factor:g} (dropping, unpadded)")
     if model.expert_model_parallel_size > 1:
         parts.append(f"expert parallel {model.expert_model_parallel_size}")
+    if model.moe_receive_buffer_factor is not None:
+        parts.append(f"receive buffer {model.moe_receive_buffer_factor:g}x")
     return ", ".join(parts)
 
 

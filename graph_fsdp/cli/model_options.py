@@ -74,9 +74,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="FACTOR",
-        help="--moe-dropless with expert parallelism: rows an EP rank receives from one peer, "
-        "as a multiple of the balanced load (default: every copy, never drops; a smaller "
-        "factor that overflows stops the run naming the layers).",
+        help="--moe-dropless (Megatron-Core: --moe-experts-impl grouped_mm) with expert "
+        "parallelism: rows an EP rank receives from one peer, as a multiple of the balanced "
+        "load (default: every copy, never drops; a smaller factor that overflows stops the run "
+        "naming the layers).",
     )
     g.add_argument(
         "--expert-model-parallel-size",
@@ -161,7 +162,8 @@ def check_moe_flags(args: argparse.Namespace, num_experts: int | None, world_siz
 
 
 def check_dropless_flags(args: argparse.Namespace, capacity_factor: float | None) -> None:
-    """--moe-dropless (graph_fsdp's GPT) against the capacity flags and its buffer factor."""
+    """--moe-dropless (graph_fsdp's GPT) against the capacity flags, and the receive-buffer
+    factor against what it sizes (--moe-dropless; Megatron-Core's grouped_mm at EP > 1)."""
     dropless = getattr(args, "moe_dropless", False)
     buffer = getattr(args, "moe_receive_buffer_factor", None)
     if dropless and capacity_factor is not None:
@@ -169,10 +171,18 @@ def check_dropless_flags(args: argparse.Namespace, capacity_factor: float | None
             f"--moe-dropless and --moe-expert-capacity-factor {capacity_factor}: a dropless "
             "layer has no capacity; drop one of them"
         )
-    if buffer is not None and not dropless:
+    if buffer is None or dropless:
+        return
+    if getattr(args, "model", "gpt") == "gpt":
         raise CLIError(
             f"--moe-receive-buffer-factor {buffer} sizes the dropless exchange: add "
             "--moe-dropless (or drop the factor)"
+        )
+    if args.moe_experts_impl != "grouped_mm" or args.expert_model_parallel_size == 1:
+        raise CLIError(
+            f"--moe-receive-buffer-factor {buffer} sizes the grouped_mm experts' exchange over "
+            f"the expert-parallel group (--model {args.model}): add --moe-experts-impl "
+            "grouped_mm and --expert-model-parallel-size N > 1 (or drop the factor)"
         )
 
 

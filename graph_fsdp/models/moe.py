@@ -20,7 +20,8 @@ from graph_fsdp.models.seeded import (
     _SeededInit,
     _SeededLinear,
 )
-from graph_fsdp.parallel.dropless_ep import plan_exchange, receive_buffer_rows
+from graph_fsdp.parallel.dropless_ep import OverflowFlag, exchange_for
+from graph_fsdp.parallel.dropless_ep import take_overflow as take_overflow  # the loop's check
 from graph_fsdp.parallel.ep_dispatch import dispatch_to_experts
 from graph_fsdp.parallel.grouped_moe import ExpertSort, combine, dispatch, sort_by_expert
 
@@ -111,9 +112,10 @@ class MoEExperts(_SeededInit, nn.Module):
 
     ep_group: dist.ProcessGroup | None = None
     ep_rank: int = 0
-    overflow: torch.Tensor | None = None
-    """Dropless EP with a receive-buffer factor: a device flag, True once an exchange dropped
-    rows, until :func:`take_overflow` reads and clears it."""
+    dropless_overflow: OverflowFlag | None = None
+    """Dropless EP with a receive-buffer factor: set once an exchange dropped rows, until
+    :func:`take_overflow` reads and clears it (dropless_ep.py [Note: dropless overflow
+    reports])."""
 
     def __init__(self, config: GPTConfig) -> None:
         with _construction(self):
@@ -163,20 +165,15 @@ class MoEExperts(_SeededInit, nn.Module):
         its expert, also under expert parallelism; returns the outputs in the same order."""
         if self.ep_group is None:
             return self.grouped(rows, sort.offsets)
-        cfg = self._init_config
-        ep = dist.get_world_size(self.ep_group)
-        factor = cfg.moe_receive_buffer_factor
-        exchange = plan_exchange(
+        if self.dropless_overflow is None:
+            self.dropless_overflow = OverflowFlag()
+        exchange = exchange_for(
             sort.counts,
             self.ep_group,
             num_copies=rows.shape[0],
-            rows_per_peer=receive_buffer_rows(rows.shape[0], ep, factor),
-            detect_overflow=factor is not None,
+            buffer_factor=self._init_config.moe_receive_buffer_factor,
+            overflow=self.dropless_overflow,
         )
-        if cfg.moe_receive_buffer_factor is not None:  # can overflow: keep a device flag
-            if not isinstance(self.overflow, torch.Tensor):
-                self.overflow = torch.zeros((), dtype=torch.bool, device=rows.device)
-            self.overflow.logical_or_(exchange.overflow)  # in place: graphs replay it
         out = self.grouped(exchange.dispatch(rows), exchange.local_offsets)
         return exchange.combine(out)
 
@@ -252,18 +249,3 @@ class MoELayer(nn.Module):
         expert_out = self.experts(expert_in)
         y = torch.einsum("tec,ech->th", combine_mask, expert_out)
         return y.view(b, s, h)
-
-
-
-
-def take_overflow(model: nn.Module) -> list[str]:
-    """The MoE experts of ``model`` whose dropless exchange dropped rows since the last call
-    (clearing their flags; one host read per such module - only where a receive-buffer factor
-    is set)."""
-    dropped = []
-    for name, module in model.named_modules():
-        flag = getattr(module, "overflow", None) if isinstance(module, MoEExperts) else None
-        if isinstance(flag, torch.Tensor) and bool(flag.item()):
-            dropped.append(name)
-            flag.zero_()
-    return dropped

@@ -24,6 +24,16 @@ at ``EP x`` the rows of a balanced exchange. A smaller buffer (``buffer_factor``
 balanced load) saves memory and bandwidth; copies past it are not exchanged and the
 exchange's ``overflow`` flag (a device tensor) says so - a caller must treat an overflowed
 step as not exact (:attr:`DroplessExchange.overflow`).
+
+[Note: dropless overflow reports]
+A layer whose exchange can overflow (a receive-buffer factor is set) keeps an
+:class:`OverflowFlag` as its ``dropless_overflow`` attribute and ORs every exchange's flag
+into it on the device (in place: a CUDA graph replays the OR). After a step the training loop
+calls :func:`take_overflow` on the model: one host read per such layer, which names the
+layers that dropped rows and clears their flags; the loop then stops
+(training/loop.py ``check_dropless_exchanges``). graph_fsdp's reference MoE
+(models/moe.py) and its Megatron-Core grouped_mm layer (integrations/megatron/moe.py) both
+report this way.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from graph_fsdp.parallel.ep_dispatch import _AllToAll
 
@@ -79,14 +90,18 @@ class DroplessExchange:
     """[ep * B]: the received row at each local-expert-ordered position."""
     from_expert: torch.Tensor
     """[ep * B]: the local-expert-ordered position of each received row."""
+    local_counts: torch.Tensor
+    """[L] int64: rows received for each local expert (every source rank's)."""
     local_offsets: torch.Tensor
-    """[L] int32: cumulative ends of the local experts' rows (``torch._grouped_mm`` offs)."""
+    """[L] int32: cumulative ends of the local experts' rows (``torch._grouped_mm`` offs);
+    rows past the last are the blocks' padding."""
     overflow: torch.Tensor
     """Scalar bool: some copy of this rank's did not fit a peer's block, or some peer's did not
     fit this rank's (the exchange dropped rows)."""
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[copies, h]`` in global expert order -> ``[ep * B, h]`` in local expert order."""
+        """``[copies, ...]`` in global expert order -> ``[ep * B, ...]`` in local expert order
+        (hidden rows, or a ``[copies]`` vector such as the routing weights)."""
         send = _Gather.apply(rows, self.send_index, self.send_back)
         recv = _AllToAll.apply(send, self.group)
         return _Gather.apply(recv, self.to_expert, self.from_expert)
@@ -157,9 +172,71 @@ def plan_exchange(
         send_back=send_back,
         to_expert=torch.argsort(from_expert),
         from_expert=from_expert,
+        local_counts=total,
         local_offsets=torch.cumsum(total, 0).to(torch.int32),
         overflow=flag.bool(),
     )
+
+
+class OverflowFlag:
+    """A layer's record of dropped rows: a device flag, set by any exchange since the last
+    :meth:`take` ([Note: dropless overflow reports])."""
+
+    def __init__(self) -> None:
+        self.flag: torch.Tensor | None = None
+
+    def record(self, exchange: DroplessExchange) -> None:
+        """OR ``exchange``'s overflow into the flag, in place (allocated at the first call: an
+        eager warmup step before any capture)."""
+        if self.flag is None:
+            self.flag = torch.zeros((), dtype=torch.bool, device=exchange.overflow.device)
+        self.flag.logical_or_(exchange.overflow)
+
+    def take(self) -> bool:
+        """Whether rows were dropped since the last call (one host read); clears the flag."""
+        if self.flag is None or not bool(self.flag.item()):
+            return False
+        self.flag.zero_()
+        return True
+
+
+OVERFLOW_ATTR = "dropless_overflow"
+"""Attribute of a module holding the :class:`OverflowFlag` of its dropless exchanges."""
+
+
+def exchange_for(
+    counts: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    num_copies: int,
+    buffer_factor: float | None,
+    overflow: OverflowFlag,
+) -> DroplessExchange:
+    """The exchange of one dispatch with the receive buffer ``buffer_factor`` sizes
+    (:func:`receive_buffer_rows`): with a factor the overflow is detected and recorded into
+    ``overflow``; without one the buffer holds every copy and cannot overflow."""
+    ep = dist.get_world_size(group)
+    exchange = plan_exchange(
+        counts,
+        group,
+        num_copies=num_copies,
+        rows_per_peer=receive_buffer_rows(num_copies, ep, buffer_factor),
+        detect_overflow=buffer_factor is not None,
+    )
+    if buffer_factor is not None:
+        overflow.record(exchange)
+    return exchange
+
+
+def take_overflow(model: nn.Module) -> list[str]:
+    """The modules of ``model`` whose dropless exchange dropped rows since the last call
+    (clearing their flags; one host read per module that keeps a flag)."""
+    dropped = []
+    for name, module in model.named_modules():
+        flag = getattr(module, OVERFLOW_ATTR, None)
+        if isinstance(flag, OverflowFlag) and flag.take():
+            dropped.append(name)
+    return dropped
 
 
 def _fit(per_peer: torch.Tensor, b: int) -> torch.Tensor:

@@ -38,8 +38,8 @@ from graph_fsdp.capture.step import HostClock, eager_forward_backward
 from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
-from graph_fsdp.models.moe import take_overflow
 from graph_fsdp.models.packed import PackedBatch
+from graph_fsdp.parallel.dropless_ep import take_overflow
 from graph_fsdp.training.checkpoints import (
     optimizer_settings,
     resolve_checkpoint,
@@ -457,14 +457,17 @@ def with_token_scale(batches: Iterable[Iterable[Batch]], loss_world: int) -> lis
 
 def check_dropless_exchanges(model: nn.Module, step: int) -> None:
     """A dropless expert-parallel exchange that overflowed its receive buffer dropped tokens:
-    the step was not the model's. Stop, naming the layers and the setting that holds them."""
+    the step was not the model's. Stop, naming the layers and the setting that holds them
+    (graph_fsdp's GPT and Megatron-Core's grouped_mm MoE layers alike: dropless_ep.py [Note:
+    dropless overflow reports])."""
     dropped = take_overflow(model)
     if dropped:
         raise RuntimeError(
             f"step {step}: the dropless expert-parallel exchange of {', '.join(dropped)} "
             "overflowed its receive buffer, so tokens were dropped "
-            "(GPTConfig.moe_receive_buffer_factor): raise the factor, or leave it None to "
-            "size the buffer for every token (never drops)"
+            "(moe_receive_buffer_factor of GPTConfig / MCoreGPTConfig, "
+            "--moe-receive-buffer-factor): raise the factor, or leave it unset to size the "
+            "buffer for every token (never drops)"
         )
 
 

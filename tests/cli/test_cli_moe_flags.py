@@ -68,9 +68,19 @@ PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capa
             ["is the dropless path"],
         ),
         (
-            ["train", *MCORE_MOE, "--moe-experts-impl", "grouped_mm"]
+            ["train", *MCORE_MOE, "--moe-receive-buffer-factor", "1.5"]
             + ["--expert-model-parallel-size", "2"],
-            ["runs at expert-model-parallel-size=1, not 2"],
+            ["--moe-receive-buffer-factor 1.5 sizes the grouped_mm experts' exchange"],
+        ),
+        (
+            ["train", *MCORE_MOE, "--moe-experts-impl", "grouped_mm"]
+            + ["--moe-receive-buffer-factor", "1.5"],
+            ["add --moe-experts-impl grouped_mm and --expert-model-parallel-size N > 1"],
+        ),
+        (
+            ["train", *MCORE_MOE, "--moe-experts-impl", "grouped_mm"]
+            + ["--expert-model-parallel-size", "2", "--moe-receive-buffer-factor", "0"],
+            ["--moe-receive-buffer-factor=0.0 is invalid"],
         ),
         # Megatron's dropless experts sync with the host: the whole layer is refused, naming
         # both settings that capture it.
@@ -128,6 +138,13 @@ PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capa
             + ["--expert-model-parallel-size", "2", "--cuda-graph-scope", "moe"],
             ["needs CUDA"],
         ),
+        # Dropless grouped_mm experts over EP 2 (fixed-size exchanges): captured whole.
+        (
+            ["train", *MCORE_MOE, "--cuda-graph-impl", "torch", *STATIC]
+            + ["--moe-experts-impl", "grouped_mm", "--expert-model-parallel-size", "2"]
+            + ["--moe-receive-buffer-factor", "1.5", "--cuda-graph-scope", "full_iteration"],
+            ["needs CUDA"],
+        ),
     ],
 )
 def test_moe_flags_are_validated_before_launch(capsys, argv, expected) -> None:
@@ -157,6 +174,14 @@ def test_moe_flags_build_both_families_configs() -> None:
     model = megatron_cli.mcore_config(args, 2)
     assert model.moe_experts_impl == "grouped_mm"
     assert "dropless (grouped_mm experts)" in megatron_cli.moe_label(model)
+    args = build_parser().parse_args(
+        ["train", *MCORE_MOE, "--moe-experts-impl", "grouped_mm"]
+        + ["--expert-model-parallel-size", "2", "--moe-receive-buffer-factor", "1.5"]
+    )
+    model = megatron_cli.mcore_config(args, 2)
+    assert model.expert_model_parallel_size == 2 and model.moe_receive_buffer_factor == 1.5
+    label = megatron_cli.moe_label(model)
+    assert "expert parallel 2" in label and "receive buffer 1.5x" in label
 
 
 @pytest.mark.parametrize(
@@ -164,6 +189,11 @@ def test_moe_flags_build_both_families_configs() -> None:
     [
         # dropless: graph_fsdp's grouped_mm experts capture the whole layer, moe, full_iteration
         (["--moe-experts-impl", "grouped_mm"], ["", "moe", "attn moe_router", "full_iteration"]),
+        # ... also over EP 2 (its fixed-size dropless exchange)
+        (
+            ["--moe-experts-impl", "grouped_mm", "--expert-model-parallel-size", "2"],
+            ["", "moe", "full_iteration"],
+        ),
         # drop-padding: Megatron's own experts capture whole
         (PADDED, ["", "moe", "attn moe_router", "full_iteration"]),
         # dropless Megatron experts: the parts before the dispatch
@@ -218,11 +248,15 @@ def test_command_line_dropless_ep_trains(tmp_path):
     ("argv", "match"),
     [
         (["--moe-dropless"], "need(s) an MoE model"),
-        (["--num-experts", "4", "--moe-dropless", "--moe-expert-capacity-factor", "1"],
-         "a dropless layer has no capacity"),
+        (
+            ["--num-experts", "4", "--moe-dropless", "--moe-expert-capacity-factor", "1"],
+            "a dropless layer has no capacity",
+        ),
         (["--num-experts", "4", "--moe-receive-buffer-factor", "1.5"], "add --moe-dropless"),
-        (["--num-experts", "4", "--moe-dropless", "--model", "mcore-moe"],
-         "--moe-dropless is graph_fsdp's GPT's"),
+        (
+            ["--num-experts", "4", "--moe-dropless", "--model", "mcore-moe"],
+            "--moe-dropless is graph_fsdp's GPT's",
+        ),
     ],
 )
 def test_dropless_flags_are_refused_naming_the_flag(capsys, argv, match):

@@ -126,9 +126,14 @@ def test_full_iteration_needs_no_layerwise_buffer_flags() -> None:
             "expert_model_parallel_size=4 does not divide num_experts=6",
         ),
         (
-            {"num_experts": 4, "moe_experts_impl": "grouped_mm", "expert_model_parallel_size": 2},
-            "runs at expert_model_parallel_size=1, not 2",
+            {"num_experts": 4, "moe_experts_impl": "grouped_mm", "moe_receive_buffer_factor": 0},
+            "moe_receive_buffer_factor=0 is invalid: expected a float > 0 or None",
         ),
+        (
+            {"num_experts": 4, "expert_model_parallel_size": 2, "moe_receive_buffer_factor": 1.5},
+            "use moe_experts_impl='grouped_mm'",
+        ),
+        ({"moe_receive_buffer_factor": 1.5}, "moe_receive_buffer_factor=1.5 needs an MoE model"),
         ({"num_attention_heads": 3}, "does not divide"),
         ({"num_experts": 1}, "num_experts=1 must be >= 2"),
         ({"num_experts": 4, "moe_router_topk": 5}, "moe_router_topk=5"),

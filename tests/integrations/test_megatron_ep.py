@@ -89,21 +89,21 @@ def test_dropless_ep_refusal_names_the_sync_and_drop_padding(scopes: list[str]) 
         "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
         "moe_expert_capacity_factor=1.0 and moe_pad_expert_input_to_capacity=True",
         "--cuda-graph-scope attn moe_router",
-        "run at expert_model_parallel_size=1 only",
+        "moe_experts_impl='grouped_mm'",
     ):
         assert part in text, (part, text)
-    # grouped_mm is not offered as a way out at EP > 1 (it runs at EP = 1).
-    assert "Capture the experts with graph_fsdp's dropless experts" not in text
 
 
-def test_grouped_mm_refusal_at_ep_names_the_megatron_experts() -> None:
-    with pytest.raises(ValueError) as err:
-        gm.MCoreGPTConfig(
-            num_experts=4, moe_experts_impl="grouped_mm", expert_model_parallel_size=2
-        )
-    text = str(err.value)
-    assert "runs at expert_model_parallel_size=1, not 2" in text
-    assert "moe_experts_impl='megatron'" in text and "drop-padding" in text
+@pytest.mark.parametrize("scopes", [[], ["moe"], ["full_iteration"], ["attn", "moe_router"]])
+def test_grouped_mm_at_ep_captures_whole(scopes: list[str]) -> None:
+    """The grouped_mm experts' dropless exchange has static shapes at EP > 1."""
+    cfg = gm.MCoreGPTConfig(
+        num_experts=4,
+        moe_experts_impl="grouped_mm",
+        expert_model_parallel_size=2,
+        moe_receive_buffer_factor=1.5,
+    )
+    assert gm.check_mcore_scopes(cfg, scopes) == scopes
 
 
 # ------------------------------------------------------------------ expert layouts

@@ -16,6 +16,12 @@ Per layout, one spawn trains 20 steps with an eval every 5:
 - dropless (Megatron's alltoall + TEGroupedMLP): eager, te ``attn moe_router``, torch
   ``attn moe_router``, te ``moe_router moe_preprocess`` (the whole layer, ``moe`` and
   ``full_iteration`` are refused, which is checked too).
+
+``test_mcore_grouped_mm_dropless_ep_graphs_bit_identical_to_eager`` (EP 2 on 2 GPUs, EP 2 x
+EDP 2 on 4) runs graph_fsdp's dropless grouped_mm experts (``moe_experts_impl="grouped_mm"``,
+receive buffer 1.5 x the balanced load): eager, te whole layer, torch ``moe``, torch
+``full_iteration``, each bit-identical to eager, captured once, replayed, no fallback, no
+exchange overflow; prints ``MCORE_EP_DROPLESS`` JSON lines (median step ms, peak GiB).
 Every graphed run must equal its eager run bit for bit - losses, eval losses and the final
 weights (every expert, under its global name) - and must have replayed with no eager
 fallback. ``test_checkpoints_between_ep_sizes_on_gpus`` (2 GPUs) saves at EP = 2 and loads at
@@ -24,6 +30,7 @@ EP = 1 (and back): the weights bit for bit; training goes on within bf16 roundin
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k world1     # 1 GPU
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k "world2 or between"
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k world4     # 4 GPUs
+    python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k "grouped_mm and world2"
 """
 
 from __future__ import annotations
@@ -75,6 +82,21 @@ FAMILIES = {
 }
 REFUSED = {"dropless": [[], ["moe"], ["full_iteration"]]}
 """Scopes the dropless family must refuse at EP > 1 (the dispatch syncs with the host)."""
+BUFFER = 1.5
+"""The grouped_mm family's receive buffer per peer: 1.5 x the balanced load (a smaller one
+than the default of every copy, so its overflow flag and all-reduce run in the graphs)."""
+GROUPED_MM_FAMILIES = {
+    "grouped_mm dropless": (
+        dict(moe_experts_impl="grouped_mm", moe_receive_buffer_factor=BUFFER),
+        {
+            "te layer": ("te", []),
+            "torch moe": ("torch", ["moe"]),
+            "torch full_iteration": ("torch", ["full_iteration"]),
+        },
+    ),
+}
+"""graph_fsdp's dropless grouped_mm experts: at EP > 1 the dropless exchange of
+parallel/dropless_ep.py (fixed-size all-to-alls, device offsets), captured whole."""
 
 
 def _model(ep: int, **kw):
@@ -125,6 +147,7 @@ def _run(
     from graph_fsdp.fsdp import checkpoint as ckpt
     from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
     from graph_fsdp.integrations import megatron as gm
+    from graph_fsdp.parallel.dropless_ep import take_overflow
 
     cuda = torch.cuda.is_available()  # (the loop also runs eagerly on CPU ranks)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -179,6 +202,7 @@ def _run(
         peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 4) if cuda else None,
         report=graphs.report() if graphs is not None else None,
         weights=_cpu(ckpt.full_state_dict(lm)),
+        overflow=take_overflow(lm),  # dropless exchanges that dropped rows (grouped_mm, EP > 1)
     )
     if graphs is not None:
         graphs.close()
@@ -189,7 +213,7 @@ def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
-def _problems(label: str, eager: dict, got: dict) -> list[str]:
+def _problems(label: str, eager: dict, got: dict, *, once: bool = False) -> list[str]:
     problems = []
     for what in ("losses", "evals"):
         diff = [i for i, (a, b) in enumerate(zip(eager[what], got[what])) if a != b]
@@ -199,6 +223,11 @@ def _problems(label: str, eager: dict, got: dict) -> list[str]:
     report = got["report"]
     if not report or report["replays"] == 0 or report["eager_fallbacks"]:
         problems.append(f"{label}: graphs did not replay throughout ({report})")
+    if once and report and report["captures"] != 1:
+        problems.append(f"{label}: captured {report['captures']} times, not once")
+    for run, what in ((eager, "eager"), (got, "graphed")):
+        if run["overflow"]:
+            problems.append(f"{label}: the {what} run's exchange overflowed: {run['overflow']}")
     if eager["weights"].keys() != got["weights"].keys():
         problems.append(f"{label}: other weight names than eager's")
     else:
@@ -208,13 +237,15 @@ def _problems(label: str, eager: dict, got: dict) -> list[str]:
     return problems
 
 
-def _layout(rank: int, world: int, ep: int, expert_groups: bool | None) -> dict:
+def _layout(
+    rank: int, world: int, ep: int, expert_groups: bool | None, families: dict = FAMILIES
+) -> dict:
     from graph_fsdp.capture.scopes import GraphConfigError
     from graph_fsdp.integrations import megatron as gm
 
     _deterministic()
     problems, rows = [], []
-    for family, (kw, variants) in FAMILIES.items():
+    for family, (kw, variants) in families.items():
         cfg = _model(ep, **kw)
         for scopes in REFUSED.get(family, []) if ep > 1 else []:
             try:
@@ -225,14 +256,19 @@ def _layout(rank: int, world: int, ep: int, expert_groups: bool | None) -> dict:
                     problems.append(f"{family}: refusal names no drop-padding: {err}")
         eager = _run(rank, cfg, expert_groups=expert_groups)
         names = [k for k in eager["weights"] if ".mlp.experts." in k]
-        # Global names: the last of the 4 experts is there at any EP (TE: weight3).
-        if not any(k.endswith("weight3") or ".local_experts.3." in k for k in names):
+        # Global names: the last of the 4 experts is there at any EP (TE: weight3; grouped_mm:
+        # the stacked weight's 4 rows).
+        stacked = [k for k in names if k.endswith("experts.linear_fc1.weight")]
+        if not any(k.endswith("weight3") or ".local_experts.3." in k for k in names) and not (
+            stacked and all(eager["weights"][k].shape[0] == 4 for k in stacked)
+        ):
             problems.append(f"{family}: global expert weights missing: {names[:4]}")
         rows.append({"family": family, "row": "eager", "ms": eager["step_ms"],
                      "gib": eager["peak_gib"]})  # fmt: skip
         for label, (impl, scopes) in variants.items():
             got = _run(rank, cfg, expert_groups=expert_groups, impl=impl, scopes=scopes)
-            problems += _problems(f"EP {ep}, {family}, {label}", eager, got)
+            once = family in GROUPED_MM_FAMILIES
+            problems += _problems(f"EP {ep}, {family}, {label}", eager, got, once=once)
             rows.append({"family": family, "row": label, "ms": got["step_ms"],
                          "gib": got["peak_gib"]})  # fmt: skip
     return {"problems": problems, "rows": rows}
@@ -250,6 +286,24 @@ def test_mcore_expert_parallel_graphs_bit_identical_to_eager(label: str, monkeyp
     results = spawn(_layout, world, ep, groups, backend="nccl", timeout=1500, pg_timeout_s=600)
     for row in results[0]["rows"]:
         print("MCORE_EP " + json.dumps({"layout": label, **row}))
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("label", ["ep2_world2", "ep2x2_world4"])
+def test_mcore_grouped_mm_dropless_ep_graphs_bit_identical_to_eager(label: str, monkeypatch):
+    """graph_fsdp's dropless grouped_mm experts over EP 2: eager, the whole layer (te), moe and
+    full_iteration (torch), bit for bit, one capture, replays and no eager fallback."""
+    world, ep = LAYOUTS[label]
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")  # full_iteration holds the all-to-alls
+    results = spawn(
+        _layout, world, ep, None, GROUPED_MM_FAMILIES, backend="nccl", timeout=1500,
+        pg_timeout_s=600,
+    )  # fmt: skip
+    for row in results[0]["rows"]:
+        print("MCORE_EP_DROPLESS " + json.dumps({"layout": label, "buffer": BUFFER, **row}))
     problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res["problems"]]
     assert not problems, "\n".join(problems)
 

@@ -132,7 +132,7 @@ def test_layer_parameters_and_parts() -> None:
     assert facts["params"]["experts.linear_fc2.weight"] == (E, H, FFN)
     assert facts["params"]["router.weight"] == (E, H)
     assert "shared_experts.linear_fc1.weight" in facts["params"]
-    # Megatron marks expert parameters allreduce=False only when EP > 1; these run at EP = 1.
+    # Megatron marks expert parameters allreduce=False only when EP > 1 (so do these): EP = 1.
     assert facts["expert_allreduce"] == [True, True]
     assert facts["stacked"] is True
     assert facts["dispatcher"] == "DeviceCountDispatcher"
@@ -178,7 +178,7 @@ def test_block_spec_swaps_moe_layers_and_keeps_dense_ones() -> None:
         ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type='flex'"),
         ({"add_bias_linear": True}, "add_bias_linear=True"),
         ({"moe_shared_expert_overlap": True}, "moe_shared_expert_overlap=True"),
-        ({"expert_model_parallel_size": 2}, "expert_model_parallel_size=2: with EP > 1"),
+        ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size=2"),
         ({"delay_wgrad_compute": True}, "delay_wgrad_compute=True"),
         ({"moe_apply_probs_on_input": True}, "moe_apply_probs_on_input"),
         ({"hidden_size": 36}, "hidden_size=36 is not a multiple of 8"),

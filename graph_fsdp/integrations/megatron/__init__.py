@@ -178,7 +178,7 @@ def layer_spec(cfg: MCoreGPTConfig):
     if cfg.is_moe and cfg.moe_experts_impl == "grouped_mm":
         from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
-        spec = grouped_mm_moe_spec(spec)
+        spec = grouped_mm_moe_spec(spec, receive_buffer_factor=cfg.moe_receive_buffer_factor)
     return spec
 
 

@@ -74,8 +74,16 @@ class MCoreGPTConfig:
     moe_experts_impl: str = "megatron"
     """megatron: the layer spec's experts and token dispatcher (TEGroupedMLP / SequentialMLP;
     dropless, they copy the token counts to the host). grouped_mm: graph_fsdp's dropless experts
-    with device token counts and torch._grouped_mm (megatron_moe.GroupedMMMoELayer; EP = 1,
-    bf16 on sm90 / sm100 under capture), captured whole."""
+    with device token counts and torch._grouped_mm (megatron_moe.GroupedMMMoELayer; at EP > 1
+    graph_fsdp's fixed-size dropless exchange; bf16 on sm90 / sm100 under capture), captured
+    whole."""
+    moe_receive_buffer_factor: float | None = None
+    """grouped_mm at expert_model_parallel_size > 1: rows each EP rank receives from one peer,
+    as a multiple of the balanced load (tokens x topk / EP). None: every copy a rank has -
+    nothing is ever dropped, at EP x a balanced exchange's rows. A smaller factor can
+    overflow: the training loop then stops after the step, naming the layers
+    (parallel/dropless_ep.py [Note: dropless overflow reports]). Unused at EP = 1 (no
+    exchange), so one config moves between EP sizes."""
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of Megatron's load-balancing loss (moe_router_load_balancing_type aux_loss);
     0 = off, Megatron's default."""
@@ -213,6 +221,7 @@ class MCoreGPTConfig:
         _check_capacity(self)
         if self.moe_experts_impl == "grouped_mm":
             _check_grouped_mm(self)
+        _check_receive_buffer(self)
 
     @property
     def is_moe(self) -> bool:
@@ -224,6 +233,7 @@ _MOE_ONLY_DEFAULTS = {
     "moe_expert_capacity_factor": None,
     "moe_pad_expert_input_to_capacity": False,
     "moe_experts_impl": "megatron",
+    "moe_receive_buffer_factor": None,
     "moe_aux_loss_coeff": 0.0,
 }
 
@@ -267,16 +277,6 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
             f"{name} brings its own token dispatcher in place of alltoall / allgather; "
             "moe_token_dispatcher_type='flex' (DeepEP / HybridEP) is not replaced: use alltoall"
         )
-    if cfg.expert_model_parallel_size != 1:
-        raise ValueError(
-            f"{name} runs at expert_model_parallel_size=1, not "
-            f"{cfg.expert_model_parallel_size}: its dispatcher sorts tokens on the device with no "
-            "communication, and a dropless all-to-all over EP > 1 needs its split sizes on the "
-            "host (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize). For EP > 1 use "
-            "Megatron's experts (moe_experts_impl='megatron'): drop-padding "
-            "(moe_expert_capacity_factor=1.0 and moe_pad_expert_input_to_capacity=True) captures "
-            "whole; dropless captures attn moe_router"
-        )
     ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
     for field, size in (("hidden_size", cfg.hidden_size), ("ffn_hidden_size", ffn)):
         if size % 8:
@@ -284,6 +284,24 @@ def _check_grouped_mm(cfg: MCoreGPTConfig) -> None:
                 f"{name}: {field}={size} is not a multiple of 8; torch._grouped_mm reads "
                 "16-byte aligned bf16 rows"
             )
+
+
+def _check_receive_buffer(cfg: MCoreGPTConfig) -> None:
+    """moe_receive_buffer_factor sizes graph_fsdp's dropless exchange (grouped_mm, EP > 1)."""
+    buffer, name = cfg.moe_receive_buffer_factor, "MCoreGPTConfig.moe_receive_buffer_factor"
+    if buffer is None:
+        return
+    if not isinstance(buffer, int | float) or isinstance(buffer, bool) or not buffer > 0:
+        raise ValueError(
+            f"{name}={buffer!r} is invalid: expected a float > 0 or None (room for every copy: "
+            "nothing is ever dropped)"
+        )
+    if cfg.moe_experts_impl != "grouped_mm":
+        raise ValueError(
+            f"{name}={buffer} sizes the receive buffer of the grouped_mm experts' exchange over "
+            f"the expert-parallel group, but moe_experts_impl={cfg.moe_experts_impl!r}: use "
+            "moe_experts_impl='grouped_mm', or leave it None"
+        )
 
 
 def _check_tensor_parallel(cfg: MCoreGPTConfig) -> None:

@@ -36,10 +36,11 @@ Imports nothing from megatron-core at module level (CI imports graph_fsdp withou
   move between EP sizes and world sizes; at EP = 1 Megatron's names are the global ones.
 - Capture: drop-padding (``moe_expert_capacity_factor`` + ``moe_pad_expert_input_to_capacity``,
   alltoall) exchanges equal, capacity-sized splits with no host sync, so the whole layer,
-  ``moe`` and ``full_iteration`` capture at any EP. Dropless EP needs the all-to-all's split
-  sizes on the host (``_maybe_dtoh_and_synchronize``): ``attn``, ``moe_router`` and
-  ``moe_preprocess`` capture, the expert part stays eager (megatron.py
-  ``moe_expert_capture_refusal``).
+  ``moe`` and ``full_iteration`` capture at any EP. Megatron's dropless EP needs the
+  all-to-all's split sizes on the host (``_maybe_dtoh_and_synchronize``): ``attn``,
+  ``moe_router`` and ``moe_preprocess`` capture, the expert part stays eager (scopes.py
+  ``moe_expert_capture_refusal``). graph_fsdp's dropless grouped_mm experts exchange fixed-size
+  blocks with device offsets (moe.py ``DeviceCountDispatcher``): captured whole at any EP.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dropless Megatron-Core MoE layers without a host sync: a layer-spec choice (EP = 1).
+"""Dropless Megatron-Core MoE layers without a host sync: a layer-spec choice (any EP, TP = 1).
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec
@@ -22,7 +22,10 @@ router, aux losses, shared expert and forward are unchanged) with two parts swap
 
 - :class:`DeviceCountDispatcher`: a static-size sort of the ``tokens x topk`` routed copies by
   expert, the per-expert counts kept on the device, and the combine as the adjoint gather
-  (grouped_moe.py [Note: static-size dropless routing]). No communication: EP = TP = 1.
+  (grouped_moe.py [Note: static-size dropless routing]). At EP > 1 the copies cross
+  Megatron's expert-parallel group through graph_fsdp's dropless exchange: fixed-size
+  all-to-alls of the counts and of per-peer blocks, a bounded receive buffer with an overflow
+  flag (parallel/dropless_ep.py [Note: dropless all-to-all with static shapes]).
 - :class:`GroupedMMExperts`: the experts' FFN as two ``torch._grouped_mm`` calls that read
   int32 cumulative offsets from device memory (bf16 on sm90 / sm100 GPUs). For backward it
   keeps its input rows and fc1's output only, and recomputes the activation (what Megatron's
@@ -36,7 +39,9 @@ hold ``experts.linear_fc1.weight`` ``[experts, ffn (x2 with a GLU), hidden]`` an
 ``experts.linear_fc2.weight`` ``[experts, hidden, ffn]``: TEGroupedMLP's
 ``linear_fc1.weight{e}`` / ``linear_fc2.weight{e}`` matrices, stacked
 (grouped_moe.split_expert_weights / stack_expert_weights convert state dicts). Megatron's
-``sharded_state_dict`` of these experts is the default one (no per-expert keys), valid at EP = 1.
+``sharded_state_dict`` of these experts is the default one (no per-expert keys), valid at EP = 1;
+graph_fsdp's DCP checkpoints save them under global expert rows at any EP (megatron/ep.py
+[Note: Megatron-Core expert parallelism]).
 
 Numerics against Megatron's experts: the same math (fc1, activation, routing weight applied
 before fc2, sum of a token's copies) in other kernels - CUTLASS grouped GEMMs instead of TE's
@@ -65,6 +70,12 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from graph_fsdp.integrations.megatron.versions import mlp_spec, mlp_spec_parts, moe_layer_kwargs
+from graph_fsdp.parallel.dropless_ep import (
+    DroplessExchange,
+    OverflowFlag,
+    exchange_for,
+    receive_buffer_rows,
+)
 from graph_fsdp.parallel.grouped_moe import (
     GROUPED_MM_ALIGN_BYTES,
     MAX_GROUPS,
@@ -111,13 +122,6 @@ def grouped_mm_moe_problems(config) -> list[str]:
         f"moe_token_dispatcher_type={get('moe_token_dispatcher_type')!r}: the layer brings its "
         "own dispatcher in place of alltoall / allgather (flex's DeepEP/HybridEP is not it)",
     )
-    need(
-        get("expert_model_parallel_size") == 1,
-        f"expert_model_parallel_size={get('expert_model_parallel_size')}: with EP > 1 a "
-        "dropless all-to-all needs its split sizes on the host "
-        "(MoEAlltoAllTokenDispatcher.preprocess / _maybe_dtoh_and_synchronize); this layer runs "
-        "at EP = 1 (for EP > 1 use drop-padding with Megatron's own layer spec)",
-    )
     etp = get("expert_tensor_parallel_size", 1) or 1
     need(
         get("tensor_model_parallel_size") == 1 and etp == 1,
@@ -126,8 +130,9 @@ def grouped_mm_moe_problems(config) -> list[str]:
     )
     need(
         not get("moe_shared_expert_overlap", False),
-        "moe_shared_expert_overlap=True overlaps the shared expert with the dispatcher's "
-        "communication, and there is none at EP = 1: set it False",
+        "moe_shared_expert_overlap=True overlaps the shared expert with Megatron's "
+        "dispatcher's communication streams, which this layer's dispatcher does not use: set it "
+        "False",
     )
     need(get("moe_latent_size", None) is None, "moe_latent_size is not supported: set None")
     need(
@@ -193,53 +198,93 @@ def grouped_mm_moe_problems(config) -> list[str]:
 class DeviceCountDispatcher(MoETokenDispatcher):
     """Megatron's token-dispatcher interface with the routed copies sorted on the device.
 
-    ``dispatch_preprocess`` turns the router's ``[tokens, experts]`` map into the expert order
-    of the ``tokens x topk`` copies (grouped_moe.sort_by_expert) and gathers their rows and
-    routing weights; ``dispatch_postprocess`` hands the experts the per-expert counts as a
-    *device* tensor; ``combine_postprocess`` sums each token's copies back. The all-to-all
-    steps are identities: this dispatcher runs at EP = TP = 1 only.
+    ``dispatch_preprocess`` turns the router's ``[tokens, experts]`` map into the global expert
+    order of the ``tokens x topk`` copies (grouped_moe.sort_by_expert) and gathers their rows
+    and routing weights; ``dispatch_postprocess`` hands the experts the per-expert counts as a
+    *device* tensor; ``combine_postprocess`` sums each token's copies back.
+
+    At EP = 1 the all-to-all steps are identities. At EP > 1 ``token_dispatch`` sends the
+    copies (rows and routing weights) to the ranks of their experts over Megatron's
+    expert-parallel group through graph_fsdp's dropless exchange (parallel/dropless_ep.py
+    [Note: dropless all-to-all with static shapes]): the counts through a fixed-size
+    all-to-all, the rows in fixed-size per-peer blocks of ``receive_buffer_rows`` rows, the
+    local layout's offsets computed on the device; ``token_combine`` is the reverse exchange.
+    With ``receive_buffer_factor`` set, copies past a peer's block are not exchanged and
+    ``overflow`` records it ([Note: dropless overflow reports]).
     """
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None) -> None:
+    def __init__(
+        self,
+        num_local_experts: int,
+        config,
+        pg_collection=None,
+        *,
+        receive_buffer_factor: float | None = None,
+        overflow: OverflowFlag | None = None,
+    ) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         tp_ep = utils.get_pg_size(self.tp_ep_group)
-        if self.ep_size != 1 or self.tp_size != 1 or tp_ep != 1:
+        if self.tp_size != 1 or tp_ep != self.ep_size:
             raise ValueError(
-                f"DeviceCountDispatcher runs without expert or tensor parallelism, but the "
-                f"expert-parallel group has {self.ep_size} ranks, the expert tensor-parallel "
-                f"group {self.tp_size} and their product {tp_ep}: use expert_model_parallel_size="
-                "tensor_model_parallel_size=1 (dropless EP > 1 needs host split sizes; "
-                "drop-padding with Megatron's layer spec captures EP without them)"
+                f"DeviceCountDispatcher runs without tensor parallelism, but the expert "
+                f"tensor-parallel group has {self.tp_size} ranks and the expert tensor x "
+                f"expert-parallel group {tp_ep} (expert-parallel: {self.ep_size}): use "
+                "tensor_model_parallel_size=expert_tensor_parallel_size=1"
             )
         self.num_local_experts = num_local_experts
+        self.num_experts = num_local_experts * self.ep_size
         self.topk = config.moe_router_topk
+        self.receive_buffer_factor = receive_buffer_factor
+        self.overflow = overflow if overflow is not None else OverflowFlag()
         self.hidden_shape: torch.Size | None = None
         self._sort: ExpertSort | None = None
+        self._exchange: DroplessExchange | None = None
 
     def dispatch_preprocess(
         self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     ):
-        """Expert-ordered rows and routing weights of the routed copies."""
+        """Global-expert-ordered rows and routing weights of the routed copies."""
         self.hidden_shape = hidden_states.shape
         tokens = hidden_states.reshape(-1, self.hidden_shape[-1])
         top = top_experts_from_routing_map(routing_map, self.topk)
-        self._sort = sort_by_expert(top, self.num_local_experts)
+        self._sort = sort_by_expert(top, self.num_experts)
         return dispatch(tokens, self._sort), expert_probs(probs, self._sort)
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """No communication at EP = 1."""
-        return hidden_states, probs
+        """EP > 1: the copies and their weights to their experts' ranks, in local expert
+        order (``ep x B`` rows, the blocks' padding last); EP = 1: no communication."""
+        if self.ep_size == 1:
+            return hidden_states, probs
+        self._exchange = exchange_for(
+            self._current_sort().counts,
+            self.ep_group,
+            num_copies=hidden_states.shape[0],
+            buffer_factor=self.receive_buffer_factor,
+            overflow=self.overflow,
+        )
+        return self._exchange.dispatch(hidden_states), self._exchange.dispatch(probs)
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """``(rows, tokens_per_expert on the device, probs)`` for the experts."""
-        return hidden_states, self._current_sort().counts, probs
+        """``(rows, tokens_per_expert on the device, probs)`` for the (local) experts."""
+        counts = self._current_sort().counts if self.ep_size == 1 else self._exchange.local_counts
+        return hidden_states, counts, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        return hidden_states
+        """EP > 1: the padding rows after the last local expert's (which the grouped GEMMs
+        leave as allocated) set to zero, so the exchange carries defined values."""
+        if self.ep_size == 1:
+            return hidden_states
+        offsets = self._exchange.local_offsets
+        rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+        return hidden_states.masked_fill((rows >= offsets[-1])[:, None], 0)
 
     def token_combine(self, hidden_states: torch.Tensor):
-        """No communication at EP = 1."""
-        return hidden_states
+        """EP > 1: the experts' outputs back to the copies' ranks, in global expert order."""
+        if self.ep_size == 1:
+            return hidden_states
+        out = self._exchange.combine(hidden_states)
+        self._exchange = None
+        return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         """Each token's copies summed back, in the input's ``[seq, batch, hidden]`` shape."""
@@ -250,8 +295,9 @@ class DeviceCountDispatcher(MoETokenDispatcher):
     def _current_sort(self) -> ExpertSort:
         if self._sort is None:
             raise RuntimeError(
-                "DeviceCountDispatcher: dispatch_postprocess / combine_postprocess ran without "
-                "dispatch_preprocess (MoELayer.forward calls them in that order)"
+                "DeviceCountDispatcher: token_dispatch / dispatch_postprocess / "
+                "combine_postprocess ran without dispatch_preprocess (MoELayer.forward calls "
+                "them in that order)"
             )
         return self._sort
 
@@ -265,9 +311,10 @@ class GroupedMMExperts(MegatronModule):
     device tensor (:class:`DeviceCountDispatcher`'s); a host tensor from Megatron's own
     dispatchers is copied to the device first.
 
-    Parameters stack the local experts along dimension 0 (``linear_fc1.weight[e]`` is expert
-    e's matrix): :data:`~graph_fsdp.integrations.megatron.ep.STACKED_EXPERTS_ATTR` says so to
-    graph_fsdp's expert groups and checkpoints.
+    Parameters stack the local experts along dimension 0 (``linear_fc1.weight[e]`` is local
+    expert e's matrix, global expert ``ep_rank * num_local_experts + e``):
+    :data:`~graph_fsdp.integrations.megatron.ep.STACKED_EXPERTS_ATTR` says so to graph_fsdp's
+    expert groups and checkpoints.
     """
 
     graph_fsdp_stacked_experts = True
@@ -280,7 +327,7 @@ class GroupedMMExperts(MegatronModule):
         name: str | None = None,
     ) -> None:
         super().__init__(config=config)
-        del pg_collection, name  # EP = TP = 1: no process group to keep
+        del pg_collection, name  # the dispatcher communicates; the experts compute only
         ffn = config.moe_ffn_hidden_size
         hidden = config.hidden_size
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -292,12 +339,13 @@ class GroupedMMExperts(MegatronModule):
         self.activation_func = config.activation_func
         self.gated = config.gated_linear_unit
         self._init_weights()
+        ep = getattr(config, "expert_model_parallel_size", 1) or 1
         for param in self.parameters():
-            # Megatron's marker of expert-*parallel* parameters (allreduce=False) is set only
-            # when EP > 1; these experts run at EP = 1, where they reduce over the
-            # data-parallel group like every other parameter (shard_gpt(expert_groups=True)
-            # gives them their own groups, over the same ranks).
-            param.allreduce = True
+            # Megatron's marker of expert-*parallel* parameters, as its own experts set it:
+            # allreduce=False when EP > 1 (reduced over the expert-data-parallel group only);
+            # at EP = 1 they reduce over the data-parallel group like every other parameter
+            # (shard_gpt(expert_groups=True) gives them their own groups, over the same ranks).
+            param.allreduce = ep == 1
 
     def _init_weights(self) -> None:
         """Each expert's matrix from an fp32 master, as Megatron initialises linear layers:
@@ -349,8 +397,14 @@ class GroupedMMExperts(MegatronModule):
 
 class GroupedMMMoELayer(MoELayer):
     """Megatron-Core's ``MoELayer`` with :class:`DeviceCountDispatcher` in place of its token
-    dispatcher: dropless, no host sync (EP = TP = 1). Its experts are the spec's
-    (:func:`grouped_mm_moe_spec` gives :class:`GroupedMMExperts`)."""
+    dispatcher: dropless, no host sync, at any expert-parallel size (TP = 1). Its experts are
+    the spec's (:func:`grouped_mm_moe_spec` gives :class:`GroupedMMExperts`).
+
+    ``receive_buffer_factor`` (EP > 1): rows each rank receives from one peer, as a multiple
+    of the balanced load; None holds every copy (never drops). With a factor the layer's
+    ``dropless_overflow`` flag records exchanges that dropped rows, which the training loop
+    reads after each step (parallel/dropless_ep.py [Note: dropless overflow reports]).
+    """
 
     def __init__(
         self,
@@ -360,8 +414,11 @@ class GroupedMMMoELayer(MoELayer):
         pg_collection=None,
         is_mtp_layer: bool = False,
         name: str | None = None,
+        receive_buffer_factor: float | None = None,
     ) -> None:
         problems = grouped_mm_moe_problems(config)
+        if receive_buffer_factor is not None:
+            receive_buffer_rows(1, 1, receive_buffer_factor)  # > 0, else a ValueError
         if problems:
             raise ValueError(
                 "GroupedMMMoELayer (graph_fsdp's dropless MoE without a host sync) cannot run "
@@ -376,8 +433,13 @@ class GroupedMMMoELayer(MoELayer):
             **moe_layer_kwargs(is_mtp_layer=is_mtp_layer, name=name),
         )
         # MoELayer built the dispatcher config.moe_token_dispatcher_type names; replace it.
+        self.dropless_overflow = OverflowFlag()  # OVERFLOW_ATTR: the loop's take_overflow
         self.token_dispatcher = DeviceCountDispatcher(
-            self.num_local_experts, config=config, pg_collection=pg_collection
+            self.num_local_experts,
+            config=config,
+            pg_collection=pg_collection,
+            receive_buffer_factor=receive_buffer_factor,
+            overflow=self.dropless_overflow,
         )
 
 
@@ -395,19 +457,20 @@ def _is_moe_class(obj) -> bool:
     return isinstance(obj, type) and issubclass(obj, MoELayer)
 
 
-def _map_moe_layer_spec(layer_spec: ModuleSpec, edit, layer_class) -> ModuleSpec:
+def _map_moe_layer_spec(layer_spec: ModuleSpec, edit, layer_class, params) -> ModuleSpec:
     like = layer_spec.submodules.mlp
     cls, submodules, kwargs = _moe_submodules(like)
-    mlp = mlp_spec(like, layer_class or cls, edit(submodules), kwargs)
+    mlp = mlp_spec(like, layer_class or cls, edit(submodules), {**kwargs, **params})
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp)
     )
 
 
-def map_moe_layer_specs(spec, edit, layer_class: type | None = None):
+def map_moe_layer_specs(spec, edit, layer_class: type | None = None, params: dict | None = None):
     """A copy of a GPT layer spec (``get_gpt_layer_with_transformer_engine_spec`` /
     ``get_gpt_layer_local_spec`` with ``num_experts``) whose MoE block is built from
-    ``edit(its MoESubmodules)`` (and as ``layer_class`` when given). A block spec
+    ``edit(its MoESubmodules)`` (and as ``layer_class`` when given, with ``params`` added to
+    its keyword arguments). A block spec
     (``TransformerBlockSubmodules``) gets every MoE layer spec in its ``layer_specs`` mapped,
     dense ones kept. The input spec is left as it was."""
     layer_specs = getattr(spec, "layer_specs", None)
@@ -415,19 +478,25 @@ def map_moe_layer_specs(spec, edit, layer_class: type | None = None):
         return dataclasses.replace(
             spec,
             layer_specs=[
-                _map_moe_layer_spec(s, edit, layer_class) if _is_moe_layer_spec(s) else s
+                _map_moe_layer_spec(s, edit, layer_class, params or {})
+                if _is_moe_layer_spec(s)
+                else s
                 for s in layer_specs
             ],
         )
-    return _map_moe_layer_spec(spec, edit, layer_class)
+    return _map_moe_layer_spec(spec, edit, layer_class, params or {})
 
 
-def grouped_mm_moe_spec(spec):
+def grouped_mm_moe_spec(spec, *, receive_buffer_factor: float | None = None):
     """A copy of a GPT layer spec (``get_gpt_layer_with_transformer_engine_spec`` /
     ``get_gpt_layer_local_spec`` with ``num_experts``) whose MoE block is
     :class:`GroupedMMMoELayer` with :class:`GroupedMMExperts`; the router and the shared
     expert stay the spec's. A block spec (``TransformerBlockSubmodules``) gets every MoE layer
-    spec in its ``layer_specs`` replaced, dense ones kept."""
+    spec in its ``layer_specs`` replaced, dense ones kept. ``receive_buffer_factor``: the
+    layers' receive buffer at EP > 1 (:class:`GroupedMMMoELayer`)."""
+    params = (
+        {} if receive_buffer_factor is None else {"receive_buffer_factor": receive_buffer_factor}
+    )
     try:
         return map_moe_layer_specs(
             spec,
@@ -437,6 +506,7 @@ def grouped_mm_moe_spec(spec):
                 router=sub.router,
             ),
             layer_class=GroupedMMMoELayer,
+            params=params,
         )
     except ValueError as err:
         raise ValueError(f"grouped_mm_moe_spec: {err}") from None

@@ -42,7 +42,8 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
     :func:`moe_expert_capture_refusal` refuses, and ``attn`` / ``moe_router``
     [``moe_preprocess``] are the capturable parts, as in Megatron. The same holds at
     expert_model_parallel_size > 1: drop-padding's all-to-all exchanges equal, capacity-sized
-    splits (captured whole), a dropless one needs its split sizes on the host.
+    splits (captured whole), Megatron's dropless one needs its split sizes on the host, and the
+    grouped_mm experts' exchange has fixed-size blocks and device offsets (captured whole).
     """
     scopes = list(scopes)
     check_scopes(scopes)
@@ -94,7 +95,7 @@ def moe_expert_capture_refusal(cfg: MCoreGPTConfig) -> str | None:
     """Why a CUDA graph cannot hold the expert part of ``cfg``'s MoE layers (None: it can),
     naming the Megatron module that syncs and the settings that avoid it."""
     if cfg.moe_experts_impl == "grouped_mm":
-        return None  # device token counts: megatron_moe.GroupedMMMoELayer (EP = 1)
+        return None  # device token counts, fixed-size exchanges: megatron/moe.py
     factor, dispatcher = cfg.moe_expert_capacity_factor, cfg.moe_token_dispatcher_type
     ep = cfg.expert_model_parallel_size
     if factor is None and ep > 1:
@@ -106,9 +107,9 @@ def moe_expert_capture_refusal(cfg: MCoreGPTConfig) -> str | None:
             "with drop-padding (moe_expert_capacity_factor=1.0 and "
             "moe_pad_expert_input_to_capacity=True: equal, capacity-sized all-to-all splits; "
             "drops the tokens over capacity), or capture the parts before the dispatch instead: "
-            "--cuda-graph-scope attn moe_router (alltoall: also moe_preprocess). graph_fsdp's "
-            "sync-free dropless experts (moe_experts_impl='grouped_mm') run at "
-            "expert_model_parallel_size=1 only"
+            "--cuda-graph-scope attn moe_router (alltoall: also moe_preprocess); or keep them "
+            "dropless with graph_fsdp's experts (moe_experts_impl='grouped_mm': device token "
+            "counts, fixed-size all-to-alls over the EP group), captured whole"
         )
     if factor is None:
         return (
