@@ -159,13 +159,11 @@ def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
     result = None
     if rank == 0:
         cfg = replace(
-            spec.cfg,
+            spec.cfg.with_graphs(impl="none", scopes=()),
             mode="reference",
             steps=spec.warmup + spec.steps,
             return_params=False,
             log_path=None,
-            cuda_graph_impl="none",
-            cuda_graph_scope=[],
         )
         result = _from_run(run(0, 1, cfg), spec.warmup)
     if world_size > 1:

@@ -120,7 +120,7 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
         f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights, "
         f"{reduction_label(cfg)}; strategy "
-        f"{placement_label(cfg)}{embedding_label(cfg)}, allocator {cfg.allocator}, "
+        f"{placement_label(cfg)}{embedding_label(cfg)}, allocator {cfg.buffers.allocator}, "
         f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "

@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"graph-fsdp profile: {args.train_iters} steps after {args.warmup_iters} warmup on "
         f"{res.plan.describe()}; {res.cfg.strategy}, "
-        f"{'eager' if res.cfg.cuda_graph_impl == 'none' else res.cfg.cuda_graph_impl + ' graphs'}"
+        f"{res.cfg.graphs.impl + ' graphs' if res.cfg.graphs.enabled else 'eager'}"
     )
     print(f"code: {stamp_line()}")
     summary_path = os.path.join(output_dir, "profile_summary.json")
@@ -236,15 +236,12 @@ def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
     if args.memory_max_entries < 1000:
         raise CLIError(f"--memory-max-entries {args.memory_max_entries} must be >= 1000")
     cfg = dataclasses.replace(res.cfg, fused_optimizer=res.cfg.fused_optimizer or args.fused_adamw)
-    if args.memory == "fsdp2" and cfg.cuda_graph_impl != "none":
+    if args.memory == "fsdp2" and cfg.graphs.enabled:
         raise CLIError(
             "--memory fsdp2 runs torch FSDP2 eagerly: drop --cuda-graph-impl/--cuda-graph-scope"
         )
-    mode = (
-        "eager"
-        if cfg.cuda_graph_impl == "none"
-        else f"{cfg.cuda_graph_impl}_{'_'.join(cfg.cuda_graph_scope) or 'layer'}"
-    )
+    graphs = cfg.graphs
+    mode = f"{graphs.impl}_{'_'.join(graphs.scopes) or 'layer'}" if graphs.enabled else "eager"
     label = args.memory_label or f"{args.memory}_{mode}"
     if not label.replace("_", "").replace("-", "").isalnum():
         raise CLIError(f"--memory-label {label!r}: use letters, digits, '-' and '_' only")

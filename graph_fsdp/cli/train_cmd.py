@@ -305,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
     shapes = model_shapes(res.cfg.model) if args.load else None
     plan = checkpoint_plan(args, shapes)
     start = plan.start
-    cfg = replace(res.cfg, **loop_fields(args, plan), cuda_graph_verify=verify_option(args))
+    cfg = replace(res.cfg.with_graphs(verify=verify_option(args)), **loop_fields(args, plan))
     if args.data_path and cfg.packing is not None:
         # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
         packs = (start + cfg.steps) * cfg.grad_accum * res.data_parallel_size
