@@ -39,7 +39,7 @@ from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.graph_options import add_scope_sets_arg, scope_sets_from
-from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.options import resolve
 from graph_fsdp.fsdp.api import STRATEGIES
 from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 from graph_fsdp.integrations.megatron.train import run as run_mcore
@@ -47,17 +47,14 @@ from graph_fsdp.training.loop import LoopConfig
 from graph_fsdp.training.processes import launch
 from graph_fsdp.training.train import TrainConfig, run
 
+HELP = "Check eager vs graphed (or strategy vs strategy) runs for bit-exactness."
+"""The command's line in ``graph-fsdp --help``."""
+COMMON_FLAGS = dict(iters_default=10, iters_help="Steps of every run.", deterministic_default=True)
+"""How the shared flags (options.add_common_args) read in this command."""
 
-def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "compare",
-        help="Check eager vs graphed (or strategy vs strategy) runs for bit-exactness.",
-        formatter_class=formatter,
-        description=__doc__,
-    )
-    add_common_args(
-        p, iters_default=10, iters_help="Steps of every run.", deterministic_default=True
-    )
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of this command alone (main.build_parser adds the shared ones first)."""
     g = p.add_argument_group("comparison")
     add_scope_sets_arg(g)
     g.add_argument(
@@ -82,8 +79,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         help=argparse.SUPPRESS,
     )
     mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
-    p.set_defaults(handler=main, subparser=p)
-    return p
 
 
 def run_any(rank: int, world_size: int, cfg: LoopConfig) -> dict:

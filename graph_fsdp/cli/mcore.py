@@ -46,7 +46,7 @@ from graph_fsdp.cli.graph_options import (
     scope_sets_from,
 )
 from graph_fsdp.cli.launch import resolve_plan
-from graph_fsdp.cli.model_options import check_moe_flags
+from graph_fsdp.cli.model_options import check_moe_flags, shape_fields
 from graph_fsdp.cli.options import (
     check_clip_grad,
     check_positive,
@@ -237,14 +237,8 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
         )
     try:
         return MCoreGPTConfig(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
+            **shape_fields(args),
             num_experts=experts,
-            moe_router_topk=args.moe_router_topk,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
@@ -252,9 +246,7 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             expert_model_parallel_size=args.expert_model_parallel_size,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             sequence_parallel=args.sequence_parallel,
-            transformer_impl=args.transformer_impl,
             bf16=args.bf16,
-            seed=args.seed,
             attention_backend=args.attention_backend,
         )
     except ValueError as err:

@@ -38,7 +38,7 @@ from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import add_common_args, add_fused_adamw_arg, resolve
+from graph_fsdp.cli.options import add_fused_adamw_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.cuda_streams import NVTX_ENV
 from graph_fsdp.training.processes import LaunchPlan, launch
@@ -47,14 +47,14 @@ UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"
 """Set in the environment of the re-executed command, so it does not re-exec again."""
 
 
-def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "profile",
-        help="Profile a few steps (nsys or torch profiler) and summarise them.",
-        formatter_class=formatter,
-        description=__doc__,
-    )
-    add_common_args(p, iters_default=3, iters_help="Profiled steps (after --warmup-iters).")
+HELP = "Profile a few steps (nsys or torch profiler) and summarise them."
+"""The command's line in ``graph-fsdp --help``."""
+COMMON_FLAGS = dict(iters_default=3, iters_help="Profiled steps (after --warmup-iters).")
+"""How the shared flags (options.add_common_args) read in this command."""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of this command alone (main.build_parser adds the shared ones first)."""
     g = p.add_argument_group("profiling")
     g.add_argument(
         "--warmup-iters",
@@ -104,8 +104,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         action="store_true",
         help="--memory: also write rank 0's raw snapshot pickle (pytorch.org/memory_viz).",
     )
-    p.set_defaults(handler=main, subparser=p)
-    return p
 
 
 def _under_nsys() -> bool:
