@@ -138,37 +138,25 @@ def plan_rows(job: BenchJob) -> list[Row]:
         )
     if "megatron_fsdp" in job.rows:
         rows.append(Row(name="megatron_fsdp", runner=run_megatron_fsdp, spec=eager))
-    if "unsharded" in job.rows:
-        rows.append(
-            Row(
-                name="unsharded eager (1 rank)",
-                runner=run_unsharded,
-                spec=eager,
-                world_size=1,
-                baseline=True,
-            )
-        )
-    if "unsharded_captured" in job.rows:
-        rows.append(
-            Row(
-                name="unsharded captured (1 rank)",
-                runner=run_unsharded_captured,
-                spec=eager,
-                world_size=1,
-                baseline=True,
-                skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
-                graphed=True,
-            )
-        )
-    if "reference" in job.rows:
-        rows.append(
-            Row(
-                name="parity reference, bf16 weights + fp32 master, unfused AdamW (1 rank)",
-                runner=run_reference,
-                spec=eager,
-                world_size=1,
-            )
-        )
+    no_graphs = None if cfg.device == "cuda" else "CUDA graphs need a CUDA device"
+    one_rank = (  # (row, name, runner, the Row's other fields): unsharded runs on rank 0
+        ("unsharded", "unsharded eager (1 rank)", run_unsharded, {"baseline": True}),
+        (
+            "unsharded_captured",
+            "unsharded captured (1 rank)",
+            run_unsharded_captured,
+            {"baseline": True, "skip": no_graphs, "graphed": True},
+        ),
+        (
+            "reference",
+            "parity reference, bf16 weights + fp32 master, unfused AdamW (1 rank)",
+            run_reference,
+            {},
+        ),
+    )
+    for key, name, runner, fields in one_rank:
+        if key in job.rows:
+            rows.append(Row(name=name, runner=runner, spec=eager, world_size=1, **fields))
     return rows
 
 
