@@ -77,7 +77,7 @@ def plan_rows(
 def _row_config(job: MCoreBenchJob, kind: str, scopes: tuple[str, ...]):
     if kind == "megatron_fsdp":
         return replace(job.base, engine="megatron_fsdp")
-    return replace(job.base, cuda_graph_impl=kind, cuda_graph_scope=list(scopes))
+    return job.base.with_graphs(impl=kind, scopes=scopes)
 
 
 def _row_verdict(kind: str, raw: dict | None, timed_steps: int) -> tuple[dict, str | None]:

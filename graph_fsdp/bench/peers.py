@@ -159,13 +159,11 @@ def run_reference(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
     result = None
     if rank == 0:
         cfg = replace(
-            spec.cfg,
+            spec.cfg.with_graphs(impl="none", scopes=()),
             mode="reference",
             steps=spec.warmup + spec.steps,
             return_params=False,
             log_path=None,
-            cuda_graph_impl="none",
-            cuda_graph_scope=[],
         )
         result = _from_run(run(0, 1, cfg), spec.warmup)
     if world_size > 1:
@@ -234,6 +232,19 @@ def run_unsharded(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
     return _on_rank0(rank, world_size, body)
 
 
+def _static_batch(cfg, rank: int, device: torch.device):
+    """``x, y, load``: a batch in fixed tensors (what a captured graph reads) and
+    ``load(i, micro=0)``, which copies microbatch ``micro`` of step ``i`` into them."""
+    x, y = _batch(cfg, 0, 0, rank, device)
+
+    def load(i: int, micro: int = 0) -> None:
+        xi, yi = _batch(cfg, i, micro, rank, device)
+        x.copy_(xi)
+        y.copy_(yi)
+
+    return x, y, load
+
+
 def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
     """One GPU (rank 0): autocast forward+backward captured in one CUDA graph, eager fused
     AdamW step. Microbatches replay the graph, which accumulates into the fixed ``.grad``."""
@@ -246,18 +257,13 @@ def run_unsharded_captured(rank: int, world_size: int, spec: BenchSpec) -> dict 
     def body() -> dict:
         device = device_of(cfg)
         model, opt = _unsharded(cfg, device)
-        x, y = _batch(cfg, 0, 0, 0, device)
+        x, y, load = _static_batch(cfg, 0, device)
 
         def forward_backward() -> torch.Tensor:
             with _autocast(cfg, device):
                 loss = model(x, y) / cfg.grad_accum
             loss.backward()
             return loss.detach()
-
-        def load(i: int, micro: int) -> None:
-            xi, yi = _batch(cfg, i, micro, 0, device)
-            x.copy_(xi)
-            y.copy_(yi)
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -343,12 +349,7 @@ def run_fsdp2_cuda_graph(rank: int, world_size: int, spec: BenchSpec) -> dict:
         raise Skip("needs at least one warmup step before capture")
     device = device_of(cfg)
     model, opt = fsdp2_model(cfg, world_size, device)
-    x, y = _batch(cfg, 0, 0, rank, device)
-
-    def load(i: int) -> None:
-        xi, yi = _batch(cfg, i, 0, rank, device)
-        x.copy_(xi)
-        y.copy_(yi)
+    x, y, load = _static_batch(cfg, rank, device)
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

@@ -129,7 +129,7 @@ def profile_worker(rank: int, world_size: int, job: ProfileJob) -> dict | None:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    graphed = cfg.cuda_graph_impl != "none"
+    graphed = cfg.graphs.enabled
     times: list[float] = []
     with ExitStack() as stack:
         if graphed:

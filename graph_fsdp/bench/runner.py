@@ -70,7 +70,7 @@ class BenchJob:
     scope_sets: list[list[str]] = field(default_factory=list)
     compare_comm_graphs: bool = False
     """Each layerwise row once more with its gathers and reductions eager
-    (``cuda_graph_comm`` off)."""
+    (``GraphPolicy.comm_graphs`` off)."""
 
     @property
     def graphed(self) -> bool:
@@ -94,7 +94,7 @@ class Row:
 
 def plan_rows(job: BenchJob) -> list[Row]:
     spec, cfg = job.spec, job.spec.cfg
-    eager = replace(spec, cfg=replace(cfg, cuda_graph_impl="none", cuda_graph_scope=[]))
+    eager = replace(spec, cfg=cfg.with_graphs(impl="none", scopes=()))
     rows: list[Row] = []
     if "graph_fsdp" in job.rows:
         rows.append(Row(name="graph_fsdp eager", runner=run_graph_fsdp, spec=eager))
@@ -103,19 +103,17 @@ def plan_rows(job: BenchJob) -> list[Row]:
         for impl in job.graph_impls:
             for scopes in job.scope_sets or [[]]:
                 row_impl = capture_impl(impl, scopes)
-                name = f"graph_fsdp {row_impl} [{scope_label(scopes, cfg.cuda_graph_optimizer)}]"
+                name = f"graph_fsdp {row_impl} [{scope_label(scopes, cfg.graphs.optimizer)}]"
                 if name in planned:
                     continue
                 planned.add(name)
-                graphed = replace(
-                    spec, cfg=replace(cfg, cuda_graph_impl=row_impl, cuda_graph_scope=list(scopes))
-                )
+                graphed = replace(spec, cfg=cfg.with_graphs(impl=row_impl, scopes=scopes))
                 skip = None if cfg.device == "cuda" else "CUDA graphs need a CUDA device"
                 rows.append(
                     Row(name=name, runner=run_graph_fsdp, spec=graphed, skip=skip, graphed=True)
                 )
                 if job.compare_comm_graphs and "full_iteration" not in scopes:
-                    eager_comm = replace(graphed, cfg=replace(graphed.cfg, cuda_graph_comm=False))
+                    eager_comm = replace(graphed, cfg=graphed.cfg.with_graphs(comm_graphs=False))
                     rows.append(
                         Row(
                             name=f"{name}, eager comm",
@@ -140,37 +138,25 @@ def plan_rows(job: BenchJob) -> list[Row]:
         )
     if "megatron_fsdp" in job.rows:
         rows.append(Row(name="megatron_fsdp", runner=run_megatron_fsdp, spec=eager))
-    if "unsharded" in job.rows:
-        rows.append(
-            Row(
-                name="unsharded eager (1 rank)",
-                runner=run_unsharded,
-                spec=eager,
-                world_size=1,
-                baseline=True,
-            )
-        )
-    if "unsharded_captured" in job.rows:
-        rows.append(
-            Row(
-                name="unsharded captured (1 rank)",
-                runner=run_unsharded_captured,
-                spec=eager,
-                world_size=1,
-                baseline=True,
-                skip=None if cfg.device == "cuda" else "CUDA graphs need a CUDA device",
-                graphed=True,
-            )
-        )
-    if "reference" in job.rows:
-        rows.append(
-            Row(
-                name="parity reference, bf16 weights + fp32 master, unfused AdamW (1 rank)",
-                runner=run_reference,
-                spec=eager,
-                world_size=1,
-            )
-        )
+    no_graphs = None if cfg.device == "cuda" else "CUDA graphs need a CUDA device"
+    one_rank = (  # (row, name, runner, the Row's other fields): unsharded runs on rank 0
+        ("unsharded", "unsharded eager (1 rank)", run_unsharded, {"baseline": True}),
+        (
+            "unsharded_captured",
+            "unsharded captured (1 rank)",
+            run_unsharded_captured,
+            {"baseline": True, "skip": no_graphs, "graphed": True},
+        ),
+        (
+            "reference",
+            "parity reference, bf16 weights + fp32 master, unfused AdamW (1 rank)",
+            run_reference,
+            {},
+        ),
+    )
+    for key, name, runner, fields in one_rank:
+        if key in job.rows:
+            rows.append(Row(name=name, runner=runner, spec=eager, world_size=1, **fields))
     return rows
 
 
@@ -180,7 +166,7 @@ def packed_rows(rows: list[Row], spec: BenchSpec) -> list[Row]:
     the budget, one document per row (``PackingPolicy.padded``), the fixed-shape way to graph
     variable lengths; the peers and baselines are not run."""
     packing = spec.cfg.packing
-    if spec.cfg.fused_optimizer and not spec.cfg.cuda_graph_optimizer:
+    if spec.cfg.fused_optimizer and not spec.cfg.graphs.optimizer:
         # The one-graph step beside each full_iteration row (it needs the fused AdamW).
         rows = [twin for row in rows for twin in (row, *_one_graph_twin(row))]
     padded = [
@@ -199,10 +185,10 @@ def packed_rows(rows: list[Row], spec: BenchSpec) -> list[Row]:
 
 def _one_graph_twin(row: Row) -> tuple[Row, ...]:
     cfg = row.spec.cfg
-    if "full_iteration" not in cfg.cuda_graph_scope:
+    if not cfg.graphs.full_iteration:
         return ()
-    one = replace(cfg, cuda_graph_optimizer=True)
-    name = f"graph_fsdp {cfg.cuda_graph_impl} [{scope_label(cfg.cuda_graph_scope, True)}]"
+    one = cfg.with_graphs(optimizer=True)
+    name = f"graph_fsdp {cfg.graphs.impl} [{scope_label(cfg.graphs.scopes, True)}]"
     return (replace(row, name=name, spec=replace(row.spec, cfg=one)),)
 
 
@@ -329,7 +315,7 @@ def _graph_check(row: Row, raw: dict | None) -> tuple[dict, str | None]:
     return graph_verdict(
         raw.get("graphs"),
         timed_steps=row.spec.steps,
-        comm_requested=row.spec.cfg.cuda_graph_comm,
+        comm_requested=row.spec.cfg.graphs.comm_graphs,
     )
 
 

@@ -156,7 +156,7 @@ COMM_NONE = "none (no collectives)"
 
 def comm_status(report: dict, requested: bool) -> tuple[str, bool]:
     """(status, failed) of a runner's communication graphs (comm_graphs.py [Note:
-    communication graphs]): ``requested`` is ``cuda_graph_comm``."""
+    communication graphs]): ``requested`` is ``GraphPolicy.comm_graphs``."""
     if "comm_status" in report:  # a runner that says it itself (the step graphs of peers)
         return report["comm_status"], False
     if "full_iteration" in report.get("scopes", ()):

@@ -1,7 +1,7 @@
 """What a training run captures, and the rules every graph runner's configuration obeys.
 
 :class:`GraphPolicy` is the one frozen value a training config holds for its graphs
-(``TrainConfig.graph_policy``, ``MCoreTrainConfig.graph_policy``): the backend, the scopes,
+(``LoopConfig.graphs``: ``TrainConfig``, ``MCoreTrainConfig``): the backend, the scopes,
 the eager steps before capture, verification and communication graphs. Its rules are checked
 in a fixed order, each by one function, so the command line (before any process starts) and
 the library (before a runner is built) refuse the same settings with the same words:

@@ -389,7 +389,7 @@ def _no_match_message(
         f"The units' direct submodules are: {children}. "
         + "".join(n + ". " for n in notes)
         + f"Map the scope to your model's submodules with scope_modules={{'{missing[0]}': "
-        f"'{example}'}} (LayerwiseGraphs / TrainConfig.cuda_graph_scope_modules; CLI "
+        f"'{example}'}} (LayerwiseGraphs / TrainConfig.graphs.scope_modules; CLI "
         f"--cuda-graph-scope-modules {missing[0]}={example}; dotted paths such as 'mlp.gate' "
         f"work), or drop {' '.join(missing)}"
     )

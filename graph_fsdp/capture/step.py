@@ -54,8 +54,16 @@ def eager_forward_backward(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, denom: float, clock: HostClock | None = None
 ) -> torch.Tensor:
     """One microbatch: ``loss = model(x, y) / denom``, its backward; returns the loss."""
+    return timed_forward_backward(lambda: model(x, y) / denom, clock)
+
+
+def timed_forward_backward(
+    forward: Callable[[], torch.Tensor], clock: HostClock | None = None
+) -> torch.Tensor:
+    """``loss = forward()`` and its backward, their host times added to ``clock``; returns
+    the loss, detached."""
     t0 = time.perf_counter()
-    loss = model(x, y) / denom
+    loss = forward()
     t1 = time.perf_counter()
     loss.backward()
     if clock is not None:

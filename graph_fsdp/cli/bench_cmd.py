@@ -40,21 +40,20 @@ from graph_fsdp.cli.graph_options import (
     check_graph_environment,
     scope_sets_from,
 )
-from graph_fsdp.cli.options import add_common_args, add_fused_adamw_arg, resolve
+from graph_fsdp.cli.options import add_fused_adamw_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.training.processes import launch
 from graph_fsdp.training.train import placement_label
 
+HELP = "Benchmark graph_fsdp against torch FSDP2, Megatron-FSDP and unsharded."
+"""The command's line in ``graph-fsdp --help``."""
+COMMON_FLAGS = dict(iters_default=10, iters_help="Timed steps per row (after the warmup).")
+"""How the shared flags (options.add_common_args) read in this command."""
 
-def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "bench",
-        help="Benchmark graph_fsdp against torch FSDP2, Megatron-FSDP and unsharded.",
-        formatter_class=formatter,
-        description=__doc__,
-    )
-    add_common_args(p, iters_default=10, iters_help="Timed steps per row (after the warmup).")
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of this command alone (main.build_parser adds the shared ones first)."""
     g = p.add_argument_group("benchmark")
     add_scope_sets_arg(g)
     g.add_argument(
@@ -96,8 +95,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
     )
     mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
-    p.set_defaults(handler=main, subparser=p)
-    return p
 
 
 def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
@@ -120,7 +117,7 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
         f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights, "
         f"{reduction_label(cfg)}; strategy "
-        f"{placement_label(cfg)}{embedding_label(cfg)}, allocator {cfg.allocator}, "
+        f"{placement_label(cfg)}{embedding_label(cfg)}, allocator {cfg.buffers.allocator}, "
         f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "

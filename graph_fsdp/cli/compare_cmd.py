@@ -9,7 +9,7 @@ Every run uses the same seeds, data and shapes, and deterministic algorithms
 backward is otherwise nondeterministic, so not even two eager runs would match). Per compared
 run it prints whether every step's loss and the final full parameters are bit-identical
 (``torch.equal``) to the reference, else the first differing step and the largest difference.
-Every graphed run also verifies its first graphed step (``TrainConfig.cuda_graph_verify``,
+Every graphed run also verifies its first graphed step (``TrainConfig.graphs.verify``,
 graph_fsdp/capture/verify.py): the step runs eagerly and replayed from the same state, and a
 difference names the first module whose forward output differs.
 A graphed run is IDENTICAL only if its graphs replayed: ``NOT GRAPHED`` when it reports no
@@ -39,7 +39,7 @@ from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.graph_options import add_scope_sets_arg, scope_sets_from
-from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.options import resolve
 from graph_fsdp.fsdp.api import STRATEGIES
 from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 from graph_fsdp.integrations.megatron.train import run as run_mcore
@@ -47,17 +47,14 @@ from graph_fsdp.training.loop import LoopConfig
 from graph_fsdp.training.processes import launch
 from graph_fsdp.training.train import TrainConfig, run
 
+HELP = "Check eager vs graphed (or strategy vs strategy) runs for bit-exactness."
+"""The command's line in ``graph-fsdp --help``."""
+COMMON_FLAGS = dict(iters_default=10, iters_help="Steps of every run.", deterministic_default=True)
+"""How the shared flags (options.add_common_args) read in this command."""
 
-def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "compare",
-        help="Check eager vs graphed (or strategy vs strategy) runs for bit-exactness.",
-        formatter_class=formatter,
-        description=__doc__,
-    )
-    add_common_args(
-        p, iters_default=10, iters_help="Steps of every run.", deterministic_default=True
-    )
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of this command alone (main.build_parser adds the shared ones first)."""
     g = p.add_argument_group("comparison")
     add_scope_sets_arg(g)
     g.add_argument(
@@ -82,8 +79,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         help=argparse.SUPPRESS,
     )
     mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
-    p.set_defaults(handler=main, subparser=p)
-    return p
 
 
 def run_any(rank: int, world_size: int, cfg: LoopConfig) -> dict:
@@ -98,11 +93,10 @@ GRAPH_REPORT_KEY = "cuda_graphs"
 
 
 def run_label(cfg: TrainConfig) -> str:
-    whole_step = cfg.cuda_graph_optimizer
-    if cfg.cuda_graph_impl == "none":
-        return f"{cfg.strategy} eager{' (whole-step API)' if whole_step else ''}"
-    label = scope_label(cfg.cuda_graph_scope, whole_step)
-    return f"{cfg.strategy} {cfg.cuda_graph_impl} [{label}]"
+    graphs = cfg.graphs
+    if not graphs.enabled:
+        return f"{cfg.strategy} eager{' (whole-step API)' if graphs.optimizer else ''}"
+    return f"{cfg.strategy} {graphs.impl} [{scope_label(graphs.scopes, graphs.optimizer)}]"
 
 
 def diff_runs(ref: dict, other: dict, start_step: int = 0) -> dict:
@@ -168,12 +162,12 @@ def add_graph_check(verdict: dict, other: dict, cfg: TrainConfig) -> None:
     """A graphed run's captures, replays, fallbacks and communication graphs; one whose
     graphs did not replay as configured is not IDENTICAL, whatever its numbers
     (bench/verdicts.py [Note: graphed rows must replay])."""
-    if cfg.cuda_graph_impl == "none":
+    if not cfg.graphs.enabled:
         return
     fields, failure = graph_verdict(
         other.get(GRAPH_REPORT_KEY),
-        timed_steps=max(cfg.steps - cfg.cuda_graph_warmup_steps, 1),
-        comm_requested=cfg.cuda_graph_comm,
+        timed_steps=max(cfg.steps - cfg.graphs.warmup_steps, 1),
+        comm_requested=cfg.graphs.comm_graphs,
     )
     verdict.update(fields)
     if failure is not None:
@@ -252,7 +246,7 @@ def compare_worker(
         if rank == 0:
             verdict = diff_runs(ref, other, cfg.start_step)
             add_graph_check(verdict, other, cfg)
-            if cfg.cuda_graph_impl != "none":
+            if cfg.graphs.enabled:
                 add_verification(verdict, other)
             verdicts.append(verdict)
         del other
@@ -282,10 +276,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         plan, base = mcore.compare_config(args, scope_sets, flag)
     reference = replace(
-        base,
+        base.with_graphs(impl="none", scopes=()),
         strategy=args.reference_strategy or base.strategy,
-        cuda_graph_impl="none",
-        cuda_graph_scope=[],
     )
     lr = base.lr * (1.0 + args.inject_difference)
     if args.cuda_graph_impl == "none":
@@ -293,12 +285,14 @@ def main(args: argparse.Namespace) -> int:
     else:
         runs = [
             replace(
-                base,
+                base.with_graphs(
+                    impl=capture_impl(args.cuda_graph_impl, s),
+                    scopes=s,
+                    # The whole-step graph has no per-module check; its eager twin is the
+                    # reference.
+                    verify=not args.cuda_graph_optimizer,
+                ),
                 lr=lr,
-                cuda_graph_impl=capture_impl(args.cuda_graph_impl, s),
-                cuda_graph_scope=s,
-                # The whole-step graph has no per-module check; its eager twin is the reference.
-                cuda_graph_verify=not args.cuda_graph_optimizer,
             )
             for s in scope_sets
         ]

@@ -25,6 +25,7 @@ import graph_fsdp
 from graph_fsdp.cli import bench_cmd, compare_cmd, profile_cmd, train_cmd
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.graph_options import apply_megatron_graph_spellings
+from graph_fsdp.cli.options import add_common_args
 from graph_fsdp.distributed import TIMEOUT_ENV
 from graph_fsdp.training.supervision import VERBOSE_ENV, Interrupted, RankFailure
 
@@ -79,9 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"graph-fsdp {graph_fsdp.__version__}"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, compare_cmd, bench_cmd, profile_cmd):
-        module.add_parser(sub, _Formatter)
+    for name, module in COMMANDS.items():
+        p = sub.add_parser(
+            name, help=module.HELP, formatter_class=_Formatter, description=module.__doc__
+        )
+        add_common_args(p, **module.COMMON_FLAGS)
+        module.add_args(p)
+        p.set_defaults(handler=module.main, subparser=p)
     return parser
+
+
+COMMANDS = {"train": train_cmd, "compare": compare_cmd, "bench": bench_cmd, "profile": profile_cmd}
+"""The subcommands, by name: each module's HELP, COMMON_FLAGS, add_args and main."""
 
 
 def _apply_distributed_timeout(args: argparse.Namespace) -> None:

@@ -34,11 +34,10 @@ from graph_fsdp.bench.megatron import (
 from graph_fsdp.bench.provenance import code_version
 from graph_fsdp.bench.report import gpu_tag
 from graph_fsdp.bench.runner import DEFAULT_ROWS
-from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.graph_options import (
-    allocator_of,
     buffer_policy_of,
     check_graph_environment,
     check_whole_step_flag,
@@ -47,12 +46,14 @@ from graph_fsdp.cli.graph_options import (
     scope_sets_from,
 )
 from graph_fsdp.cli.launch import resolve_plan
-from graph_fsdp.cli.model_options import check_moe_flags
+from graph_fsdp.cli.model_options import check_moe_flags, shape_fields
 from graph_fsdp.cli.options import (
     check_clip_grad,
     check_positive,
     check_tensor_parallel_flags,
     grad_accumulation,
+    loop_config_fields,
+    run_graphs,
 )
 from graph_fsdp.cli.packing_options import check_packed_data, packing_of
 from graph_fsdp.cli.train_options import (
@@ -237,14 +238,8 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
         )
     try:
         return MCoreGPTConfig(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
+            **shape_fields(args),
             num_experts=experts,
-            moe_router_topk=args.moe_router_topk,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_expert_capacity_factor=args.moe_expert_capacity_factor,
             moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
@@ -253,9 +248,7 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             expert_model_parallel_size=args.expert_model_parallel_size,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             sequence_parallel=args.sequence_parallel,
-            transformer_impl=args.transformer_impl,
             bf16=args.bf16,
-            seed=args.seed,
             attention_backend=args.attention_backend,
         )
     except ValueError as err:
@@ -294,12 +287,12 @@ def tp_label(model) -> str:
 
 def check_graph_set(
     args: argparse.Namespace, model, impl: str, scopes: list[str], *, flag: str, steps: int
-) -> None:
+) -> GraphPolicy | None:
     """One graphed run's flags: its GraphPolicy's rules (capture/policy.py: static buffers,
     enough steps to capture), Megatron's scopes for this model, and what full_iteration
-    excludes."""
+    excludes; the validated policy (None for ``impl`` none)."""
     if impl == "none":
-        return
+        return None
     registration_off_for_all_to_alls(args.expert_model_parallel_size > 1, [scopes])
     policy = graph_policy(args, impl, scopes)
     try:
@@ -313,6 +306,7 @@ def check_graph_set(
             f"--use-megatron-schedule with {flag} full_iteration: the full-iteration "
             "graph replaces the forward/backward schedule; drop one of them"
         )
+    return policy
 
 
 def reject_unwired_flags(args: argparse.Namespace) -> None:
@@ -352,34 +346,23 @@ def reject_unwired_flags(args: argparse.Namespace) -> None:
         )
 
 
-def base_train_config(args: argparse.Namespace, model, plan, **fields):
-    """The MCoreTrainConfig of the shared flags (train and bench); ``fields`` override."""
+def base_train_config(args: argparse.Namespace, model, plan, graphs=None, **fields):
+    """The MCoreTrainConfig of the shared flags (train, compare and bench; options.py's
+    table); ``graphs``: the validated policy (None: eager); ``fields`` override."""
     check_clip_grad(args)
-
-    base = dict(
+    data_world = plan.world_size // model.tensor_model_parallel_size  # TP ranks share batches
+    base = loop_config_fields(
+        args,
+        grad_accum=grad_accumulation(args, data_world),
+        graphs=graphs or run_graphs([], args),
+    )
+    return MCoreTrainConfig(
+        **{**base, **fields},
         model=model,
-        strategy=args.data_parallel_sharding_strategy,
-        micro_batch_size=args.micro_batch_size,
-        grad_accum=grad_accumulation(args, plan.world_size // model.tensor_model_parallel_size),
-        steps=args.train_iters,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        allocator=allocator_of(args),
-        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
-        eval_interval=args.eval_interval,
         use_megatron_schedule=args.use_megatron_schedule,
-        cuda_graph_impl=args.cuda_graph_impl,
-        cuda_graph_scope=list(args.cuda_graph_scope or []),
-        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
-        cuda_graph_optimizer=args.cuda_graph_optimizer,
-        fused_optimizer=args.cuda_graph_optimizer,  # the whole step's update is AdamW(fused)
-        deterministic=args.deterministic,
         packing=packing_of(args),  # TE's THD attention (integrations/megatron/packed.py)
         eod_token_id=args.eod_token_id,
     )
-    return MCoreTrainConfig(**{**base, **fields})
 
 
 def check_mcore_environment(args: argparse.Namespace, model, impl: str, plan) -> None:
@@ -410,7 +393,9 @@ def train_main(args: argparse.Namespace) -> int:
             "--cuda-graph-scope is given but --cuda-graph-impl is none: add --cuda-graph-impl te "
             "(or torch), or drop --cuda-graph-scope"
         )
-    check_graph_set(args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters)
+    graphs = check_graph_set(
+        args, model, impl, scopes, flag="--cuda-graph-scope", steps=args.train_iters
+    )
     reject_unwired_flags(args)
     verify = verify_option(args)
     data_world = plan.world_size // model.tensor_model_parallel_size  # TP ranks share batches
@@ -441,13 +426,13 @@ def train_main(args: argparse.Namespace) -> int:
         args,
         model,
         plan,
+        graphs=replace(graphs, verify=verify) if graphs is not None else None,
         **loop_fields(args, ckpt_plan),
         model_name=args.model,
         data_path=data_path,
         optimizer_offload_fraction=(
             args.optimizer_offload_fraction if args.optimizer_cpu_offload else 0.0
         ),
-        cuda_graph_verify=verify,
     )
     if args.log_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.log_json)) or ".", exist_ok=True)
@@ -571,14 +556,7 @@ def build_bench_job(args: argparse.Namespace):
     for impl in impls if graphed and plan.device == "cuda" else ["none"]:
         check_mcore_environment(args, model, impl, plan)
     base = base_train_config(
-        args,
-        model,
-        plan,
-        steps=steps,
-        eval_interval=0,
-        fused_optimizer=args.fused_adamw,
-        cuda_graph_impl="none",
-        cuda_graph_scope=[],
+        args, model, plan, steps=steps, eval_interval=0, fused_optimizer=args.fused_adamw
     )
     job = MCoreBenchJob(
         base=base,
@@ -592,7 +570,7 @@ def build_bench_job(args: argparse.Namespace):
         f"{model.seq_length}, vocab {model.vocab_size}, {moe}{tp_label(model)}. Per GPU: micro batch "
         f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
         f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
-        f"allocator {base.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
+        f"allocator {base.buffers.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
         f"{'; ' if base.use_megatron_schedule else ''}"
         f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "
         f"{args.warmup_iters} warmup + {args.train_iters} timed steps per row, seed {model.seed}."

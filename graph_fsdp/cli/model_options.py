@@ -103,6 +103,26 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+SHAPE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "vocab_size",
+    "moe_router_topk",
+    "transformer_impl",
+    "seed",
+)
+"""The model flags whose ``dest`` is the config field's name in graph_fsdp's GPTConfig and
+Megatron-Core's MCoreGPTConfig alike."""
+
+
+def shape_fields(args: argparse.Namespace) -> dict:
+    """The model config fields of :data:`SHAPE_FLAGS` (every ``--model``)."""
+    return {name: getattr(args, name) for name in SHAPE_FLAGS}
+
+
 def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
@@ -203,14 +223,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         )
     try:
         return GPTConfig(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            ffn_hidden_size=args.ffn_hidden_size,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
+            **shape_fields(args),
             num_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
             moe_layer_freq=args.moe_layer_freq,
             **(
                 {"moe_capacity_factor": args.moe_expert_capacity_factor}
@@ -219,8 +233,6 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
             ),
             moe_dropless=args.moe_dropless,
             moe_receive_buffer_factor=args.moe_receive_buffer_factor,
-            seed=args.seed,
-            transformer_impl=args.transformer_impl,
         )
     except ValueError as err:
         raise CLIError(re.sub(r"GPTConfig\.(\w+)", lambda m: _flag(m.group(1)), str(err))) from err

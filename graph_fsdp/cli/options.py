@@ -16,12 +16,12 @@ import argparse
 from dataclasses import dataclass
 from typing import get_args
 
-from graph_fsdp.capture.policy import capture_impl
+from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
 from graph_fsdp.cli.graph_options import (
     add_graph_args,
-    allocator_of,
+    buffer_policy_of,
     check_graph_buffers,
     check_graph_environment,
     check_scopes,
@@ -415,12 +415,58 @@ def check_clip_grad(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+LOOP_FLAGS = {
+    "strategy": "data_parallel_sharding_strategy",
+    "micro_batch_size": "micro_batch_size",
+    "steps": "train_iters",
+    "lr": "lr",
+    "weight_decay": "weight_decay",
+    "clip_grad": "clip_grad",
+    "bf16": "bf16",
+    "eval_interval": "eval_interval",
+    "deterministic": "deterministic",
+    "fused_optimizer": "cuda_graph_optimizer",  # the whole step's update is AdamW(fused)
+}
+"""LoopConfig field -> the argparse ``dest`` it copies, for every ``--model``."""
+
+
+def loop_config_fields(args: argparse.Namespace, *, grad_accum: int, graphs: GraphPolicy) -> dict:
+    """The LoopConfig fields of the shared flags (graph_fsdp's GPT: :func:`resolve`;
+    Megatron-Core models: mcore.py): :data:`LOOP_FLAGS`, the gradient accumulation, the
+    buffers and the validated graphs."""
+    return {
+        **{name: getattr(args, dest) for name, dest in LOOP_FLAGS.items()},
+        "grad_accum": grad_accum,
+        "buffers": buffer_policy_of(args),
+        "graphs": graphs,
+    }
+
+
+def run_graphs(
+    policies: list[GraphPolicy], args: argparse.Namespace, scope_modules: dict | None = None
+) -> GraphPolicy:
+    """The base config's graphs: the one graphed run's policy, else eager with the flags'
+    shared settings (several runs replace the backend and scopes: bench, compare)."""
+    if len(policies) == 1:
+        return policies[0]
+    return GraphPolicy(
+        warmup_steps=args.cuda_graph_warmup_steps,
+        comm_graphs=getattr(args, "cuda_graph_comm", True),
+        scope_modules=scope_modules or {},
+        optimizer=args.cuda_graph_optimizer,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Resolved:
     """Validated flags: the launch plan and the base TrainConfig every run starts from."""
 
     plan: LaunchPlan
     cfg: TrainConfig
+    graph_sets: tuple[GraphPolicy, ...] = ()
+    """The validated GraphPolicy of each graphed run the flags ask for (one per scope set;
+    ``cfg.graphs`` is the only one's, or eager with the shared settings when there are
+    several)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -498,7 +544,7 @@ def resolve(
             raise CLIError(f"--tensor-model-parallel-size {tp}: {err}") from err
     grad_accum = grad_accumulation(args, dp_size)
     mesh_shape, optim_over_replicas = hsdp_mesh(args, plan.world_size)
-    allocator = allocator_of(args)
+    buffer_policy_of(args)  # the buffer flags' own rules, before the graphs'
     impl = args.cuda_graph_impl
     if graph_scope_sets is None:
         given = getattr(args, "cuda_graph_scope", None)
@@ -540,10 +586,12 @@ def resolve(
     )
     check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(
+        **loop_config_fields(
+            args, grad_accum=grad_accum, graphs=run_graphs(policies, args, scope_modules)
+        ),
         model=model,
         packing=packing,
         eod_token_id=args.eod_token_id,
-        strategy=args.data_parallel_sharding_strategy,
         mesh_shape=mesh_shape,
         optim_over_replicas=optim_over_replicas,
         expert_parallel=args.expert_model_parallel_size
@@ -551,29 +599,11 @@ def resolve(
         else None,
         tensor_parallel=tp if tp > 1 else None,
         sequence_parallel=args.sequence_parallel,
-        micro_batch_size=args.micro_batch_size,
-        grad_accum=grad_accum,
-        steps=args.train_iters,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
         grad_comm_dtype="bf16" if args.grad_comm_dtype == "bf16" else None,
         reduce_scatter_fp32_accumulation=fp32_accumulation,
-        allocator=allocator,
-        persist_on_alloc_fail=args.fsdp_db_use_persist_buf_on_alloc_fail,
         recompute=args.recompute_activations,
-        deterministic=args.deterministic,
-        eval_interval=args.eval_interval,
         device=plan.device,
         return_params=False,
-        cuda_graph_impl=policies[0].impl if len(policies) == 1 else impl,
-        cuda_graph_scope=list(graph_scope_sets[0]) if len(graph_scope_sets) == 1 else [],
-        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
-        cuda_graph_scope_modules=scope_modules,
-        cuda_graph_comm=args.cuda_graph_comm,
-        cuda_graph_optimizer=args.cuda_graph_optimizer,
-        fused_optimizer=args.cuda_graph_optimizer,  # the whole step's update is AdamW(fused)
         vocab_parallel_embedding=args.vocab_parallel_embedding,
     )
-    return Resolved(plan=plan, cfg=cfg)
+    return Resolved(plan=plan, cfg=cfg, graph_sets=tuple(policies))

@@ -38,7 +38,7 @@ from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import add_common_args, add_fused_adamw_arg, resolve
+from graph_fsdp.cli.options import add_fused_adamw_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.cuda_streams import NVTX_ENV
 from graph_fsdp.training.processes import LaunchPlan, launch
@@ -47,14 +47,14 @@ UNDER_NSYS = "GRAPH_FSDP_UNDER_NSYS"
 """Set in the environment of the re-executed command, so it does not re-exec again."""
 
 
-def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "profile",
-        help="Profile a few steps (nsys or torch profiler) and summarise them.",
-        formatter_class=formatter,
-        description=__doc__,
-    )
-    add_common_args(p, iters_default=3, iters_help="Profiled steps (after --warmup-iters).")
+HELP = "Profile a few steps (nsys or torch profiler) and summarise them."
+"""The command's line in ``graph-fsdp --help``."""
+COMMON_FLAGS = dict(iters_default=3, iters_help="Profiled steps (after --warmup-iters).")
+"""How the shared flags (options.add_common_args) read in this command."""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of this command alone (main.build_parser adds the shared ones first)."""
     g = p.add_argument_group("profiling")
     g.add_argument(
         "--warmup-iters",
@@ -104,8 +104,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         action="store_true",
         help="--memory: also write rank 0's raw snapshot pickle (pytorch.org/memory_viz).",
     )
-    p.set_defaults(handler=main, subparser=p)
-    return p
 
 
 def _under_nsys() -> bool:
@@ -207,7 +205,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"graph-fsdp profile: {args.train_iters} steps after {args.warmup_iters} warmup on "
         f"{res.plan.describe()}; {res.cfg.strategy}, "
-        f"{'eager' if res.cfg.cuda_graph_impl == 'none' else res.cfg.cuda_graph_impl + ' graphs'}"
+        f"{res.cfg.graphs.impl + ' graphs' if res.cfg.graphs.enabled else 'eager'}"
     )
     print(f"code: {stamp_line()}")
     summary_path = os.path.join(output_dir, "profile_summary.json")
@@ -236,15 +234,12 @@ def _memory(args: argparse.Namespace, res, output_dir: str) -> int:
     if args.memory_max_entries < 1000:
         raise CLIError(f"--memory-max-entries {args.memory_max_entries} must be >= 1000")
     cfg = dataclasses.replace(res.cfg, fused_optimizer=res.cfg.fused_optimizer or args.fused_adamw)
-    if args.memory == "fsdp2" and cfg.cuda_graph_impl != "none":
+    if args.memory == "fsdp2" and cfg.graphs.enabled:
         raise CLIError(
             "--memory fsdp2 runs torch FSDP2 eagerly: drop --cuda-graph-impl/--cuda-graph-scope"
         )
-    mode = (
-        "eager"
-        if cfg.cuda_graph_impl == "none"
-        else f"{cfg.cuda_graph_impl}_{'_'.join(cfg.cuda_graph_scope) or 'layer'}"
-    )
+    graphs = cfg.graphs
+    mode = f"{graphs.impl}_{'_'.join(graphs.scopes) or 'layer'}" if graphs.enabled else "eager"
     label = args.memory_label or f"{args.memory}_{mode}"
     if not label.replace("_", "").replace("-", "").isalnum():
         raise CLIError(f"--memory-label {label!r}: use letters, digits, '-' and '_' only")

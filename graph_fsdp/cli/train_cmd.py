@@ -22,7 +22,7 @@ from statistics import median
 from tqdm import tqdm
 
 from graph_fsdp.cli import mcore
-from graph_fsdp.cli.options import add_common_args, resolve
+from graph_fsdp.cli.options import resolve
 from graph_fsdp.cli.packing_options import check_packed_data
 from graph_fsdp.cli.train_options import (
     check_data_path,
@@ -42,20 +42,18 @@ from graph_fsdp.training.processes import launch
 from graph_fsdp.training.supervision import Interrupted, console
 from graph_fsdp.training.train import TrainConfig, placement_label, run
 
+HELP = "Train the reference model under graph_fsdp."
+"""The command's line in ``graph-fsdp --help``."""
+COMMON_FLAGS = dict(
+    iters_default=10,
+    iters_help="Optimizer steps to train (in total, "
+    "counting the iterations a --load checkpoint already holds).",
+)
+"""How the shared flags (options.add_common_args) read in this command."""
 
-def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "train",
-        help="Train the reference model under graph_fsdp.",
-        formatter_class=formatter,
-        description=__doc__,
-    )
-    add_common_args(
-        p,
-        iters_default=10,
-        iters_help="Optimizer steps to train (in total, "
-        "counting the iterations a --load checkpoint already holds).",
-    )
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of this command alone (main.build_parser adds the shared ones first)."""
     graphs = next(g for g in p._action_groups if g.title == "CUDA graphs")  # add_graph_args'
     graphs.add_argument(
         "--cuda-graph-verify",
@@ -166,8 +164,6 @@ def add_parser(subparsers, formatter) -> argparse.ArgumentParser:
         help="Rank 0 writes one JSON record per step (JSON lines) to PATH (overwritten).",
     )
     mcore.add_megatron_args(p)  # --model mcore-gpt|mcore-moe and Megatron-Bridge's FSDP settings
-    p.set_defaults(handler=main, subparser=p)
-    return p
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
     shapes = model_shapes(res.cfg.model) if args.load else None
     plan = checkpoint_plan(args, shapes)
     start = plan.start
-    cfg = replace(res.cfg, **loop_fields(args, plan), cuda_graph_verify=verify_option(args))
+    cfg = replace(res.cfg.with_graphs(verify=verify_option(args)), **loop_fields(args, plan))
     if args.data_path and cfg.packing is not None:
         # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
         packs = (start + cfg.steps) * cfg.grad_accum * res.data_parallel_size

@@ -351,10 +351,10 @@ def verification_lines(result: dict) -> list[str]:
 
 def graphs_label(cfg) -> str:
     """How a run's steps execute, for summaries: ``eager`` or ``<impl> graphs [<scopes>]``."""
-    whole_step = cfg.cuda_graph_optimizer
-    if cfg.cuda_graph_impl == "none":
-        return "eager (whole-step API)" if whole_step else "eager"
-    return f"{cfg.cuda_graph_impl} graphs [{scope_label(cfg.cuda_graph_scope, whole_step)}]"
+    graphs = cfg.graphs
+    if not graphs.enabled:
+        return "eager (whole-step API)" if graphs.optimizer else "eager"
+    return f"{graphs.impl} graphs [{scope_label(graphs.scopes, graphs.optimizer)}]"
 
 
 def input_lines(cfg) -> list[str]:

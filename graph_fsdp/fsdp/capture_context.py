@@ -27,7 +27,7 @@ dispatcher]). Every switch is restored in ``finally`` (a failed capture leaves e
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 
@@ -73,21 +73,20 @@ class CaptureContext:
         self.comm_graphs: CommGraphRunner | None = None
         """The communication graphs lent to every group; None: every collective eager."""
 
-    @contextmanager
-    def layerwise_capture(self) -> Iterator[None]:
-        self.capturing_layers = True
-        try:
-            yield
-        finally:
-            self.capturing_layers = False
+    def layerwise_capture(self) -> AbstractContextManager[None]:
+        return self._switched_on("capturing_layers")
+
+    def refreshing_weights(self) -> AbstractContextManager[None]:
+        return self._switched_on("refresh_weights")
 
     @contextmanager
-    def refreshing_weights(self) -> Iterator[None]:
-        self.refresh_weights = True
+    def _switched_on(self, switch: str) -> Iterator[None]:
+        """``switch`` (a bool attribute) on for the block, off after it, whatever happens."""
+        setattr(self, switch, True)
         try:
             yield
         finally:
-            self.refresh_weights = False
+            setattr(self, switch, False)
 
     def lend_comm_graphs(self, graphs: CommGraphRunner) -> None:
         self.comm_graphs = graphs

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
 from graph_fsdp.models.packed import check_packed_inputs, document_mask, packed_loss_sum
@@ -154,8 +154,7 @@ class HFAdapter(ModelAdapter):
         if self.reference:
             return MixedPrecisionReference(model, cfg, world_size)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
-        bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
-        placement = dict(strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+        placement = dict(strategy=cfg.strategy, mp_policy=mp, buffer_policy=cfg.buffers)
         for layer in hf_decoder_layers(lm):
             fully_shard(layer, **placement)
         if cfg.vocab_parallel_embedding:
@@ -173,7 +172,7 @@ class HFAdapter(ModelAdapter):
     def make_graphs(self, trainer: Trainer):
         if self.reference:
             return None
-        return self.cfg.graph_policy.build(
+        return self.cfg.graphs.build(
             trainer.model, optimizer=trainer.optimizer, clip_grad=self.cfg.clip_grad
         )
 

@@ -26,17 +26,19 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from graph_fsdp.capture.policy import GraphPolicy
-from graph_fsdp.capture.step import HostClock, eager_forward_backward
+from graph_fsdp.capture.step import HostClock, eager_forward_backward, timed_forward_backward
 from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.models.packed import PackedBatch
 from graph_fsdp.parallel.dropless_ep import take_overflow
@@ -53,9 +55,18 @@ Batch = tuple[torch.Tensor, ...]
 """``(input_ids, labels)``, or packed ``(input_ids, labels, position_ids, cu_seqlens)``."""
 
 
+class _TakesFlatFields(type):
+    """Config classes whose constructor (and so ``dataclasses.replace``) still takes the flat
+    spellings of their section fields (:func:`fold_flat_fields`)."""
+
+    def __call__(cls, *args, **kwargs):
+        return super().__call__(*args, **fold_flat_fields(cls, kwargs))
+
+
 @dataclass(kw_only=True)
-class LoopConfig:
-    """The fields every family's training config has (``TrainConfig``, ``MCoreTrainConfig``)."""
+class LoopConfig(metaclass=_TakesFlatFields):
+    """The fields every family's training config has (``TrainConfig``, ``MCoreTrainConfig``),
+    the CUDA graphs and the buffers as sections (frozen policies)."""
 
     strategy: str = "optim_grads_params"
     """Data-parallel sharding strategy."""
@@ -73,10 +84,6 @@ class LoopConfig:
     """Global gradient-norm clipping before each optimizer step (0: off)."""
     bf16: bool = False
     """bf16 compute weights with fp32 main weights and grads."""
-    allocator: str = "dynamic"
-    """dynamic | double_buffer | trace_pool."""
-    persist_on_alloc_fail: bool = False
-    """Dedicated persistent buffers for unplanned requests."""
     eval_interval: int = 0
     """Run a forward-only eval pass every N steps (0: never)."""
     save_path: str | None = None
@@ -121,40 +128,83 @@ class LoopConfig:
     """JSON lines: one record per step (rank 0)."""
     return_params: bool = True
     """Gather full parameters at the end (for parity tests)."""
-    cuda_graph_impl: str = "none"
-    """none | torch | te: layerwise/full-iteration CUDA graphs (CUDA only)."""
-    cuda_graph_scope: list[str] = field(default_factory=list)
-    """Megatron scopes: [] whole layer, attn, mlp, moe, moe_router, moe_preprocess, full_iteration."""
-    cuda_graph_warmup_steps: int = 2
-    """Eager training steps before capture."""
-    cuda_graph_scope_modules: dict[str, list[str]] = field(default_factory=dict)
-    """Scope -> submodule paths relative to each FSDP unit, replacing that scope's presets
-    or defining a new scope (``{"attn": ["self_attn"]}``; --cuda-graph-scope-modules)."""
-    cuda_graph_comm: bool = True
-    """Layerwise graphs: each unit's gather and reduction kernels replay as CUDA graphs
-    (capture/comm_graphs.py [Note: communication graphs]; --no-cuda-graph-comm: eager)."""
-    cuda_graph_verify: bool | str = False
-    """Check the first graphed step against an eager run of it from the same state and name
-    the first module whose output differs: False, True (record, warn on a difference) or
-    "raise" (graph-fsdp compare turns it on)."""
+    graphs: GraphPolicy = field(default_factory=GraphPolicy)
+    """The run's CUDA graphs (capture/policy.py): backend, scopes, eager steps before capture,
+    verification, communication graphs, the whole step in one graph."""
+    buffers: BufferPolicy = field(default_factory=BufferPolicy)
+    """Where the units' unsharded weights and gradients live (fsdp/api.py)."""
 
-    cuda_graph_optimizer: bool = False
-    """With full_iteration: the whole step in one graph - reductions, clipping, the optimizer
-    step with an Inf/NaN skip on the device, the zeroing (capture/whole_step.py); needs a
-    fused AdamW. With cuda_graph_impl="none": the same step eagerly (its bit-exact twin)."""
+    def __post_init__(self) -> None:
+        for name, kind in (("graphs", GraphPolicy), ("buffers", BufferPolicy)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"{type(self).__name__}.{name}={value!r} must be a {kind.__name__} "
+                    f"({name}={kind.__name__}(...))"
+                )
+
+    def with_graphs(self, **changes) -> LoopConfig:
+        """This config with ``changes`` to its :attr:`graphs` (e.g. ``impl="none",
+        scopes=()`` for the eager run of a graphed one)."""
+        return replace(self, graphs=replace(self.graphs, **changes))
 
     @property
     def graph_policy(self) -> GraphPolicy:
-        """The run's CUDA graphs as one frozen policy (capture/policy.py)."""
-        return GraphPolicy(
-            impl=self.cuda_graph_impl,
-            scopes=tuple(self.cuda_graph_scope),
-            warmup_steps=self.cuda_graph_warmup_steps,
-            verify=self.cuda_graph_verify,
-            comm_graphs=self.cuda_graph_comm,
-            scope_modules=self.cuda_graph_scope_modules,
-            optimizer=self.cuda_graph_optimizer,
-        )
+        """Deprecated spelling of :attr:`graphs`."""
+        _warn_flat("graph_policy", "graphs", stacklevel=2)
+        return self.graphs
+
+    def __getattr__(self, name: str):
+        # Only reached for names the instance does not have: the flat spellings of
+        # section fields (_FLAT_FIELDS), read from their section.
+        where = _FLAT_FIELDS.get(name)
+        if where is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        _warn_flat(name, ".".join(where), stacklevel=2)
+        return getattr(object.__getattribute__(self, where[0]), where[1])
+
+
+_FLAT_FIELDS: dict[str, tuple[str, str]] = {
+    "cuda_graph_impl": ("graphs", "impl"),
+    "cuda_graph_scope": ("graphs", "scopes"),
+    "cuda_graph_warmup_steps": ("graphs", "warmup_steps"),
+    "cuda_graph_scope_modules": ("graphs", "scope_modules"),
+    "cuda_graph_comm": ("graphs", "comm_graphs"),
+    "cuda_graph_verify": ("graphs", "verify"),
+    "cuda_graph_optimizer": ("graphs", "optimizer"),
+    "allocator": ("buffers", "allocator"),
+    "persist_on_alloc_fail": ("buffers", "persist_on_alloc_fail"),
+    "num_slots": ("buffers", "num_slots"),
+}
+"""The flat fields a config had before its sections (old name -> (section, field)): still
+taken by the constructor and ``dataclasses.replace`` (folded into the section) and read as
+attributes, each with a DeprecationWarning."""
+
+
+def _warn_flat(old: str, new: str, *, stacklevel: int) -> None:
+    warnings.warn(
+        f"LoopConfig.{old} is deprecated: use LoopConfig.{new}",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+def fold_flat_fields(cls: type, kwargs: dict) -> dict:
+    """``kwargs`` of a config class with the flat section fields of :data:`_FLAT_FIELDS`
+    folded into their sections (on top of a section ``kwargs`` also gives)."""
+    flat = {k: kwargs.pop(k) for k in list(kwargs) if k in _FLAT_FIELDS}
+    if not flat:
+        return kwargs
+    changes: dict[str, dict] = {}
+    for old, value in flat.items():
+        section, name = _FLAT_FIELDS[old]
+        changes.setdefault(section, {})[name] = value
+        _warn_flat(old, f"{section}.{name}", stacklevel=3)  # the caller of the class
+    defaults = {f.name: f for f in fields(cls)}
+    for section, values in changes.items():
+        base = kwargs.get(section) or defaults[section].default_factory()
+        kwargs[section] = replace(base, **values)
+    return kwargs
 
 
 def use_deterministic_kernels(*, warn_only: bool = False) -> None:
@@ -427,14 +477,10 @@ class MicrobatchStep:
         if not packed:
             return eager_forward_backward(self.model, x, y, self.denom, self.clock)
         position_ids, cu_seqlens, scale = packed
-        t0 = time.perf_counter()
-        loss = self.model(x, y, position_ids=position_ids, cu_seqlens=cu_seqlens) * scale
-        t1 = time.perf_counter()
-        loss.backward()
-        if self.clock is not None:
-            self.clock.forward += t1 - t0
-            self.clock.backward += time.perf_counter() - t1
-        return loss.detach()
+        return timed_forward_backward(
+            lambda: self.model(x, y, position_ids=position_ids, cu_seqlens=cu_seqlens) * scale,
+            self.clock,
+        )
 
 
 def with_token_scale(batches: Iterable[Iterable[Batch]], loss_world: int) -> list[list[Batch]]:

@@ -125,7 +125,9 @@ def estimate_memory(cfg: TrainConfig, *, world_size: int) -> MemoryEstimate:
     placements = placements_for(cfg.strategy)
     owned = math.ceil(local / optim_shard) if placements.optim else local
     if placements.params:  # ZeRO-3: gathered units live in num_slots slots per size class
-        compute = sum(min(cfg.num_slots, count) * size for size, count in units.items()) * cb
+        compute = (
+            sum(min(cfg.buffers.num_slots, count) * size for size, count in units.items()) * cb
+        )
     else:
         compute = local * cb
     grad_shard = shard if placements.grads else 1

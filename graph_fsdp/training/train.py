@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from graph_fsdp.capture import te_backend
-from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.fsdp.experts import init_expert_mesh
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
@@ -81,8 +81,6 @@ class TrainConfig(LoopConfig):
     reduce_scatter_fp32_accumulation: bool = False
     """bf16 gradients over the wire (all-to-all), summed in fp32 by each rank
     (MixedPrecisionPolicy.reduce_scatter_fp32_accumulation)."""
-    num_slots: int = 2
-    """Double-buffer slots per size class."""
     recompute: bool = False
     """Activation checkpointing of every transformer layer."""
     device: str = "cpu"
@@ -96,6 +94,7 @@ class TrainConfig(LoopConfig):
     """Packed documents from ``data_path``: the token that ends each document."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.packing is None:
             return
         if self.packing.budget != self.model.seq_length:
@@ -125,11 +124,7 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         grad_comm_dtype=torch.bfloat16 if cfg.grad_comm_dtype == "bf16" else None,
         reduce_scatter_fp32_accumulation=cfg.reduce_scatter_fp32_accumulation,
     )
-    bp = BufferPolicy(
-        allocator=cfg.allocator,
-        num_slots=cfg.num_slots,
-        persist_on_alloc_fail=cfg.persist_on_alloc_fail,
-    )
+    bp = cfg.buffers
     mesh = data_parallel_mesh(cfg)
     vocab_mesh = None
     if cfg.vocab_parallel_embedding:
@@ -388,8 +383,8 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 def make_graphs(model: nn.Module, cfg: TrainConfig, optimizer: torch.optim.Optimizer | None = None):
     """The CUDA graph runner ``cfg`` asks for (None for eager runs): its GraphPolicy, after the
     TransformerEngine attention check of TE-layer models. The whole-step runner
-    (``cfg.cuda_graph_optimizer``) takes the ``optimizer``."""
-    policy = cfg.graph_policy
+    (``cfg.graphs.optimizer``) takes the ``optimizer``."""
+    policy = cfg.graphs
     if policy.enabled and cfg.model.transformer_impl == "transformer_engine":
         # Before any step; the capture checks every TE attention call again (any model).
         te_backend.check_attention_capture(

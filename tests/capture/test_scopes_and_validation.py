@@ -9,6 +9,7 @@ import torch
 from graph_fsdp_testing import SMALLEST_GPT, spawn_cases
 
 from graph_fsdp.capture import GraphConfigError, check_scopes, check_static_buffers, select_targets
+from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.models import GPTConfig, build_model, transformer_layers
@@ -126,7 +127,6 @@ INVALID = [
     ),
     (dict(cuda_graph_impl="torch", cuda_graph_scope=["full_iteration"]), "full_iteration"),
     (dict(cuda_graph_impl="torch", recompute=True), "recompute=True"),
-    (dict(cuda_graph_impl="graph"), "cuda_graph_impl='graph'"),
     (
         dict(
             cuda_graph_impl="torch",
@@ -156,6 +156,15 @@ def invalid_runs():
 def test_train_run_rejects_invalid_graph_configs(invalid_runs, overrides, match):
     (msg, _) = invalid_runs[repr(overrides)]
     assert pytest.importorskip("re").search(match, msg), msg
+
+
+def test_train_config_rejects_unknown_graph_impl():
+    """An unknown backend is refused when the config is made (its GraphPolicy), before any
+    run: in the sectioned form and in the flat spelling alike."""
+    with pytest.raises(GraphConfigError, match="cuda_graph_impl='graph'"):
+        TrainConfig(model=TINY, steps=1, graphs=GraphPolicy(impl="graph"))
+    with pytest.raises(GraphConfigError, match="cuda_graph_impl='graph'"):
+        dataclasses.replace(TrainConfig(model=TINY, steps=1), cuda_graph_impl="graph")
 
 
 # ------------------------------------------------------------------ TE attention under capture

@@ -146,33 +146,15 @@ def test_train_under_torchrun_runs_ranks_in_process(tmp_path) -> None:
 @pytest.mark.slow
 def test_compare_strategies_identical_then_injected_difference(tmp_path) -> None:
     verdicts = tmp_path / "compare.json"
-    out = _ok(
-        run_cli(
-            "compare",
-            *TINY,
-            "--train-iters",
-            "3",
-            "--reference-strategy",
-            "no_shard",
-            "--log-json",
-            str(verdicts),
-        )
-    )
+    strategies = ("compare", *TINY, "--train-iters", "3", "--reference-strategy", "no_shard")
+    out = _ok(run_cli(*strategies, "--log-json", str(verdicts)))
     assert "reference no_shard eager" in out and "deterministic algorithms on" in out
     assert re.search(r"optim_grads_params eager\s+IDENTICAL", out)
     assert json.loads(verdicts.read_text())["results"][0]["identical"] is True
     assert "\ncode: commit " in out  # the commit that produced the verdicts (provenance.py)
     assert json.loads(verdicts.read_text())["code"]["source_sha256"]
 
-    proc = run_cli(
-        "compare",
-        *TINY,
-        "--train-iters",
-        "3",
-        "--reference-strategy",
-        "no_shard",
-        "--inject-difference",
-    )
+    proc = run_cli(*strategies, "--inject-difference")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     match = re.search(r"DIFFERENT\s+first differing step (\d+)", proc.stdout)
     assert match, proc.stdout
@@ -242,16 +224,7 @@ def test_bench_writes_markdown_json_and_png(tmp_path) -> None:
 @pytest.mark.slow
 def test_profile_writes_traces_and_prints_summary(tmp_path) -> None:
     out_dir = tmp_path / "profile"
-    out = _ok(
-        run_cli(
-            "profile",
-            *TINY,
-            "--train-iters",
-            "2",
-            "--output-dir",
-            str(out_dir),
-        )
-    )
+    out = _ok(run_cli("profile", *TINY, "--train-iters", "2", "--output-dir", str(out_dir)))
     for rank in (0, 1):
         trace = json.loads((out_dir / f"trace_rank{rank}.json").read_text())
         assert any(e.get("name") == "graph_fsdp/step/1" for e in trace["traceEvents"])

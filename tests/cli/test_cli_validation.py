@@ -265,17 +265,8 @@ def test_compare_scope_sets_are_validated(capsys: pytest.CaptureFixture) -> None
     assert "--scopes: unknown" not in err and "moe_preprocess requires moe_router" in err
     err = error_of(capsys, "compare", *TINY, "--reference-strategy", "no_shard", "--scopes", "attn")
     assert "--scopes is given but --cuda-graph-impl is none" in err
-    err = error_of(
-        capsys,
-        "compare",
-        *TINY,
-        "--cuda-graph-impl",
-        "te",
-        "--scopes",
-        "attn",
-        "--cuda-graph-scope",
-        "attn",
-    )
+    both = "--cuda-graph-impl te --scopes attn --cuda-graph-scope attn".split()
+    err = error_of(capsys, "compare", *TINY, *both)
     assert "--scopes only" in err
 
 
@@ -303,17 +294,8 @@ def test_bench_graph_impls_must_agree_with_cuda_graph_impl(capsys: pytest.Captur
 def test_bench_layerwise_rule_applies_even_where_rows_are_skipped(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    err = error_of(
-        capsys,
-        "bench",
-        *TINY,
-        "--cuda-graph-impl",
-        "torch",
-        "--scopes",
-        "attn",
-        "--cuda-graph-warmup-steps",
-        "0",
-    )
+    layerwise = "--cuda-graph-impl torch --scopes attn --cuda-graph-warmup-steps 0".split()
+    err = error_of(capsys, "bench", *TINY, *layerwise)
     assert "--fsdp-double-buffer" in err
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations.megatron import tp as megatron_tp
 from graph_fsdp.integrations.megatron.megatron_fsdp import megatron_fsdp_shard
@@ -143,7 +143,7 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
             )
         return _build_megatron_fsdp(cfg, lm, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
-    bp = BufferPolicy(allocator=cfg.allocator, persist_on_alloc_fail=cfg.persist_on_alloc_fail)
+    bp = cfg.buffers
     gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
     # graph_fsdp.training.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
@@ -256,12 +256,12 @@ class MCoreAdapter(ModelAdapter):
         # Config-only rules of graph_fsdp's graphs first: nothing is built for a run that
         # cannot go.
         schedule = cfg.engine == "graph_fsdp" and cfg.use_megatron_schedule
-        if schedule and cfg.cuda_graph_verify:
+        if schedule and cfg.graphs.verify:
             raise ValueError(
                 "cuda_graph_verify checks a step of graph_fsdp's loop (graphs.forward_backward); "
                 "use it without use_megatron_schedule"
             )
-        if schedule and "full_iteration" in cfg.cuda_graph_scope:
+        if schedule and cfg.graphs.full_iteration:
             raise ValueError(
                 "full_iteration replaces the forward/backward schedule with one graph per "
                 "microbatch; use it without use_megatron_schedule"
@@ -292,7 +292,7 @@ class MCoreAdapter(ModelAdapter):
         return gm.build_graphs(
             trainer.model,
             self.cfg.model,
-            self.cfg.graph_policy,
+            self.cfg.graphs,
             optimizer=trainer.optimizer,
             clip_grad=self.cfg.clip_grad,
         )
