@@ -124,17 +124,6 @@ def test_profile_default_warmup_covers_the_graph_warmup(capsys) -> None:
         assert "needs a CUDA device" in line and "--warmup-iters" not in line, line
 
 
-@pytest.mark.slow
-def test_version_and_python_m_graph_fsdp() -> None:
-    from graph_fsdp import __version__
-
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for cmd in (["-m", "graph_fsdp", "--version"], ["-m", "graph_fsdp.cli.main", "--version"]):
-        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == f"graph-fsdp {__version__}"
-
-
 # --------------------------------------------------------------------------------------------
 # With a checkpoint: --load checks, a failing rank, a save killed half-way
 # --------------------------------------------------------------------------------------------
