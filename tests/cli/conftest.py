@@ -3,6 +3,9 @@ several test files read (copies of it where they change it)."""
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 from _cli_helpers import TINY, run_cli
 
@@ -27,3 +30,19 @@ def saved_run(tmp_path_factory) -> dict:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return {"ck": ck, "start": 5, "out": proc.stdout}
+
+
+@pytest.fixture(scope="session")
+def token_file_run(tmp_path_factory) -> dict:
+    """``graph-fsdp train --train-iters 4 --lr 1e-2 --deterministic --data-path FILE`` on a
+    learnable token file (every token determines the next, period 13; 400 samples of 16), the
+    run test_cli_train_data.py and test_cli_optimizer_offload.py both examine. ``path``: the
+    file, ``proc``: the finished command, ``losses``: its --log-json losses."""
+    root = tmp_path_factory.mktemp("token_file_run")
+    path, log = root / "tokens.bin", root / "steps.jsonl"
+    ((np.arange(400 * 16 + 1) * 7) % 13).astype(np.uint16).tofile(path)
+    flags = ["train", *TINY, "--train-iters", "4", "--lr", "1e-2", "--deterministic"]
+    proc = run_cli(*flags, "--data-path", str(path), "--log-json", str(log))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    return {"path": str(path), "proc": proc, "losses": losses}

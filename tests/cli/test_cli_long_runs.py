@@ -1,8 +1,8 @@
 """Long runs on the real command line (2 gloo ranks, a 2-layer model): periodic checkpoints
 Megatron's way (``iter_NNNNNNN/`` and ``latest_checkpointed_iteration.txt``) that survive a
 Ctrl-C, resume from the latest one, a NaN that stops the run without touching the
-checkpoints, resume flags that are obeyed or refused, a corrupted shard and a full disk named
-in one line.
+checkpoints, resume flags that are obeyed or refused, and a full disk named in one line (a
+corrupted shard: test_cli_safety.py).
 """
 
 from __future__ import annotations
@@ -162,18 +162,8 @@ def test_without_the_check_a_nan_model_is_still_never_saved(saved_run, tmp_path)
     assert _tree(ck) == before
 
 
-@pytest.mark.slow
-def test_a_flipped_byte_in_a_shard_is_named(saved_run, tmp_path) -> None:
-    """One byte of a shard flipped, the size unchanged: the checksum names the file (exit 1)."""
-    ck = shutil.copytree(saved_run["ck"], tmp_path / "ck")
-    latest = int((ck / TRACKER).read_text())
-    shard = ck / f"iter_{latest:07d}" / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(data)
-    proc = run_cli("train", *TINY, "--train-iters", str(latest + 1), "--load", str(ck))
-    line = _failure(proc)
-    assert f"CheckpointError: checkpoint file {shard} is corrupt" in line, line
+# A flipped byte in a shard, named by the checksum: the --verbose run of
+# test_cli_safety.py::test_a_failing_rank_is_one_line_naming_the_log loads such a copy.
 
 
 SITE_DISK_FULL = '''

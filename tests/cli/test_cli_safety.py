@@ -171,7 +171,9 @@ def _stderr_lines(proc) -> list[str]:
 @pytest.mark.slow
 def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     """A checkpoint file corrupted inside (its size intact: only the ranks can tell): the
-    launcher prints which rank failed, how, and the log holding every rank's traceback."""
+    launcher prints which rank failed, how, and the log holding every rank's traceback; with
+    --verbose the tracebacks come first. A single flipped byte is named the same way (the
+    --verbose run loads a copy with one)."""
     bad = _copy(saved, tmp_path / "bad")
     data = os.path.join(bad, f"iter_{LATEST:07d}", "__1_0.distcp")
     raw = bytearray(open(data, "rb").read())
@@ -189,12 +191,22 @@ def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     text = open(log).read()
     assert text.count("--- rank") == 2 and "Traceback (most recent call last)" in text
     os.unlink(log)
+    # --verbose, and the smallest corruption: one byte of a shard flipped, the size unchanged
+    # (the checksum still names the file).
+    flipped = _copy(saved, tmp_path / "flipped")
+    shard = os.path.join(flipped, f"iter_{LATEST:07d}", "__1_0.distcp")
+    raw = bytearray(open(shard, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    with open(shard, "wb") as f:
+        f.write(raw)
     verbose = run_cli(
-        "train", *TINY, "--train-iters", str(LATEST + 2), "--load", bad, "--verbose"
+        "train", *TINY, "--train-iters", str(LATEST + 2), "--load", flipped, "--verbose"
     )
     assert verbose.returncode == 1
     assert "Traceback (most recent call last)" in verbose.stderr
     assert verbose.stderr.rstrip().endswith("[tracebacks above]"), verbose.stderr[-500:]
+    (line,) = [ln for ln in _stderr_lines(verbose) if ln.startswith("graph-fsdp train: rank ")]
+    assert f"CheckpointError: checkpoint file {shard} is corrupt" in line, line
 
 
 def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
