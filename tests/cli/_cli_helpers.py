@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,14 @@ def run_cli(
     *args: str, timeout: float = 120, launcher: list[str] | None = None, cwd: str | None = None
 ) -> subprocess.CompletedProcess:
     """``python -m graph_fsdp.cli.main ARGS`` (or under ``launcher``) in a clean environment."""
+    cmd = (launcher or [sys.executable]) + ["-m", "graph_fsdp.cli.main", *args]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=cwd or REPO
+    )
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without a launcher's variables, importing this checkout's package."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -41,10 +50,36 @@ def run_cli(
     env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # the engine's deprecated c10d calls
     # This checkout's package, whatever else an editable install may point at.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = (launcher or [sys.executable]) + ["-m", "graph_fsdp.cli.main", *args]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or REPO
-    )
+    return env
+
+
+ENTRY_POINTS = """
+import runpy, sys
+for module, argv in CALLS:
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = "(no exit)"
+    except SystemExit as exc:
+        code = exc.code
+    print(f"=== exit {code}", flush=True)
+"""
+
+
+def run_module_entries(calls: list[tuple[str, list[str]]], timeout: float = 120) -> list:
+    """``python -m MODULE ARGV`` for each ``(MODULE, ARGV)`` of ``calls``, one after another in
+    one Python process (runpy, the machinery behind ``python -m``: the module runs as
+    ``__main__`` with that ``sys.argv``), so the interpreter and torch start once.
+    ``[(exit code as text, stdout)]``, one per call."""
+    script = f"CALLS = {calls!r}\n{ENTRY_POINTS}"
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parts = re.split(r"=== exit (.*)\n", proc.stdout)
+    assert len(parts) == 2 * len(calls) + 1 and not parts[-1], (proc.stdout, proc.stderr)
+    return [(parts[i + 1], parts[i]) for i in range(0, 2 * len(calls), 2)]
 
 
 def saved_meta(root, iteration: int) -> dict:

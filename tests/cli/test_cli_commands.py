@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from _cli_helpers import SETTINGS, TINY, run_cli, saved_meta
+from _cli_helpers import SETTINGS, TINY, run_cli, run_module_entries, saved_meta
 
 
 def _ok(proc) -> str:
@@ -237,7 +237,29 @@ def test_profile_writes_traces_and_prints_summary(tmp_path) -> None:
     assert summary["code"]["source_sha256"] and len(summary["ranks"]) == 2
 
 
-@pytest.mark.parametrize("command", ["train", "compare", "bench", "profile"])
-def test_module_entry_prints_each_commands_help(command: str) -> None:
-    proc = run_cli(command, "--help", timeout=60)
-    assert proc.returncode == 0 and f"usage: graph-fsdp {command}" in proc.stdout, proc.stderr
+COMMANDS = ["train", "compare", "bench", "profile"]
+
+
+@pytest.fixture(scope="module")
+def module_entries() -> dict:
+    """``python -m graph_fsdp.cli.main CMD --help`` for each command and ``--version`` of it
+    and of ``python -m graph_fsdp``, all in one Python process (run_module_entries)."""
+    calls = [("graph_fsdp.cli.main", [command, "--help"]) for command in COMMANDS]
+    calls += [("graph_fsdp", ["--version"]), ("graph_fsdp.cli.main", ["--version"])]
+    results = run_module_entries(calls, timeout=120)
+    return {(module, argv[0]): result for (module, argv), result in zip(calls, results)}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_module_entry_prints_each_commands_help(module_entries, command: str) -> None:
+    code, out = module_entries[("graph_fsdp.cli.main", command)]
+    assert code == "0" and f"usage: graph-fsdp {command}" in out, (code, out)
+
+
+def test_version_and_python_m_graph_fsdp(module_entries) -> None:
+    from graph_fsdp import __version__
+
+    for module in ("graph_fsdp", "graph_fsdp.cli.main"):
+        code, out = module_entries[(module, "--version")]
+        assert code == "0", (module, code, out)
+        assert out.strip() == f"graph-fsdp {__version__}"

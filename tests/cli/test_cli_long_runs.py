@@ -1,8 +1,8 @@
 """Long runs on the real command line (2 gloo ranks, a 2-layer model): periodic checkpoints
 Megatron's way (``iter_NNNNNNN/`` and ``latest_checkpointed_iteration.txt``) that survive a
 Ctrl-C, resume from the latest one, a NaN that stops the run without touching the
-checkpoints, resume flags that are obeyed or refused, a corrupted shard and a full disk named
-in one line.
+checkpoints, resume flags that are obeyed or refused, and a full disk named in one line (a
+corrupted shard: test_cli_safety.py).
 """
 
 from __future__ import annotations
@@ -55,26 +55,15 @@ def _failure(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> dict:
-    """``--train-iters 5 --save-interval 2 --save-keep-last 2``: saves at 2, 4 and the end (5),
-    keeps 4 and 5, the tracker names 5 (read-only use: tests copy it)."""
-    ck = tmp_path_factory.mktemp("long") / "ck"
-    proc = run_cli(
-        "train", *TINY, "--train-iters", "5", "--save", str(ck), "--save-interval", "2",
-        "--save-keep-last", "2",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return {"ck": ck, "start": 5, "out": proc.stdout}
-
-
-def test_periodic_checkpoints_every_interval_and_at_the_end(run_dir) -> None:
-    """Megatron's layout: iter_NNNNNNN per save, the last 2 kept, the tracker naming the end."""
-    ck = run_dir["ck"]
+def test_periodic_checkpoints_every_interval_and_at_the_end(saved_run) -> None:
+    """Megatron's layout: iter_NNNNNNN per save, the last 2 kept, the tracker naming the end
+    (the run of conftest.py's ``saved_run``: --train-iters 5 --save-interval 2
+    --save-keep-last 2)."""
+    ck = saved_run["ck"]
     assert sorted(os.listdir(ck)) == ["iter_0000004", "iter_0000005", TRACKER]
     assert saved_meta(ck, 5) == {"iteration": 5, "model": "gpt", "optimizer": SETTINGS}
     line = f"checkpoint: {ck} (iteration 5) - {ck}/iter_0000005, named by {TRACKER}"
-    assert line in run_dir["out"], run_dir["out"]
+    assert line in saved_run["out"], saved_run["out"]
 
 
 @pytest.mark.slow
@@ -110,10 +99,10 @@ def test_ctrl_c_keeps_the_periodic_checkpoints_and_resumes_from_the_latest(tmp_p
     assert "1 steps on 2 x cpu" in resumed.stdout, resumed.stdout
 
 
-def test_resume_refuses_changed_optimizer_settings(capsys, run_dir) -> None:
+def test_resume_refuses_changed_optimizer_settings(capsys, saved_run) -> None:
     """--lr / --weight-decay that differ from the checkpoint's: refused before any rank
     starts, naming both values and the two flags that choose."""
-    ck = str(run_dir["ck"])
+    ck = str(saved_run["ck"])
     more = ["--train-iters", "6", "--load", ck]
     err = cli_error(capsys, "train", *TINY, *more, "--lr", "0.5", "--weight-decay", "0.1")
     assert f"--load {ck}/iter_0000005: the command line's optimizer settings" in err, err
@@ -131,12 +120,12 @@ def test_resume_refuses_changed_optimizer_settings(capsys, run_dir) -> None:
     assert "--save-keep-last is given without --save" in err, err
 
 
-def test_nan_stops_the_run_and_never_reaches_a_checkpoint(run_dir, tmp_path) -> None:
+def test_nan_stops_the_run_and_never_reaches_a_checkpoint(saved_run, tmp_path) -> None:
     """--lr 1e30 taken from the command line (--override-opt_param-scheduler): the first step
     makes the weights ~1e30 (finite, saved at the even iteration 6), a later step's loss is
     NaN: the run stops with exit 1 and one line naming the iteration and the value, before
     any save of a non-finite model; every checkpoint is finite, the log has no bare NaN."""
-    ck = shutil.copytree(run_dir["ck"], tmp_path / "ck")
+    ck = shutil.copytree(saved_run["ck"], tmp_path / "ck")
     log = tmp_path / "steps.jsonl"
     proc = run_cli(
         "train", *TINY, "--train-iters", "30", "--load", str(ck), "--save", str(ck),
@@ -159,11 +148,11 @@ def test_nan_stops_the_run_and_never_reaches_a_checkpoint(run_dir, tmp_path) -> 
 
 
 @pytest.mark.slow
-def test_without_the_check_a_nan_model_is_still_never_saved(run_dir, tmp_path) -> None:
+def test_without_the_check_a_nan_model_is_still_never_saved(saved_run, tmp_path) -> None:
     """--no-check-for-nan-in-loss-and-grad trains on through NaN, but the save at the end
     refuses the model: exit 1, one line; the checkpoint directory is byte for byte as it was."""
-    ck = shutil.copytree(run_dir["ck"], tmp_path / "ck")
-    before, start = _tree(ck), run_dir["start"]
+    ck = shutil.copytree(saved_run["ck"], tmp_path / "ck")
+    before, start = _tree(ck), saved_run["start"]
     proc = run_cli(
         "train", *TINY, "--train-iters", str(start + 3), "--load", str(ck), "--save", str(ck),
         "--lr", "1e30", "--override-opt_param-scheduler", "--no-check-for-nan-in-loss-and-grad",
@@ -173,18 +162,8 @@ def test_without_the_check_a_nan_model_is_still_never_saved(run_dir, tmp_path) -
     assert _tree(ck) == before
 
 
-@pytest.mark.slow
-def test_a_flipped_byte_in_a_shard_is_named(run_dir, tmp_path) -> None:
-    """One byte of a shard flipped, the size unchanged: the checksum names the file (exit 1)."""
-    ck = shutil.copytree(run_dir["ck"], tmp_path / "ck")
-    latest = int((ck / TRACKER).read_text())
-    shard = ck / f"iter_{latest:07d}" / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(data)
-    proc = run_cli("train", *TINY, "--train-iters", str(latest + 1), "--load", str(ck))
-    line = _failure(proc)
-    assert f"CheckpointError: checkpoint file {shard} is corrupt" in line, line
+# A flipped byte in a shard, named by the checksum: the --verbose run of
+# test_cli_safety.py::test_a_failing_rank_is_one_line_naming_the_log loads such a copy.
 
 
 SITE_DISK_FULL = '''
@@ -211,15 +190,15 @@ filesystem.FileSystem.create_stream = _disk_full
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux /dev/full")
-def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(run_dir, tmp_path) -> None:
+def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(saved_run, tmp_path) -> None:
     """Every rank's shard write fails with the kernel's ENOSPC (the shards go to /dev/full, in
     every rank through a sitecustomize): one line saying "no space left on device" and the
     path; the directory holds what it held, no half-written iteration."""
-    ck = shutil.copytree(run_dir["ck"], tmp_path / "ck")
+    ck = shutil.copytree(saved_run["ck"], tmp_path / "ck")
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SITE_DISK_FULL)
-    before, start = _tree(ck), run_dir["start"]
+    before, start = _tree(ck), saved_run["start"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.run(
         [sys.executable, "-m", "graph_fsdp", "train", *TINY, "--train-iters", str(start + 1)]

@@ -3,14 +3,15 @@ line, --load of a file, a token file shorter than the run, a configuration that 
 memory, and the two entry points beside ``graph-fsdp`` (run_demo --help, the RL example on a
 CPU-only machine).
 
-Everything here is refused before any rank starts, so ``main()`` runs in this process; the
-example runs as its own process (its module sets environment variables at import).
+Everything here is refused before any rank starts, so ``main()`` runs in this process; so does
+the example, as ``__main__`` through runpy (the environment variables its module sets at
+import are put back after it).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
+import runpy
 import sys
 import time
 
@@ -126,20 +127,23 @@ def test_run_demo_help_prints_help_and_runs_nothing(capsys) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_rl_example_on_a_cpu_machine_says_how_to_run_it_there() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "rl_loop.py")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-    )
-    assert proc.returncode == 1, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == [
+def test_rl_example_on_a_cpu_machine_says_how_to_run_it_there(capsys, monkeypatch) -> None:
+    """``python examples/rl_loop.py`` run as ``__main__`` in this process (runpy, with its
+    argv; the environment variables it sets at import are put back): it stops with that one
+    line as its exit message (exit status 1) before anything else is printed."""
+    script = str(REPO / "examples" / "rl_loop.py")
+    monkeypatch.setattr(sys, "argv", [script])
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    assert exc.value.code == (
         f"rl_loop.py: error: --device cuda (the default) needs a GPU, and this torch "
         f"{torch.__version__} sees none; on this machine run: python examples/rl_loop.py "
         "--device cpu --preset tiny"
-    ], proc.stderr
+    ), exc.value.code
+    captured = capsys.readouterr()
+    assert not captured.out.strip() and not captured.err.strip(), captured

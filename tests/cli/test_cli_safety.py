@@ -124,31 +124,21 @@ def test_profile_default_warmup_covers_the_graph_warmup(capsys) -> None:
         assert "needs a CUDA device" in line and "--warmup-iters" not in line, line
 
 
-@pytest.mark.slow
-def test_version_and_python_m_graph_fsdp() -> None:
-    from graph_fsdp import __version__
-
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for cmd in (["-m", "graph_fsdp", "--version"], ["-m", "graph_fsdp.cli.main", "--version"]):
-        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env)
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == f"graph-fsdp {__version__}"
-
-
 # --------------------------------------------------------------------------------------------
 # With a checkpoint: --load checks, a failing rank, a save killed half-way
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> str:
-    """The checkpoint directory of 2 iterations ``graph-fsdp train --save`` wrote (read-only
-    use): ``iter_0000002`` and the tracker naming it."""
-    path = tmp_path_factory.mktemp("saved") / "ck"
-    proc = run_cli("train", *TINY, "--train-iters", "2", "--save", str(path))
-    assert proc.returncode == 0, proc.stderr
-    assert saved_meta(path, 2) == {"iteration": 2, "model": "gpt", "optimizer": SETTINGS}
-    return str(path)
+@pytest.fixture
+def saved(saved_run) -> str:
+    """The checkpoint directory conftest.py's ``saved_run`` wrote (read-only use; its layout and
+    records are checked in test_cli_long_runs.py): ``iter_0000004``, ``iter_0000005`` and the
+    tracker naming 5."""
+    return str(saved_run["ck"])
+
+
+LATEST = 5
+"""The iteration the tracker of ``saved`` names."""
 
 
 def _copy(saved: str, dest) -> str:
@@ -160,14 +150,15 @@ def test_load_is_checked_against_the_model_before_any_rank_starts(capsys, saved,
     """Another shape, a truncated file, no iteration record: one line each, exit 2."""
     line = _refused(capsys, "train", *TINY, "--hidden-size", "64", "--load", saved)
     assert "embedding.weight" in line and "another model shape" in line, line
+    more = ["--train-iters", str(LATEST + 2)]
     truncated = _copy(saved, tmp_path / "truncated")
-    data = os.path.join(truncated, "iter_0000002", "__1_0.distcp")
+    data = os.path.join(truncated, f"iter_{LATEST:07d}", "__1_0.distcp")
     os.truncate(data, os.path.getsize(data) // 2)
-    line = _refused(capsys, "train", *TINY, "--train-iters", "4", "--load", truncated)
+    line = _refused(capsys, "train", *TINY, *more, "--load", truncated)
     assert "__1_0.distcp" in line and "truncated" in line, line
     bare = _copy(saved, tmp_path / "bare")
-    os.unlink(os.path.join(bare, "iter_0000002", checkpoint.META_FILE))
-    line = _refused(capsys, "train", *TINY, "--train-iters", "4", "--load", bare)
+    os.unlink(os.path.join(bare, f"iter_{LATEST:07d}", checkpoint.META_FILE))
+    line = _refused(capsys, "train", *TINY, *more, "--load", bare)
     assert "iteration to resume at is unknown" in line and '"iteration": N' in line, line
 
 
@@ -180,14 +171,16 @@ def _stderr_lines(proc) -> list[str]:
 @pytest.mark.slow
 def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     """A checkpoint file corrupted inside (its size intact: only the ranks can tell): the
-    launcher prints which rank failed, how, and the log holding every rank's traceback."""
+    launcher prints which rank failed, how, and the log holding every rank's traceback; with
+    --verbose the tracebacks come first. A single flipped byte is named the same way (the
+    --verbose run loads a copy with one)."""
     bad = _copy(saved, tmp_path / "bad")
-    data = os.path.join(bad, "iter_0000002", "__1_0.distcp")
+    data = os.path.join(bad, f"iter_{LATEST:07d}", "__1_0.distcp")
     raw = bytearray(open(data, "rb").read())
     raw[::7] = bytes(b ^ 0xFF for b in raw[::7])
     with open(data, "wb") as f:
         f.write(raw)
-    proc = run_cli("train", *TINY, "--train-iters", "4", "--load", bad)
+    proc = run_cli("train", *TINY, "--train-iters", str(LATEST + 2), "--load", bad)
     assert proc.returncode == 1, proc.stderr
     lines = _stderr_lines(proc)
     assert len(lines) == 1, lines
@@ -198,10 +191,22 @@ def test_a_failing_rank_is_one_line_naming_the_log(saved, tmp_path) -> None:
     text = open(log).read()
     assert text.count("--- rank") == 2 and "Traceback (most recent call last)" in text
     os.unlink(log)
-    verbose = run_cli("train", *TINY, "--train-iters", "4", "--load", bad, "--verbose")
+    # --verbose, and the smallest corruption: one byte of a shard flipped, the size unchanged
+    # (the checksum still names the file).
+    flipped = _copy(saved, tmp_path / "flipped")
+    shard = os.path.join(flipped, f"iter_{LATEST:07d}", "__1_0.distcp")
+    raw = bytearray(open(shard, "rb").read())
+    raw[len(raw) // 2] ^= 0x01
+    with open(shard, "wb") as f:
+        f.write(raw)
+    verbose = run_cli(
+        "train", *TINY, "--train-iters", str(LATEST + 2), "--load", flipped, "--verbose"
+    )
     assert verbose.returncode == 1
     assert "Traceback (most recent call last)" in verbose.stderr
     assert verbose.stderr.rstrip().endswith("[tracebacks above]"), verbose.stderr[-500:]
+    (line,) = [ln for ln in _stderr_lines(verbose) if ln.startswith("graph-fsdp train: rank ")]
+    assert f"CheckpointError: checkpoint file {shard} is corrupt" in line, line
 
 
 def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
@@ -321,28 +326,31 @@ def test_second_signal_stops_at_once_even_in_a_save(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(saved, tmp_path) -> None:
-    """Rank 0 killed while a new checkpoint of iteration 3 replaces the one there (the old one
+    """Rank 0 killed while a new checkpoint of iteration 6 replaces the one there (the old one
     moved aside, the new one not yet in place): the run fails in one line, and the previous
-    checkpoint of iteration 3 is what the next --load of the directory resumes from."""
+    checkpoint of iteration 6 is what the next --load of the directory resumes from."""
     ck, marker = _copy(saved, tmp_path / "ck"), tmp_path / "paused"
-    three = os.path.join(ck, "iter_0000003")  # as if an earlier run had saved iteration 3
-    shutil.copytree(os.path.join(ck, "iter_0000002"), three)
-    with open(os.path.join(three, checkpoint.META_FILE), "w") as f:
-        json.dump({"iteration": 3, "model": "gpt", "optimizer": SETTINGS}, f)
+    nxt = LATEST + 1
+    later = os.path.join(ck, f"iter_{nxt:07d}")  # as if an earlier run had saved iteration 6
+    shutil.copytree(os.path.join(ck, f"iter_{LATEST:07d}"), later)
+    with open(os.path.join(later, checkpoint.META_FILE), "w") as f:
+        json.dump({"iteration": nxt, "model": "gpt", "optimizer": SETTINGS}, f)
     with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("3")
+        f.write(str(nxt))
     env = {checkpoint.PAUSE_ENV: f"swap:{marker}"}
-    two = os.path.join(ck, "iter_0000002")
-    proc = _start("train", *TINY, "--train-iters", "3", "--load", two, "--save", ck, env=env)
+    latest = os.path.join(ck, f"iter_{LATEST:07d}")
+    proc = _start(
+        "train", *TINY, "--train-iters", str(nxt), "--load", latest, "--save", ck, env=env
+    )
     _wait_for(marker, proc)
     os.kill(int(marker.read_text()), signal.SIGKILL)
     _, _, err = _finish(proc, limit_s=120)
     assert proc.returncode == 1, err
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("graph-fsdp")]
     assert len(lines) == 1 and "rank 0 died without an error (exit signal SIGKILL" in lines[0]
-    assert not os.path.exists(three) and os.path.exists(f"{three}.old")  # between renames
-    resumed = run_cli("train", *TINY, "--train-iters", "4", "--load", ck)
+    assert not os.path.exists(later) and os.path.exists(f"{later}.old")  # between renames
+    resumed = run_cli("train", *TINY, "--train-iters", str(nxt + 1), "--load", ck)
     assert resumed.returncode == 0, resumed.stderr
     assert "the previous checkpoint was put back" in resumed.stderr
-    assert "1 steps on 2 x cpu" in resumed.stdout  # iteration 3 -> 4
-    assert saved_meta(ck, 3)["iteration"] == 3
+    assert "1 steps on 2 x cpu" in resumed.stdout  # iteration 6 -> 7
+    assert saved_meta(ck, nxt)["iteration"] == nxt

@@ -3,12 +3,10 @@ and through ``graph-fsdp train``; a resumed run reads the same batches."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
-from _cli_helpers import TINY, run_cli
 from graph_fsdp_testing import spawn_cases
 
 from graph_fsdp.models import GPTConfig
@@ -22,7 +20,8 @@ MODEL = GPTConfig(
 
 @pytest.fixture
 def token_file(tmp_path):
-    """A learnable stream: every token determines the next (period 13), 400 samples of 16."""
+    """A learnable stream: every token determines the next (period 13), 400 samples of 16 (the
+    file of conftest.py's ``token_file_run``)."""
     path = tmp_path / "tokens.bin"
     ((np.arange(400 * 16 + 1) * 7) % 13).astype(np.uint16).tofile(path)
     return str(path)
@@ -61,14 +60,13 @@ def test_train_run_learns_the_token_file_and_resumes_on_the_same_batches(
 
 
 @pytest.mark.slow
-def test_graph_fsdp_train_data_path_reaches_train_run(tmp_path, token_file) -> None:
-    log = tmp_path / "steps.jsonl"
-    flags = ["train", *TINY, "--train-iters", "4", "--lr", "1e-2", "--deterministic"]
-    proc = run_cli(*flags, "--data-path", token_file, "--log-json", str(log))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_graph_fsdp_train_data_path_reaches_train_run(token_file_run) -> None:
+    """conftest.py's ``token_file_run``: ``graph-fsdp train --data-path FILE`` for 4 iterations
+    (lr 1e-2, deterministic) trains on the file like train.run does."""
+    proc, token_file = token_file_run["proc"], token_file_run["path"]
     assert f"data: {token_file} (uint16 token file)" in proc.stdout
     assert "synthetic tokens" not in proc.stderr
-    cli_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    cli_losses = token_file_run["losses"]
     # The CLI's defaults (micro batch 2, ZeRO-3, seed 1234) as a TrainConfig.
     cfg = TrainConfig(
         model=MODEL,
