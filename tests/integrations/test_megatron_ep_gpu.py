@@ -82,7 +82,7 @@ FAMILIES = {
 }
 REFUSED = {"dropless": [[], ["moe"], ["full_iteration"]]}
 """Scopes the dropless family must refuse at EP > 1 (the dispatch syncs with the host)."""
-BUFFER = 1.5
+BUFFER = 2.0  # EP 2: at most every routed row lands on one rank, twice the balanced load
 """The grouped_mm family's receive buffer per peer: 1.5 x the balanced load (a smaller one
 than the default of every copy, so its overflow flag and all-reduce run in the graphs)."""
 GROUPED_MM_FAMILIES = {
