@@ -7,6 +7,7 @@ Processes are started by :func:`graph_fsdp.training.processes.spawn`; HuggingFac
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import traceback
@@ -18,7 +19,9 @@ import torch.distributed as dist
 
 from graph_fsdp.cli.main import main
 from graph_fsdp.fsdp import checkpoint as ckpt
-from graph_fsdp.models import GPTConfig
+from graph_fsdp.fsdp.fully_shard import fully_shard
+from graph_fsdp.integrations import megatron as gm
+from graph_fsdp.models import GPTConfig, transformer_layers
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig
 
@@ -103,6 +106,15 @@ def needs_gpus(world: int | None = None):
     )
 
 
+def megatron_imports() -> bool:
+    """Whether megatron-core imports here (graph_fsdp.integrations.megatron.require_megatron)."""
+    try:
+        gm.require_megatron()
+    except ImportError:
+        return False
+    return True
+
+
 def megatron_stack_missing() -> str | None:
     """Why the Megatron-Core GPU tests cannot run here (TransformerEngine or megatron-core does
     not import), or None."""
@@ -115,6 +127,45 @@ def megatron_stack_missing() -> str | None:
     except Exception as err:  # noqa: BLE001 - any import failure means no megatron-core
         return f"megatron-core does not import ({err})"
     return None
+
+
+def shard_layers(model: torch.nn.Module, **placement) -> torch.nn.Module:
+    """``fully_shard`` every transformer layer, then the root, with the same ``placement``."""
+    for layer in transformer_layers(model):
+        fully_shard(layer, **placement)
+    return fully_shard(model, **placement)
+
+
+def profile_steps(model, opt, x, y, *, warmup: int = 2, steps: int = 4):
+    """``warmup`` unprofiled training steps on the batch ``(x, y)``, then ``steps`` under the
+    CUDA profiler: the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+    return prof
+
+
+def run_modes(run: Callable, rank: int, world_size: int, base, modes: Mapping[str, dict]) -> dict:
+    """``run(rank, world_size, cfg)`` on ``base`` (as ``"eager"``) and on ``base`` with each
+    mode's changes, by the mode's name; a mode that raises gives ``{"error": traceback}``, so
+    that one failing mode does not hide the others' results."""
+    out = {"eager": run(rank, world_size, base)}
+    for name, change in modes.items():
+        try:
+            out[name] = run(rank, world_size, dataclasses.replace(base, **change))
+        except Exception:  # noqa: BLE001 - reported by the test
+            out[name] = {"error": traceback.format_exc()}
+    return out
 
 
 def cli_error(capsys, *argv: str) -> str:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from graph_fsdp.bench.report import code_line, memory_notes
-from graph_fsdp.bench.runner import measure_row
-from graph_fsdp.bench.verdicts import CudaCounters, graph_label, graph_verdict
+from graph_fsdp.bench.runner import Measured, RowRun, run_rows
+from graph_fsdp.bench.verdicts import graph_label, graph_verdict
 from graph_fsdp.capture.policy import capture_impl
 from graph_fsdp.capture.scopes import scope_label
 from graph_fsdp.integrations.megatron.train import run
@@ -92,48 +92,42 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     """Every row on this rank; rank 0 returns the rows' numbers."""
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    counters = CudaCounters(device) if cuda else None
-    results = []
-    for name, kind, scopes in job.rows:
-        if kind != "none" and not cuda:
-            why = "megatron_fsdp needs" if kind == "megatron_fsdp" else "CUDA graphs need"
-            results.append({"name": name, "status": "skipped", "reason": f"{why} a CUDA device"})
-            continue
-        measured = measure_row(
-            rank,
-            world_size,
-            device,
-            counters,
-            name,
-            lambda kind=kind, scopes=scopes: run(rank, world_size, _row_config(job, kind, scopes)),
-            lambda raw, kind=kind: _row_verdict(kind, raw, job.base.steps - job.warmup),
+    rows = [
+        RowRun(
+            name=name,
+            call=lambda kind=kind, scopes=scopes: run(
+                rank, world_size, _row_config(job, kind, scopes)
+            ),
+            verdict=lambda raw, kind=kind: _row_verdict(kind, raw, job.base.steps - job.warmup),
+            numbers=lambda measured: _measured_row(job, measured),
+            skip=_skip_reason(kind, cuda),
             skips=(ImportError,),  # megatron_fsdp not installed
         )
-        if measured is None:
-            continue
-        if measured.status != "ok":
-            results.append({**measured.out, "status": measured.status, "reason": measured.reason})
-            continue
-        raw = measured.raw
-        timed = raw["times"][job.warmup :]
-        results.append(
-            {
-                **measured.out,
-                "status": "ok",
-                "median_step_ms": median(timed) * 1e3,
-                "min_step_ms": min(timed) * 1e3,
-                "losses": raw["losses"],
-                "final_loss": raw["losses"][-1],
-                "step_times_ms": [t * 1e3 for t in timed],
-            }
-        )
-    if rank != 0:
+        for name, kind, scopes in job.rows
+    ]
+    return run_rows(
+        rank, world_size, device, rows, torch.cuda.get_device_name(device) if cuda else "CPU"
+    )
+
+
+def _skip_reason(kind: str, cuda: bool) -> str | None:
+    if kind == "none" or cuda:
         return None
+    why = "megatron_fsdp needs" if kind == "megatron_fsdp" else "CUDA graphs need"
+    return f"{why} a CUDA device"
+
+
+def _measured_row(job: MCoreBenchJob, measured: Measured) -> dict:
+    raw = measured.raw
+    timed = raw["times"][job.warmup :]
     return {
-        "rows": results,
-        "device_name": torch.cuda.get_device_name(device) if cuda else "CPU",
-        "world_size": world_size,
-        "backend": dist.get_backend(),
+        **measured.out,
+        "status": "ok",
+        "median_step_ms": median(timed) * 1e3,
+        "min_step_ms": min(timed) * 1e3,
+        "losses": raw["losses"],
+        "final_loss": raw["losses"][-1],
+        "step_times_ms": [t * 1e3 for t in timed],
     }
 
 

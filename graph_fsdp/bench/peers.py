@@ -15,6 +15,7 @@ A runner that cannot run here raises :class:`Skip` with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -121,14 +122,21 @@ def accumulating_step(
     rank: int,
     device: torch.device,
     set_sync: Callable[[bool], None] | None,
+    *,
+    autocast: bool = False,
 ) -> Callable[[int], torch.Tensor]:
+    """An eager step of ``cfg.grad_accum`` microbatches of ``rank``'s batches, then the
+    optimizer; ``set_sync(last)`` before each microbatch (sharded models), the forward under
+    :func:`_autocast` with ``autocast`` (the unsharded baseline)."""
+
     def step(i: int) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for micro in range(cfg.grad_accum):
             x, y = _batch(cfg, i, micro, rank, device)
             if set_sync is not None:
                 set_sync(micro == cfg.grad_accum - 1)
-            loss = model(x, y) / cfg.grad_accum
+            with _autocast(cfg, device) if autocast else contextlib.nullcontext():
+                loss = model(x, y) / cfg.grad_accum
             loss.backward()
             total += loss.detach().float()
         opt.step()
@@ -214,19 +222,7 @@ def run_unsharded(rank: int, world_size: int, spec: BenchSpec) -> dict | None:
     def body() -> dict:
         cfg, device = spec.cfg, device_of(spec.cfg)
         model, opt = _unsharded(cfg, device)
-
-        def step(i: int) -> torch.Tensor:
-            total = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                x, y = _batch(cfg, i, micro, 0, device)
-                with _autocast(cfg, device):
-                    loss = model(x, y) / cfg.grad_accum
-                loss.backward()
-                total += loss.detach().float()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return total
-
+        step = accumulating_step(cfg, model, opt, 0, device, None, autocast=True)
         return _timed(spec, device, step, 1)
 
     return _on_rank0(rank, world_size, body)

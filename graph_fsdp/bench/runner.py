@@ -13,7 +13,7 @@ from __future__ import annotations
 import platform
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from statistics import median
 
@@ -319,50 +319,79 @@ def _graph_check(row: Row, raw: dict | None) -> tuple[dict, str | None]:
     )
 
 
-def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
-    """Run every planned row on this rank; rank 0 returns the rows' results."""
-    device = device_of(job.spec.cfg)
-    cuda = device.type == "cuda"
-    counters = CudaCounters(device) if cuda else None
+@dataclass(frozen=True, kw_only=True)
+class RowRun:
+    """One row of a launch as :func:`run_rows` runs it."""
+
+    name: str
+    call: Callable[[], dict | None]
+    """Runs the row on this rank; its raw numbers."""
+    verdict: Callable[[dict | None], tuple[dict, str | None]]
+    """:func:`measure_row`'s ``verdict``: the row's graph fields and why its graphs fail."""
+    numbers: Callable[[Measured], dict]
+    """A row that ran ok: its entry in the report, from what rank 0 measured."""
+    skip: str | None = None
+    """Known up front not to run here, and why."""
+    skips: tuple[type[BaseException], ...] = (Skip,)
+    """Exceptions that mark the row skipped rather than failed."""
+    extra: dict = field(default_factory=dict)
+    """Fields a skipped or failed row's entry records after the measured ones."""
+
+
+def run_rows(
+    rank: int, world_size: int, device: torch.device, rows: Iterable[RowRun], device_name: str
+) -> dict | None:
+    """Every row on this rank, one after another (:func:`measure_row`); rank 0 returns the
+    report's rows - skipped, failed or measured - with the launch's device and size."""
+    counters = CudaCounters(device) if device.type == "cuda" else None
     results = []
-    for row in plan_rows(job):
+    for row in rows:
         if row.skip is not None:
-            results.append(
-                {
-                    "name": row.name,
-                    "status": "skipped",
-                    "reason": row.skip,
-                    "baseline": row.baseline,
-                }
-            )
+            results.append({"name": row.name, "status": "skipped", "reason": row.skip, **row.extra})
             continue
         measured = measure_row(
-            rank,
-            world_size,
-            device,
-            counters,
-            row.name,
-            lambda row=row: row.runner(rank, world_size, row.spec),
-            lambda raw, row=row: _graph_check(row, raw),
+            rank, world_size, device, counters, row.name, row.call, row.verdict, skips=row.skips
         )
         if measured is None:
             continue
-        out = {**measured.out, "baseline": row.baseline}
         if measured.status != "ok":
-            results.append({**out, "status": measured.status, "reason": measured.reason})
+            results.append(
+                {**measured.out, **row.extra, "status": measured.status, "reason": measured.reason}
+            )
             continue
-        result = {**row_result(row, world_size, measured.raw), **out}
-        results.append(result)
-        print(
-            f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "
-            f"{result['tokens_per_s']:,.0f} tokens/s",
-            file=sys.stderr,
-        )
+        results.append(row.numbers(measured))
     if rank != 0:
         return None
     return {
         "rows": results,
-        "device_name": device_name(device.type),
+        "device_name": device_name,
         "world_size": world_size,
         "backend": dist.get_backend() if dist.is_initialized() else None,
     }
+
+
+def bench_worker(rank: int, world_size: int, job: BenchJob) -> dict | None:
+    """Run every planned row on this rank; rank 0 returns the rows' results."""
+    device = device_of(job.spec.cfg)
+    rows = [
+        RowRun(
+            name=row.name,
+            call=lambda row=row: row.runner(rank, world_size, row.spec),
+            verdict=lambda raw, row=row: _graph_check(row, raw),
+            numbers=lambda measured, row=row: _measured_row(row, world_size, measured),
+            skip=row.skip,
+            extra={"baseline": row.baseline},
+        )
+        for row in plan_rows(job)
+    ]
+    return run_rows(rank, world_size, device, rows, device_name(device.type))
+
+
+def _measured_row(row: Row, world_size: int, measured: Measured) -> dict:
+    result = {**row_result(row, world_size, measured.raw), **measured.out, "baseline": row.baseline}
+    print(
+        f"bench: {row.name}: median {result['median_step_ms']:.2f} ms/step, "
+        f"{result['tokens_per_s']:,.0f} tokens/s",
+        file=sys.stderr,
+    )
+    return result

@@ -40,7 +40,7 @@ from graph_fsdp.cli.graph_options import (
     check_graph_environment,
     scope_sets_from,
 )
-from graph_fsdp.cli.options import add_fused_adamw_arg, resolve
+from graph_fsdp.cli.options import add_fused_adamw_arg, add_output_dir_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
 from graph_fsdp.training.processes import launch
@@ -88,12 +88,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help=f"Rows to run, any of: {', '.join(ROWS)} (default: all but reference).",
     )
     add_fused_adamw_arg(g, "the graph_fsdp, FSDP2 and megatron_fsdp rows")
-    g.add_argument(
-        "--output-dir",
-        default=None,
-        metavar="DIR",
-        help="Where results.{md,json,png} go (default: bench/results/<date>_<gpu-or-cpu>).",
-    )
+    add_output_dir_arg(g, "results.{md,json,png}", "bench/results/<date>_<gpu-or-cpu>")
     mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py
 
 

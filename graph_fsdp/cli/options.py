@@ -226,6 +226,16 @@ def add_fused_adamw_arg(group, rows: str) -> None:
     )
 
 
+def add_output_dir_arg(group, holds: str, default: str) -> None:
+    """``--output-dir DIR``: where the command's ``holds`` go (``default`` when not given)."""
+    group.add_argument(
+        "--output-dir",
+        default=None,
+        metavar="DIR",
+        help=f"Where {holds} go (default: {default}).",
+    )
+
+
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("launch")
     g.add_argument(

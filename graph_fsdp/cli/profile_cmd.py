@@ -38,7 +38,7 @@ from graph_fsdp.bench.profiling import ProfileJob, profile_worker
 from graph_fsdp.bench.provenance import code_version, stamp_line
 from graph_fsdp.bench.trace import format_summary
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.cli.options import add_fused_adamw_arg, resolve
+from graph_fsdp.cli.options import add_fused_adamw_arg, add_output_dir_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.cuda_streams import NVTX_ENV
 from graph_fsdp.training.processes import LaunchPlan, launch
@@ -70,12 +70,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: nsys when on PATH and on CUDA, else the torch profiler.",
     )
-    g.add_argument(
-        "--output-dir",
-        default=None,
-        metavar="DIR",
-        help="Where traces go (default: bench/profiles/<date>_<cpu-or-cuda>).",
-    )
+    add_output_dir_arg(g, "traces", "bench/profiles/<date>_<cpu-or-cuda>")
     g.add_argument(
         "--memory",
         choices=ENGINES,

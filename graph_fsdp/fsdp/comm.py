@@ -194,10 +194,14 @@ class _OnStream:
         torch.cuda.set_stream(self.prev)
 
 
-def _dim(ctx: CommContext, over_replicas: bool) -> tuple[dist.ProcessGroup | None, int]:
+def _collective(ctx: CommContext, op: str, fqn: str, over_replicas: bool):
+    """``op``'s group and its size - the shard group, or ``over_replicas`` the replicate
+    group - and its NVTX range, ``graph_fsdp/<op>/<fqn>`` (``<op>_replicas`` over replicas)."""
     if over_replicas:
-        return ctx.replicate_group, ctx.replicate_size
-    return ctx.group, ctx.world_size
+        group, size, op = ctx.replicate_group, ctx.replicate_size, f"{op}_replicas"
+    else:
+        group, size = ctx.group, ctx.world_size
+    return group, size, nvtx_range(f"graph_fsdp/{op}/{fqn}")
 
 
 # [Note: direct collectives] ``dist.all_gather_into_tensor`` and ``dist.reduce_scatter_tensor``
@@ -266,9 +270,8 @@ def all_gather(
     over_replicas: bool = False,
 ) -> None:
     """All-gather over the shard group (or, ``over_replicas``, the replicate group)."""
-    group, size = _dim(ctx, over_replicas)
-    name = "all_gather_replicas" if over_replicas else "all_gather"
-    with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
+    group, size, scope = _collective(ctx, "all_gather", fqn, over_replicas)
+    with scope:
         if size > 1:
             all_gather_into(out, shard, group)
         elif out.data_ptr() != shard.data_ptr():  # in place ([Note: copy-in all-gather])
@@ -285,9 +288,8 @@ def reduce_scatter(
 ) -> None:
     # SUM in both eager and graphed runs; the 1/world scaling happens in fp32 afterwards,
     # the same op on gloo and NCCL (gloo's AVG is not reliable).
-    group, size = _dim(ctx, over_replicas)
-    name = "reduce_scatter_replicas" if over_replicas else "reduce_scatter"
-    with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
+    group, size, scope = _collective(ctx, "reduce_scatter", fqn, over_replicas)
+    with scope:
         if size == 1:
             out.copy_(full)
         else:
@@ -297,8 +299,8 @@ def reduce_scatter(
 def all_to_all(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str) -> None:
     """Piece ``r`` of ``full`` goes to rank ``r`` of the shard group; ``out``'s piece ``r``
     comes from rank ``r`` (reduce.py [Note: reduce-scatter with fp32 accumulation])."""
-    group, size = _dim(ctx, False)
-    with nvtx_range(f"graph_fsdp/all_to_all/{fqn}"):
+    group, size, scope = _collective(ctx, "all_to_all", fqn, False)
+    with scope:
         if size > 1:
             dist.all_to_all_single(out, full, group=group)
         else:
@@ -308,8 +310,7 @@ def all_to_all(out: torch.Tensor, full: torch.Tensor, ctx: CommContext, fqn: str
 def all_reduce(
     full: torch.Tensor, ctx: CommContext, fqn: str, *, over_replicas: bool = False
 ) -> None:
-    group, size = _dim(ctx, over_replicas)
-    name = "all_reduce_replicas" if over_replicas else "all_reduce"
-    with nvtx_range(f"graph_fsdp/{name}/{fqn}"):
+    group, size, scope = _collective(ctx, "all_reduce", fqn, over_replicas)
+    with scope:
         if size > 1:
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)

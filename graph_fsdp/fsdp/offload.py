@@ -46,7 +46,7 @@ runner's next ``before_step`` captures again (layerwise) or its next step does
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -218,6 +218,33 @@ def _suspend_graphs(states: list[FSDPState]) -> int:
     return max(before - torch.cuda.memory_allocated(), 0)
 
 
+def _move_kind(
+    model_or_chunks: ModelOrChunks,
+    kind: str,
+    *,
+    offloading: bool,
+    move: Callable[[list[FSDPState], AddressKeeper | None], dict[str, int]],
+) -> dict[str, int]:
+    """What every offload and onload of a ``kind`` does around its own ``move``: check every
+    chunk first, then ``move(states, keeper)`` each root's units (offload names the mode
+    first), mark the kind offloaded or onloaded, and sum the bytes by kind over the chunks."""
+    action = f"{'offload' if offloading else 'onload'}_{kind}"
+    per_root = _roots(model_or_chunks, action)
+    _check_kind(per_root, kind, offloading=offloading)
+    counts: dict[str, int] = {}
+    for states in per_root:
+        root = states[0].root
+        if offloading:
+            announce(root.offload_mode)
+        for k, nbytes in move(states, _keeper(states)).items():
+            _add(counts, k, nbytes)
+        if offloading:
+            root.offloaded.add(kind)
+        else:
+            root.offloaded.discard(kind)
+    return _totalled(counts)
+
+
 # ---------------------------------------------------------------------- params
 def offload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Move every unit's sharded main weights to (pinned) CPU memory and free the device
@@ -226,17 +253,14 @@ def offload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     Returns bytes freed by kind (``total`` included). Training and forward are refused
     until :func:`onload_params`.
     """
-    per_root = _roots(model_or_chunks, "offload_params")
-    _check_kind(per_root, "params", offloading=True)
-    freed: dict[str, int] = {}
-    for states in per_root:
-        announce(states[0].root.offload_mode)
-        keeper = _keeper(states)
-        part = _offload_kept(states, keeper) if keeper else _offload_recapture(states)
-        for kind, nbytes in part.items():
-            _add(freed, kind, nbytes)
-        states[0].root.offloaded.add("params")
-    return _totalled(freed)
+    return _move_kind(
+        model_or_chunks,
+        "params",
+        offloading=True,
+        move=lambda states, keeper: (
+            _offload_kept(states, keeper) if keeper else _offload_recapture(states)
+        ),
+    )
 
 
 def _offload_recapture(states: list[FSDPState]) -> dict[str, int]:
@@ -310,19 +334,15 @@ def onload_params(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Bring the main weights back to the device and re-create the compute buffers (their
     contents are refreshed from the main weights by the next unshard). Returns the bytes
     allocated on the device by kind."""
-    per_root = _roots(model_or_chunks, "onload_params")
-    _check_kind(per_root, "params", offloading=False)
-    moved: dict[str, int] = {}
-    for states in per_root:
-        keeper = _keeper(states)
-        part = _onload_kept(states, keeper) if keeper else _onload_recapture(states)
-        for kind, nbytes in part.items():
-            _add(moved, kind, nbytes)
-        for state in states:
-            for group in state.groups:
-                group.reattach_grads()
-        states[0].root.offloaded.discard("params")
-    return _totalled(moved)
+    return _move_kind(model_or_chunks, "params", offloading=False, move=_onload_params)
+
+
+def _onload_params(states: list[FSDPState], keeper: AddressKeeper | None) -> dict[str, int]:
+    moved = _onload_kept(states, keeper) if keeper else _onload_recapture(states)
+    for state in states:
+        for group in state.groups:
+            group.reattach_grads()
+    return moved
 
 
 def _onload_recapture(states: list[FSDPState]) -> dict[str, int]:
@@ -362,68 +382,65 @@ def offload_grads(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     values kept. Returns bytes freed by kind; training is refused until :func:`onload_grads`.
     With addresses kept, values nobody can read (no ``.grad`` attached, nothing accumulating:
     the next reduction overwrites them) are not copied."""
-    per_root = _roots(model_or_chunks, "offload_grads")
-    _check_kind(per_root, "grads", offloading=True)
+    return _move_kind(model_or_chunks, "grads", offloading=True, move=_offload_grads)
+
+
+def _offload_grads(states: list[FSDPState], keeper: AddressKeeper | None) -> dict[str, int]:
     freed: dict[str, int] = {}
-    for states in per_root:
-        announce(states[0].root.offload_mode)
-        keeper = _keeper(states)
-        saved = []
-        for state in states:
-            for group in state.groups:
-                live = {"main_grad": group.grads_live(), "accum": group.accum_pending}
-                group.detach_grads()
-                for attr, t in group.persistent_grads().items():
-                    _add(freed, _GRAD_KINDS[attr], _nbytes(t))
-                    device_t = t.detach()
-                    if keeper is None or live[attr]:
-                        group.move_storage(attr, _to_host(device_t))
-                    else:  # nothing to keep: a host tensor of the shape, never written
-                        host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                        group.move_storage(attr, host)
-                    saved.append((group, attr, device_t, live[attr]))
-        _sync(states[0].groups[0].device)
-        for state in states:
-            for group in state.groups:
-                group.repoint_views()
-        if keeper is not None:
-            keeper.saved["grads"] = saved
-            keeper.release("grads", [t for _, _, t, _ in saved])
-        states[0].root.offloaded.add("grads")
-    return _totalled(freed)
+    saved = []
+    for state in states:
+        for group in state.groups:
+            live = {"main_grad": group.grads_live(), "accum": group.accum_pending}
+            group.detach_grads()
+            for attr, t in group.persistent_grads().items():
+                _add(freed, _GRAD_KINDS[attr], _nbytes(t))
+                device_t = t.detach()
+                if keeper is None or live[attr]:
+                    group.move_storage(attr, _to_host(device_t))
+                else:  # nothing to keep: a host tensor of the shape, never written
+                    host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    group.move_storage(attr, host)
+                saved.append((group, attr, device_t, live[attr]))
+    _sync(states[0].groups[0].device)
+    for state in states:
+        for group in state.groups:
+            group.repoint_views()
+    if keeper is not None:
+        keeper.saved["grads"] = saved
+        keeper.release("grads", [t for _, _, t, _ in saved])
+    return freed
 
 
 def onload_grads(model_or_chunks: ModelOrChunks) -> dict[str, int]:
     """Bring the main gradients back; ``.grad`` views are re-attached where they were."""
-    per_root = _roots(model_or_chunks, "onload_grads")
-    _check_kind(per_root, "grads", offloading=False)
+    return _move_kind(model_or_chunks, "grads", offloading=False, move=_onload_grads)
+
+
+def _onload_grads(states: list[FSDPState], keeper: AddressKeeper | None) -> dict[str, int]:
     moved: dict[str, int] = {}
-    for states in per_root:
-        keeper = _keeper(states)
-        device = states[0].groups[0].device
-        if keeper is None:
-            for state in states:
-                for group in state.groups:
-                    for attr, t in group.persistent_grads().items():
-                        group.move_storage(attr, _to_device(t, device))
-                        _add(moved, _GRAD_KINDS[attr], _nbytes(t))
-        else:
-            keeper.restore("grads")
-            for group, attr, device_t, live in keeper.saved.pop("grads"):
-                t = group.persistent_grads()[attr]
-                if live:
-                    device_t.copy_(t, non_blocking=t.is_pinned())
-                group.move_storage(attr, device_t)
-                _add(moved, _GRAD_KINDS[attr], _nbytes(t))
+    device = states[0].groups[0].device
+    if keeper is None:
         for state in states:
             for group in state.groups:
-                group.repoint_views()
-        _sync(device)
-        for state in states:
-            for group in state.groups:
-                group.reattach_grads()
-        states[0].root.offloaded.discard("grads")
-    return _totalled(moved)
+                for attr, t in group.persistent_grads().items():
+                    group.move_storage(attr, _to_device(t, device))
+                    _add(moved, _GRAD_KINDS[attr], _nbytes(t))
+    else:
+        keeper.restore("grads")
+        for group, attr, device_t, live in keeper.saved.pop("grads"):
+            t = group.persistent_grads()[attr]
+            if live:
+                device_t.copy_(t, non_blocking=t.is_pinned())
+            group.move_storage(attr, device_t)
+            _add(moved, _GRAD_KINDS[attr], _nbytes(t))
+    for state in states:
+        for group in state.groups:
+            group.repoint_views()
+    _sync(device)
+    for state in states:
+        for group in state.groups:
+            group.reattach_grads()
+    return moved
 
 
 # ---------------------------------------------------------------------- optimizer

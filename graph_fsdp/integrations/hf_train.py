@@ -23,17 +23,10 @@ from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
 from graph_fsdp.models.packed import check_packed_inputs, document_mask, packed_loss_sum
 from graph_fsdp.parallel.vocab_parallel import shard_embedding_by_vocab
-from graph_fsdp.training.loop import (
-    LoopConfig,
-    ModelAdapter,
-    ShardedTrainer,
-    Trainer,
-    load_checkpoint,
-    run_loop,
-    use_deterministic_kernels,
-)
+from graph_fsdp.training.adapters import DataParallelAdapter, sharded_trainer
+from graph_fsdp.training.loop import LoopConfig, Trainer, run_loop, use_deterministic_kernels
 from graph_fsdp.training.packing import PackingPolicy, RunDocuments
-from graph_fsdp.training.train import MixedPrecisionReference, make_optimizer, vocab_parallel_mesh
+from graph_fsdp.training.train import MixedPrecisionReference, device_of, vocab_parallel_mesh
 
 NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "dropout": 0.0}
 """Config fields some families default to a dropout with (GPT-2, GPTBigCode, OPT): off, so
@@ -70,11 +63,8 @@ class HFTrainConfig(LoopConfig):
     mask, positions restarting per document, the per-token loss. None: fixed rows."""
 
     def __post_init__(self) -> None:
-        if self.packing is not None and self.packing.budget != self.seq_length:
-            raise ValueError(
-                f"PackingPolicy.budget={self.packing.budget} != HFTrainConfig.seq_length="
-                f"{self.seq_length}: a pack is one sequence of the model's length"
-            )
+        if self.packing is not None:
+            self.packing.check_budget(self.seq_length, "HFTrainConfig.seq_length")
 
     @property
     def recompute(self) -> bool:
@@ -114,28 +104,27 @@ class CausalLM(nn.Module):
         return packed_loss_sum(out.logits, labels)
 
 
-class HFAdapter(ModelAdapter):
+class HFAdapter(DataParallelAdapter):
     """A HuggingFace decoder under the loop: sharded per decoder layer, or the reference."""
 
     def __init__(self, cfg: HFTrainConfig) -> None:
-        self.cfg = cfg
-        self.reference = cfg.mode == "reference"
-        self.rank, self.world_size = 0, 1
-        self._documents = (
+        super().__init__(
+            cfg,
             RunDocuments(dataclasses.replace(cfg.packing, seed=cfg.seed), vocab_size=cfg.vocab_size)
             if cfg.packing is not None
-            else None
+            else None,
         )
-        """Packed runs: the training and eval documents."""
+        self.reference = cfg.mode == "reference"
+
+    @property
+    def model_name(self) -> str:
+        return f"hf-{self.cfg.family}"
 
     def setup(self, rank: int, world_size: int) -> torch.device:
-        cfg = self.cfg
-        self.rank, self.world_size = rank, world_size
-        if cfg.deterministic:
+        self.data_rank, self.data_world = rank, world_size
+        if self.cfg.deterministic:
             use_deterministic_kernels()
-        if cfg.device == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return device_of(self.cfg)
 
     def build(self, device: torch.device, world_size: int) -> Trainer:
         cfg = self.cfg
@@ -164,10 +153,7 @@ class HFAdapter(ModelAdapter):
             shard_embedding_by_vocab(model, fqn, mesh["ep"].get_group())
             placement["expert_mesh"] = mesh
         fully_shard(model, **placement)
-        optimizer = make_optimizer(model.parameters(), cfg)
-        if cfg.load_path:
-            load_checkpoint(cfg, model, optimizer)
-        return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
+        return sharded_trainer(model, cfg, device, world_size)
 
     def make_graphs(self, trainer: Trainer):
         if self.reference:
@@ -177,28 +163,18 @@ class HFAdapter(ModelAdapter):
         )
 
     def microbatches(self, step: int, device: torch.device):
-        ranks = range(self.world_size) if self.reference else [self.rank]
+        ranks = range(self.data_world) if self.reference else [self.data_rank]
         accum = self.cfg.grad_accum
         return [[self._batch(step * accum + m, r, device) for r in ranks] for m in range(accum)]
 
-    def eval_batch(self, step: int, device: torch.device):
-        return self._batch(step, self.rank, device, eval=True)
-
-    def _batch(self, index: int, rank: int, device: torch.device, *, eval: bool = False):
+    def fixed_batch(self, index: int, rank: int, device: torch.device, *, eval: bool):
         cfg = self.cfg
-        if self._documents is not None:
-            return self._documents(eval).batch(
-                cfg.micro_batch_size, index, rank, self.world_size, device
-            )
         g = torch.Generator().manual_seed(
             (cfg.seed * 1_000_003 + index * 7919 + rank * 104729 + (1 << 20 if eval else 0)) % 2**63
         )
         ids = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_length), generator=g)
         ids = ids.to(device)
         return ids, ids  # HuggingFace shifts the labels inside its loss
-
-    def checkpoint_meta(self, step: int) -> dict:
-        return {"iteration": step, "model": f"hf-{self.cfg.family}"}
 
 
 def run(rank: int, world_size: int, cfg: HFTrainConfig) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +61,15 @@ class PackingPolicy:
             raise ValueError(
                 f"PackingPolicy.budget={self.budget}: a pack needs at least 2 tokens (one "
                 "input and the label it predicts)"
+            )
+
+    def check_budget(self, seq_length: int, field: str) -> None:
+        """A pack is one sequence of the model's length: ``budget`` must equal ``seq_length``
+        (the config's ``field``, named in the error)."""
+        if self.budget != seq_length:
+            raise ValueError(
+                f"PackingPolicy.budget={self.budget} != {field}={seq_length}: a pack is one "
+                "sequence of the model's length"
             )
 
 
@@ -307,15 +317,10 @@ class RunDocuments:
     """A run's packed documents: its training stream and its eval stream (another region of
     the data), each made on first use."""
 
-    def __init__(
-        self,
-        policy: PackingPolicy,
-        *,
-        vocab_size: int,
-        data_path: str | os.PathLike | None = None,
-        eod_token_id: int | None = None,
-    ) -> None:
-        self._settings = dict(vocab_size=vocab_size, data_path=data_path, eod_token_id=eod_token_id)
+    def __init__(self, policy: PackingPolicy, **settings: Any) -> None:
+        """``settings``: :class:`PackedData`'s keywords but ``eval`` (``vocab_size``, and
+        ``data_path`` with ``eod_token_id`` for documents from a token file)."""
+        self._settings = settings
         self.policy = policy
         self._streams: dict[bool, PackedData] = {}
 

@@ -21,7 +21,6 @@ from graph_fsdp.capture import te_backend
 from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.fsdp.experts import init_expert_mesh
 from graph_fsdp.fsdp.fully_shard import fully_shard
-from graph_fsdp.fsdp.optim_offload import CPUOffloadOptimizer, check_offload_config
 from graph_fsdp.models import (
     GPTConfig,
     build_model,
@@ -31,17 +30,15 @@ from graph_fsdp.models import (
     transformer_layers,
 )
 from graph_fsdp.parallel.vocab_parallel import shard_embedding_by_vocab
-from graph_fsdp.training.data import batch_for
-from graph_fsdp.training.loop import (
-    LoopConfig,
-    ModelAdapter,
-    ShardedTrainer,
-    Trainer,
-    load_checkpoint,
-    run_loop,
-    use_deterministic_kernels,
+from graph_fsdp.training.adapters import (
+    DataParallelAdapter,
+    make_optimizer,
+    packed_documents,
+    sharded_trainer,
 )
-from graph_fsdp.training.packing import PackingPolicy, RunDocuments
+from graph_fsdp.training.data import batch_for
+from graph_fsdp.training.loop import LoopConfig, Trainer, run_loop, use_deterministic_kernels
+from graph_fsdp.training.packing import PackingPolicy
 
 
 @dataclass(kw_only=True)
@@ -97,11 +94,7 @@ class TrainConfig(LoopConfig):
         super().__post_init__()
         if self.packing is None:
             return
-        if self.packing.budget != self.model.seq_length:
-            raise ValueError(
-                f"PackingPolicy.budget={self.packing.budget} != GPTConfig.seq_length="
-                f"{self.model.seq_length}: a pack is one sequence of the model's length"
-            )
+        self.packing.check_budget(self.model.seq_length, "GPTConfig.seq_length")
         refused = _given(self, "tensor_parallel") or (
             {"transformer_impl": self.model.transformer_impl}
             if self.model.transformer_impl != "local"
@@ -367,19 +360,6 @@ def _meta_refusal(cfg: TrainConfig) -> dict:
     return out
 
 
-def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "fused": cfg.fused_optimizer or None}
-    if cfg.optimizer_offload_fraction > 0:
-        check_offload_config(recompute=cfg.recompute)
-        return CPUOffloadOptimizer(
-            params,
-            torch.optim.AdamW,
-            offload_fraction=cfg.optimizer_offload_fraction,
-            **kwargs,
-        )
-    return torch.optim.AdamW(params, **kwargs)
-
-
 def make_graphs(model: nn.Module, cfg: TrainConfig, optimizer: torch.optim.Optimizer | None = None):
     """The CUDA graph runner ``cfg`` asks for (None for eager runs): its GraphPolicy, after the
     TransformerEngine attention check of TE-layer models. The whole-step runner
@@ -398,26 +378,15 @@ def make_graphs(model: nn.Module, cfg: TrainConfig, optimizer: torch.optim.Optim
     )
 
 
-class GPTAdapter(ModelAdapter):
+class GPTAdapter(DataParallelAdapter):
     """graph_fsdp's GPT/MoE model under the loop: ``fully_shard`` on every rank, or the
     unsharded reference (``cfg.mode == "reference"``) on the global batch."""
 
+    model_name = "gpt"
+
     def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, packed_documents(cfg, cfg.model.vocab_size))
         self.reference = cfg.mode == "reference"
-        self.data_rank, self.data_world = 0, 1
-        """This rank's place among the data-parallel ranks (the TP ranks of one share it)."""
-        self._documents = (
-            RunDocuments(
-                cfg.packing,
-                vocab_size=cfg.model.vocab_size,
-                data_path=cfg.data_path,
-                eod_token_id=cfg.eod_token_id,
-            )
-            if cfg.packing is not None
-            else None
-        )
-        """Packed runs: the training and eval documents."""
         self.document_tokens: list[int] = []
         """Packed runs: each step's document (non-padding) tokens on this rank, from the host."""
 
@@ -437,10 +406,7 @@ class GPTAdapter(ModelAdapter):
             return MixedPrecisionReference(build_for(cfg, device), cfg, self.data_world)
         model = build_for(cfg, device, meta=builds_on_meta(cfg))  # [Note: meta build]
         shard_model(model, cfg)
-        optimizer = make_optimizer(model.parameters(), cfg)
-        if cfg.load_path:
-            load_checkpoint(cfg, model, optimizer)
-        return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
+        return sharded_trainer(model, cfg, device, world_size)
 
     def make_graphs(self, trainer: Trainer):
         return None if self.reference else make_graphs(trainer.model, self.cfg, trainer.optimizer)
@@ -467,23 +433,12 @@ class GPTAdapter(ModelAdapter):
         for r in ranks:
             yield self._batch(index, r, device)
 
-    def eval_batch(self, step: int, device: torch.device):
-        return self._batch(step, self.data_rank, device, eval=True)
-
-    def _batch(self, index: int, rank: int, device: torch.device, *, eval: bool = False):
-        cfg = self.cfg
-        if cfg.packing is None:
-            return batch_for(cfg, index, rank, device, eval=eval, world_size=self.data_world)
-        return self._documents(eval).batch(
-            cfg.micro_batch_size, index, rank, self.data_world, device
-        )
+    def fixed_batch(self, index: int, rank: int, device: torch.device, *, eval: bool):
+        return batch_for(self.cfg, index, rank, device, eval=eval, world_size=self.data_world)
 
     def finish(self, trainer: Trainer, graphs, result: dict) -> None:
         if self.cfg.packing is not None:
             result["document_tokens"] = list(self.document_tokens)
-
-    def checkpoint_meta(self, step: int) -> dict:
-        return {"iteration": step, "model": "gpt"}
 
 
 def run(rank: int, world_size: int, cfg: TrainConfig) -> dict:

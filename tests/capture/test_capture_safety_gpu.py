@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
+from graph_fsdp_testing import bit_exact_gpu_run, needs_gpus
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.loop import use_deterministic_kernels
@@ -35,18 +35,10 @@ STEPS, ACCUM = 10, 2
 
 
 def _setup(rank: int):
-    from graph_fsdp.training.train import TrainConfig, build_for, shard_model
+    from graph_fsdp.training.train import build_for, shard_model
 
-    use_deterministic_kernels()
-    cfg = TrainConfig(
-        model=MODEL,
-        bf16=True,
-        micro_batch_size=2,
-        grad_accum=ACCUM,
-        device="cuda",
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-    )
+    use_deterministic_kernels()  # build_for and shard_model do not read cfg.deterministic
+    cfg = bit_exact_gpu_run(MODEL, grad_accum=ACCUM)
     device = torch.device("cuda", rank)
     model = shard_model(build_for(cfg, device), cfg)
     return cfg, device, model, torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_fsdp_testing import spawn_cases
+from graph_fsdp_testing import shard_layers, spawn_cases
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
+from graph_fsdp import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.capture.comm_graphs import MAX_CAPTURES, CommGraphs
-from graph_fsdp.models import GPTConfig, build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
 
 TINY = GPTConfig(vocab_size=128, num_layers=3, hidden_size=32, num_attention_heads=4, seq_length=16)
 
@@ -163,9 +163,7 @@ def _train_steps(rank: int, graphs: bool, pin: bool, mixed: bool, comm) -> dict:
     # they are, the main gradients updated from a separate output (more keys share buffers).
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, grad_comm_dtype=comm)
     buffers = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
-    for layer in transformer_layers(model):
-        fully_shard(layer, mp_policy=mp, buffer_policy=buffers)
-    fully_shard(model, mp_policy=mp, buffer_policy=buffers)
+    shard_layers(model, mp_policy=mp, buffer_policy=buffers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     comm_graphs = CommGraphs(pool=None)
     losses, keys_per_step = [], []

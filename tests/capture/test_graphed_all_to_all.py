@@ -14,14 +14,14 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import TINY_GPT, spawn_cases
+from graph_fsdp_testing import TINY_GPT, shard_layers, spawn_cases
 from torch import nn
 
-from graph_fsdp import MixedPrecisionPolicy, fully_shard
+from graph_fsdp import MixedPrecisionPolicy
 from graph_fsdp.capture import step
 from graph_fsdp.capture.diagnosis import ModuleTracker
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.parallel.ep_dispatch import _AllToAll
 
 TINY = TINY_GPT
@@ -44,9 +44,7 @@ def _sharded(fp32_accumulation: bool) -> nn.Module:
     mp = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_scatter_fp32_accumulation=fp32_accumulation
     )
-    for layer in transformer_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    return fully_shard(model, mp_policy=mp)
+    return shard_layers(model, mp_policy=mp)
 
 
 def _guarded(model: nn.Module, backend: str, env: str | None, body) -> tuple[str, object]:

@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import TINY_GPT, spawn_cases
+from graph_fsdp_testing import TINY_GPT, shard_layers, spawn_cases
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
-from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.training.train import TrainConfig, run
 
 TINY = TINY_GPT
@@ -88,9 +88,7 @@ def _grad_comm_bytes(rank: int, world: int) -> dict:
             param_dtype=torch.bfloat16, reduce_scatter_fp32_accumulation=fp32_accumulation
         )
         bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
-        for layer in transformer_layers(model):
-            fully_shard(layer, mp_policy=mp, buffer_policy=bp)
-        fully_shard(model, mp_policy=mp, buffer_policy=bp)
+        shard_layers(model, mp_policy=mp, buffer_policy=bp)
         x, y = synthetic_batch(TINY, micro_batch_size=2, step=rank, device="cpu")
         model(x, y).backward()
         out[fp32_accumulation] = model.fsdp_memory_report()["peak_live_bytes"]["grad_comm"]

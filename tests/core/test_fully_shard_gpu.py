@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
+from graph_fsdp_testing import needs_gpus, profile_steps
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -36,7 +36,6 @@ def test_bf16_parity_with_single_gpu_reference():
 
 
 def _profile_overlap(rank: int, world: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
 
     from graph_fsdp.models import build_model, synthetic_batch
     from graph_fsdp.training.train import shard_model
@@ -53,17 +52,7 @@ def _profile_overlap(rank: int, world: int) -> dict:
     # GPU-bound (~5 ms of compute per layer): at hidden 1024 the eager step is host-bound,
     # every kernel runs as soon as it is issued and nothing is left to overlap.
     x, y = synthetic_batch(cfg.model, 2, 0, rank=rank, device=torch.device("cuda", rank))
-    for _ in range(2):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(4):
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        torch.cuda.synchronize()
+    prof = profile_steps(model, opt, x, y)
     comm, compute = [], []
     for e in prof.events():
         if e.device_type.name != "CUDA" or e.time_range.elapsed_us() <= 0:

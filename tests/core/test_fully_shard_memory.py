@@ -9,11 +9,11 @@ import weakref
 
 import pytest
 import torch
-from graph_fsdp_testing import TINY_GPT, spawn_cases
+from graph_fsdp_testing import TINY_GPT, shard_layers, spawn_cases
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.fsdp.state import collect_states
-from graph_fsdp.models import build_model, synthetic_batch, transformer_layers
+from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
 
@@ -24,9 +24,7 @@ def _grad_lifecycle(rank: int, world: int, strategy: str) -> dict:
     torch.manual_seed(0)
     model = build_model(TINY, device="cpu")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for layer in transformer_layers(model):
-        fully_shard(layer, strategy=strategy, mp_policy=mp)
-    fully_shard(model, strategy=strategy, mp_policy=mp)
+    shard_layers(model, strategy=strategy, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = synthetic_batch(TINY, micro_batch_size=2, step=rank, device="cpu")
     report = model.fsdp_memory_report
@@ -124,9 +122,7 @@ def _slots_at_the_backward_peak(
     model = build_model(TINY, device="cpu")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     buffers = BufferPolicy(allocator=allocator)
-    for layer in transformer_layers(model):
-        fully_shard(layer, mp_policy=mp, buffer_policy=buffers)
-    fully_shard(model, mp_policy=mp, buffer_policy=buffers)
+    shard_layers(model, mp_policy=mp, buffer_policy=buffers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def alloc():
@@ -298,9 +294,7 @@ def _one_rank_reduction(rank: int, world: int) -> dict:
     reference.to(torch.bfloat16)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     bp = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
-    for layer in transformer_layers(model):
-        fully_shard(layer, mp_policy=mp, buffer_policy=bp)
-    fully_shard(model, mp_policy=mp, buffer_policy=bp)
+    shard_layers(model, mp_policy=mp, buffer_policy=bp)
     x, y = synthetic_batch(TINY, micro_batch_size=2, step=rank, device="cpu")
     model(x, y).backward()
     reference(x, y).backward()

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 import torch
-from graph_fsdp_testing import bit_exact_gpu_run, gpu_gpt
+from graph_fsdp_testing import bit_exact_gpu_run, gpu_gpt, profile_steps
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -144,7 +144,6 @@ def test_degenerate_meshes_equal_1d_runs_with_the_same_collectives():
 def _profile_replica_reduction(rank: int, world: int, over: bool) -> dict:
     """Kernel intervals of a GPU-bound eager step on a (2, 1) mesh, where every NCCL kernel is
     a replicate-dimension collective (the shard dimension has one rank: copies only)."""
-    from torch.profiler import ProfilerActivity, profile
 
     from graph_fsdp.models import build_model, synthetic_batch
     from graph_fsdp.training.train import shard_model
@@ -159,17 +158,7 @@ def _profile_replica_reduction(rank: int, world: int, over: bool) -> dict:
     model = shard_model(build_model(cfg.model, device=device), cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = synthetic_batch(cfg.model, 2, 0, rank=rank, device=device)
-    for _ in range(2):
-        model(x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(4):
-            model(x, y).backward()
-            opt.step()
-            opt.zero_grad()
-        torch.cuda.synchronize()
+    prof = profile_steps(model, opt, x, y)
     reduction = "reducescatter" if over else "allreduce"
     comm, compute = [], []
     for e in prof.events():

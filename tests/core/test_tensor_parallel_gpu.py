@@ -35,7 +35,7 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus
+from graph_fsdp_testing import megatron_stack_missing, needs_gpus, run_modes
 
 from graph_fsdp.training.loop import use_deterministic_kernels
 from graph_fsdp.training.processes import spawn
@@ -280,8 +280,6 @@ LLAMA_MODES = {
 def _llama_all(rank: int, world: int) -> dict:
     """The Llama-style Megatron GPT (TE spec: GQA, SwiGLU - fc1 [gate_r; up_r] per TP rank,
     partition_stride=2 -, RMSNorm, RoPE) at TP 2 + SP: eager, then every graphed mode."""
-    import dataclasses
-    import traceback
 
     from graph_fsdp.integrations.megatron import MCoreGPTConfig
     from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, run
@@ -314,13 +312,7 @@ def _llama_all(rank: int, world: int) -> dict:
         persist_on_alloc_fail=True,
         return_params=True,
     )
-    out = {"eager": run(rank, world, base)}
-    for label, change in LLAMA_MODES.items():
-        try:  # one failing mode must not hide the others' results
-            out[label] = run(rank, world, dataclasses.replace(base, **change))
-        except Exception:  # noqa: BLE001 - reported by the test
-            out[label] = {"error": traceback.format_exc()}
-    return out
+    return run_modes(run, rank, world, base, LLAMA_MODES)
 
 
 def _llama_row(label: str, world: int, got: dict) -> str:

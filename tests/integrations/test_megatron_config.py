@@ -11,7 +11,7 @@ import sys
 import warnings
 
 import pytest
-from graph_fsdp_testing import cli_error
+from graph_fsdp_testing import cli_error, megatron_imports
 
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.fsdp.api import BufferPolicy
@@ -19,14 +19,6 @@ from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 
 STATIC = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)
-
-
-def _megatron_imports() -> bool:
-    try:
-        gm.require_megatron()
-    except ImportError:
-        return False
-    return True
 
 
 # ------------------------------------------------------------------ import guard
@@ -47,7 +39,7 @@ def test_require_megatron_names_the_install_command(monkeypatch: pytest.MonkeyPa
 
 
 def test_megatron_core_imports_when_installed() -> None:
-    if importlib.util.find_spec("megatron") is None or not _megatron_imports():
+    if importlib.util.find_spec("megatron") is None or not megatron_imports():
         pytest.skip(
             "megatron.core does not import here (pip install -e '.[megatron]'); "
             "the GPU tests cover the integration"

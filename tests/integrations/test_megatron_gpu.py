@@ -207,21 +207,27 @@ def test_mcore_gpt_graphed_bit_identical_to_eager() -> None:
     _check_megatron_fsdp(out)
 
 
-def test_mcore_moe_graphed_bit_identical_to_eager() -> None:
-    _, moe = _models()
-    out = spawn(_family, WORLD, moe, MOE_VARIANTS, ("te", ("attn", "moe_router")), backend="nccl")[
-        0
-    ]
+def _print_timing_and_check(out: dict, variants: dict, tag: str) -> None:
+    """Print each run's median step time and peak memory as ``<tag> {json}``, then check every
+    graphed variant against the eager run."""
     timing = {
         label: {
             "median_step_ms": median(out[label]["times"][3:]) * 1e3,
             "peak_memory_gib": out[label]["peak_memory_bytes"] / 2**30,
         }
-        for label in ("eager", *MOE_VARIANTS)
+        for label in ("eager", *variants)
     }
-    print("MCORE_MOE_TIMING " + json.dumps(timing))
-    problems = _check(out, MOE_VARIANTS)
+    print(f"{tag} " + json.dumps(timing))
+    problems = _check(out, variants)
     assert not problems, "\n".join(problems)
+
+
+def test_mcore_moe_graphed_bit_identical_to_eager() -> None:
+    _, moe = _models()
+    out = spawn(_family, WORLD, moe, MOE_VARIANTS, ("te", ("attn", "moe_router")), backend="nccl")[
+        0
+    ]
+    _print_timing_and_check(out, MOE_VARIANTS, "MCORE_MOE_TIMING")
     _check_megatron_fsdp(out)
 
 
@@ -236,16 +242,7 @@ def test_mcore_moe_preprocess_graphed_bit_identical_to_eager() -> None:
     """moe_preprocess: the dispatcher's preprocess state comes back from the graph outputs."""
     _, moe = _models()
     out = spawn(_family, WORLD, moe, PREPROCESS_VARIANTS, None, backend="nccl")[0]
-    timing = {
-        label: {
-            "median_step_ms": median(out[label]["times"][3:]) * 1e3,
-            "peak_memory_gib": out[label]["peak_memory_bytes"] / 2**30,
-        }
-        for label in ("eager", *PREPROCESS_VARIANTS)
-    }
-    print("MCORE_MOE_PREPROCESS_TIMING " + json.dumps(timing))
-    problems = _check(out, PREPROCESS_VARIANTS)
-    assert not problems, "\n".join(problems)
+    _print_timing_and_check(out, PREPROCESS_VARIANTS, "MCORE_MOE_PREPROCESS_TIMING")
 
 
 def test_cli_trains_mcore_moe_with_graphs(tmp_path) -> None:

@@ -19,14 +19,12 @@ construction). Run:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import traceback
 
 import pytest
 import torch
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus
+from graph_fsdp_testing import megatron_stack_missing, needs_gpus, run_modes
 
 from graph_fsdp.training.processes import spawn
 
@@ -96,14 +94,7 @@ def _cfg(**kw):
 def _train(rank: int, world: int) -> dict:
     from graph_fsdp.integrations.megatron.train import run
 
-    base = _cfg()
-    out = {"eager": run(rank, world, base)}
-    for name, change in MODES.items():
-        try:  # one failing mode must not hide the others' results
-            out[name] = run(rank, world, dataclasses.replace(base, **change))
-        except Exception:  # noqa: BLE001 - reported by the test
-            out[name] = {"error": traceback.format_exc()}
-    return out
+    return run_modes(run, rank, world, _cfg(), MODES)
 
 
 def _first_difference(a: list, b: list) -> str:

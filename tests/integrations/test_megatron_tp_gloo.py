@@ -35,7 +35,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import TINY_MCORE_SHAPE
+from graph_fsdp_testing import TINY_MCORE_SHAPE, megatron_imports
 
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.training.processes import spawn
@@ -51,16 +51,8 @@ MICRO = 2
 STEPS = 3
 
 
-def _megatron_imports() -> bool:
-    try:
-        gm.require_megatron()
-    except ImportError:
-        return False
-    return True
-
-
 needs_megatron = pytest.mark.skipif(
-    not _megatron_imports(), reason="megatron-core does not import here"
+    not megatron_imports(), reason="megatron-core does not import here"
 )
 
 
@@ -399,9 +391,20 @@ def _errors(tp2: gm.MCoreGPTConfig) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    if not _megatron_imports():
+    if not megatron_imports():
         pytest.skip("megatron-core does not import here")
     return spawn(_four_ranks, 4, str(tmp_path_factory.mktemp("mcore_tp")))
+
+
+def _assert_bit_identical(rank: int, fsdp: dict, ref: dict) -> None:
+    """graph_fsdp's run equals Megatron's: every step's loss, every final parameter and the
+    gradient norms."""
+    for step, (a, b) in enumerate(zip(fsdp["losses"], ref["losses"], strict=True)):
+        assert torch.equal(a, b), (rank, step, a, b)
+    assert sorted(fsdp["params"]) == sorted(ref["params"])
+    for name, value in ref["params"].items():
+        assert torch.equal(fsdp["params"][name], value), (rank, name)
+    torch.testing.assert_close(fsdp["norms"], ref["norms"], rtol=1e-6, atol=0)
 
 
 @needs_megatron
@@ -410,12 +413,7 @@ def test_tp_fsdp_bit_identical_to_megatron_tp(results, sp):
     for rank, res in enumerate(results):
         run = res[f"sp={sp} clip=1000000000.0"]
         fsdp, ref = run["fsdp"], run["ref"]
-        for step, (a, b) in enumerate(zip(fsdp["losses"], ref["losses"], strict=True)):
-            assert torch.equal(a, b), (rank, step, a, b)
-        assert sorted(fsdp["params"]) == sorted(ref["params"])
-        for name, value in ref["params"].items():
-            assert torch.equal(fsdp["params"][name], value), (rank, name)
-        torch.testing.assert_close(fsdp["norms"], ref["norms"], rtol=1e-6, atol=0)
+        _assert_bit_identical(rank, fsdp, ref)
         norm = ref["params"]["module.decoder.layers.0.input_layernorm.weight"]
         assert not torch.equal(norm, torch.ones_like(norm))  # trained
 
@@ -491,12 +489,7 @@ def test_swiglu_fc1_is_strided(results):
 def test_swiglu_tp_fsdp_bit_identical_to_megatron_tp(results):
     for rank, res in enumerate(results):
         fsdp, ref = res["swiglu"]["fsdp"], res["swiglu"]["ref"]
-        for step, (a, b) in enumerate(zip(fsdp["losses"], ref["losses"], strict=True)):
-            assert torch.equal(a, b), (rank, step, a, b)
-        assert sorted(fsdp["params"]) == sorted(ref["params"])
-        for name, value in ref["params"].items():
-            assert torch.equal(fsdp["params"][name], value), (rank, name)
-        torch.testing.assert_close(fsdp["norms"], ref["norms"], rtol=1e-6, atol=0)
+        _assert_bit_identical(rank, fsdp, ref)
 
 
 @needs_megatron

@@ -27,18 +27,17 @@ from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.integrations.megatron import tp as megatron_tp
 from graph_fsdp.integrations.megatron.megatron_fsdp import megatron_fsdp_shard
+from graph_fsdp.training.adapters import DataParallelAdapter, make_optimizer, packed_documents
 from graph_fsdp.training.data import batch_for
 from graph_fsdp.training.loop import (
     LoopConfig,
-    ModelAdapter,
     ShardedTrainer,
     Trainer,
     load_checkpoint,
     run_loop,
     use_deterministic_kernels,
 )
-from graph_fsdp.training.packing import PackingPolicy, RunDocuments
-from graph_fsdp.training.train import make_optimizer
+from graph_fsdp.training.packing import PackingPolicy
 
 
 @dataclass(kw_only=True)
@@ -72,11 +71,7 @@ class MCoreTrainConfig(LoopConfig):
     def __post_init__(self) -> None:
         if self.packing is None:
             return
-        if self.packing.budget != self.model.seq_length:
-            raise ValueError(
-                f"PackingPolicy.budget={self.packing.budget} != MCoreGPTConfig.seq_length="
-                f"{self.model.seq_length}: a pack is one sequence of the model's length"
-            )
+        self.packing.check_budget(self.model.seq_length, "MCoreGPTConfig.seq_length")
         gm.check_packed_config(self.model)
         if self.engine != "graph_fsdp" or self.use_megatron_schedule:
             raise ValueError(
@@ -88,7 +83,7 @@ class MCoreTrainConfig(LoopConfig):
 
     @property
     def recompute(self) -> bool:
-        """Activation recompute: not wired for Megatron-Core models (graph_fsdp.training.train's
+        """Activation recompute: not wired for Megatron-Core models (graph_fsdp.training.adapters'
         make_optimizer reads it to refuse optimizer offload with recompute)."""
         return False
 
@@ -145,7 +140,7 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
     bp = cfg.buffers
     gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
-    # graph_fsdp.training.train's optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
+    # graph_fsdp.training.adapters' optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
     if cfg.load_path:
         load_checkpoint(cfg, lm, opt)
@@ -229,27 +224,19 @@ class MegatronFSDPTrainer(Trainer):
     wrapper reduces every microbatch's gradients; clipping is refused (build_sharded)."""
 
 
-class MCoreAdapter(ModelAdapter):
+class MCoreAdapter(DataParallelAdapter):
     """A Megatron-Core GPT under the loop: Megatron's parallel state, its model sharded by
     graph_fsdp (or megatron_fsdp), batches per data-parallel rank (the TP ranks of one read
     the same), graphs through :func:`graph_fsdp.integrations.megatron.build_graphs`, and
     optionally Megatron's forward/backward schedule for the microbatches."""
 
     def __init__(self, cfg: MCoreTrainConfig) -> None:
-        self.cfg = cfg
-        self.data_rank, self.data_world = 0, 1
+        super().__init__(cfg, packed_documents(cfg, cfg.model.vocab_size))
         self.start_bytes = None
-        self._documents = (
-            RunDocuments(
-                cfg.packing,
-                vocab_size=cfg.model.vocab_size,
-                data_path=cfg.data_path,
-                eod_token_id=cfg.eod_token_id,
-            )
-            if cfg.packing is not None
-            else None
-        )
-        """Packed runs: the training and eval documents."""
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.model_name
 
     def setup(self, rank: int, world_size: int) -> torch.device:
         cfg = self.cfg
@@ -299,19 +286,13 @@ class MCoreAdapter(ModelAdapter):
 
     def microbatches(self, step: int, device: torch.device):
         cfg = self.cfg
-        return [[self._batch(step * cfg.grad_accum + m, device)] for m in range(cfg.grad_accum)]
+        return [
+            [self._batch(step * cfg.grad_accum + m, self.data_rank, device)]
+            for m in range(cfg.grad_accum)
+        ]
 
-    def eval_batch(self, step: int, device: torch.device):
-        return self._batch(step, device, eval=True)
-
-    def _batch(self, index: int, device: torch.device, *, eval: bool = False):
-        """Microbatch ``index`` of this data-parallel rank: fixed rows, or a PackedBatch."""
-        cfg = self.cfg
-        if self._documents is None:
-            return batch(cfg, index, self.data_rank, device, eval=eval, world_size=self.data_world)
-        return self._documents(eval).batch(
-            cfg.micro_batch_size, index, self.data_rank, self.data_world, device
-        )
+    def fixed_batch(self, index: int, rank: int, device: torch.device, *, eval: bool):
+        return batch(self.cfg, index, rank, device, eval=eval, world_size=self.data_world)
 
     def schedule(self, trainer: Trainer):
         if not self.cfg.use_megatron_schedule:
@@ -319,9 +300,6 @@ class MCoreAdapter(ModelAdapter):
         return lambda batches: _schedule_step(
             self.cfg, trainer.model, [b for micro in batches for b in micro]
         )
-
-    def checkpoint_meta(self, step: int) -> dict:
-        return {"iteration": step, "model": self.cfg.model_name}
 
     def finish(self, trainer: Trainer, graphs, result: dict) -> None:
         if self.start_bytes is not None:
