@@ -145,3 +145,50 @@ def test_build_hybrid_needs_a_pattern():
     assert "hybrid_layer_pattern is None" in error_of(
         lambda: gm.build_hybrid(gm.MCoreGPTConfig(**TINY_MCORE_SHAPE), "cpu")
     )
+
+
+# ----------------------------------------------------------------------------- command line
+HYBRID = ["train", "--model", "mcore-hybrid", "--device", "cpu", "--nproc", "2"]
+SHAPE = ["--seq-length", "16", "--vocab-size", "128", "--micro-batch-size", "2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (HYBRID, "--model mcore-hybrid builds its layers from --hybrid-layer-pattern"),
+        (
+            ["train", "--model", "mcore-gpt", "--hybrid-layer-pattern", "*-"],
+            "builds a hybrid model, but --model is mcore-gpt: use --model mcore-hybrid",
+        ),
+        (
+            ["train", "--hybrid-layer-pattern", "*-"],
+            "--hybrid-layer-pattern: Megatron-Core model flags, but --model is gpt",
+        ),
+        ([*HYBRID, "--hybrid-layer-pattern", "*-G"], "has 'G': graph-fsdp builds"),
+        (
+            [*HYBRID, "--hybrid-layer-pattern", "*-*-", "--cuda-graph-impl", "torch"]
+            + ["--cuda-graph-scope", "moe_router", "--fsdp-double-buffer"]
+            + ["--fsdp-db-use-persist-buf-on-alloc-fail"],
+            "the hybrid pattern '*-*-' has no such layer (moe_router needs 'E' layers)",
+        ),
+    ],
+)
+def test_cli_refusals(capsys, argv, expected):
+    from graph_fsdp_testing import cli_error
+
+    assert expected in cli_error(capsys, *argv, *SHAPE)
+
+
+@pytest.mark.parametrize(("pattern", "experts"), [("*-*-*-", None), ("*-E-", 4)])
+def test_cli_pattern_reaches_the_train_config(monkeypatch, pattern, experts):
+    from graph_fsdp.cli import mcore as megatron_cli
+    from graph_fsdp.cli.main import main
+
+    seen = {}
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
+    monkeypatch.setattr(megatron_cli, "launch", lambda plan, fn, cfg: seen.update(cfg=cfg))
+    argv = [*HYBRID, *SHAPE, "--hybrid-layer-pattern", pattern, "--transformer-impl", "local"]
+    assert main([*argv, "--train-iters", "2"]) == 0
+    model = seen["cfg"].model
+    assert model.hybrid_layer_pattern == pattern and model.num_layers == len(pattern)
+    assert model.num_experts == experts and seen["cfg"].model_name == "mcore-hybrid"
