@@ -1,4 +1,5 @@
-"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
+"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe|mcore-hybrid``: Megatron-Core GPTs
+(and hybrid models, ``--hybrid-layer-pattern``) through the CLI.
 
     graph-fsdp train --model mcore-gpt --transformer-impl transformer_engine --bf16 \\
         --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\

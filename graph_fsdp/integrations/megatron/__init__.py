@@ -1,4 +1,6 @@
-"""Megatron-Core ``GPTModel`` (dense and MoE) under graph_fsdp, with Megatron's conventions.
+"""Megatron-Core ``GPTModel`` (dense and MoE) and hybrid models (``HybridModel``, a layer per
+character of ``hybrid_layer_pattern``: :func:`build_hybrid`, megatron/hybrid.py) under
+graph_fsdp, with Megatron's conventions.
 
     from graph_fsdp.integrations import megatron as gm
 
