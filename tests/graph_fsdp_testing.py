@@ -168,6 +168,33 @@ def run_modes(run: Callable, rank: int, world_size: int, base, modes: Mapping[st
     return out
 
 
+class _NoStream:
+    """Stands in for the alltoall dispatcher's CUDA stream of dropless host copies."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the dispatcher used its dtoh stream ({name}) on CPU")
+
+
+def megatron_on_cpu() -> None:
+    """Megatron-Core's CUDA-only details bridged for CPU (gloo) tests - call it in spawned
+    workers only, none of it is in the code under test: its allocations with
+    ``device=torch.cuda.current_device()`` (communication outputs, the attention's buffer, the
+    router's weight) go to the CPU; megatron-core 0.16's router linear finds its TE-less
+    branch; and the alltoall dispatcher's CUDA stream for dropless host copies, which
+    drop-padding never touches, is a placeholder that fails if it is ever used. (The
+    attention's dropout RNG fork, dropout 0, is Megatron's no-op inference tracker: the tests
+    set it after building.)"""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    torch.cuda.current_device = lambda: "cpu"
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+    # megatron-core 0.16 reads te_general_gemm in the router's linear whether or not
+    # TransformerEngine imported (0.19 defines it as None without TE).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def cli_error(capsys, *argv: str) -> str:
     """The message ``graph-fsdp argv`` stops with (a CLIError: exit code 2), on one line.
 

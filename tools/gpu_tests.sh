@@ -21,7 +21,9 @@
 # (full_iteration's main gradients in its graph's pool, 1 GPU), packed (packed variable-length
 # documents under every capture mode, ~2 min at world 2), megatron_packed (packed documents
 # through a Megatron-Core GPT with TE's THD attention: every capture mode at world 1 and 2, and
-# attention within documents; 2-GPU parts skip on one).
+# attention within documents; 2-GPU parts skip on one), megatron_hybrid (a Megatron-Core
+# HybridModel with attention, MLP and MoE layers under every capture mode at world 1 and 2;
+# its Mamba pattern skips where mamba_ssm / causal_conv1d do not import).
 # Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out; BUNDLE=<file.tgz> also packs
 # them into one archive, for a runner that returns few files); each chunk prints its PASSED /
 # FAILED / SKIPPED lines and pytest's summary line. The NVLink-multicast switches stay off.
@@ -47,6 +49,7 @@ declare -A LIMIT=(
   [lifecycle]=300 [hsdp]=300 [fully_shard]=400 [expert_parallel]=560 [megatron_ep]=560
   [megatron_ep4]=560 [megatron_ep_dropless]=560 [bench]=400 [comm_graphs]=300 [whole_step]=480
   [tensor_parallel]=560 [rl_offload]=560 [rl_offload_1b]=560 [fi_pool]=300 [packed]=300 [megatron_packed]=560
+  [megatron_hybrid]=560
 )
 declare -A ARGS=(
   [megatron]="tests/integrations/test_megatron_gpu.py -k not seq_64"
@@ -72,9 +75,10 @@ declare -A ARGS=(
   [fi_pool]="tests/capture/test_full_iteration_pool_gpu.py"
   [packed]="tests/training/test_packed_sequences_gpu.py"
   [megatron_packed]="tests/integrations/test_megatron_packed_gpu.py"
+  [megatron_hybrid]="tests/integrations/test_megatron_hybrid_gpu.py"
 )
 CHUNKS=("$@")
-((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 megatron_ep_dropless bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b fi_pool packed megatron_packed)
+((${#CHUNKS[@]})) || CHUNKS=(megatron megatron_attn te graphs third_party hf_families capture_safety lifecycle hsdp fully_shard expert_parallel megatron_ep megatron_ep4 megatron_ep_dropless bench comm_graphs whole_step tensor_parallel rl_offload rl_offload_1b fi_pool packed megatron_packed megatron_hybrid)
 
 # The header of every log: the commit, the machine, the versions.
 STAMP="$(python -m graph_fsdp.bench.provenance 2>&1)"

@@ -255,10 +255,15 @@ def scope_paths(scope: str, scope_modules: ScopeModules | None = None) -> tuple[
     return SCOPE_PRESETS.get(scope, ())
 
 
+PLACEHOLDERS = ("IdentityOp", "IdentityFuncOp")
+"""Class names of Megatron-Core's stand-ins for an absent submodule (a hybrid model's MLP layer
+has an ``IdentityOp`` as ``self_attention``): no scope captures them."""
+
+
 def _match(unit: nn.Module, paths: tuple[ScopePath, ...]) -> tuple[str, nn.Module] | None:
     for sp in paths:
         module = _lookup(unit, sp.path)
-        if module is None:
+        if module is None or type(module).__name__ in PLACEHOLDERS:
             continue
         if sp.needs is not None:
             head = getattr(unit, sp.path.split(".")[0])

@@ -1,4 +1,5 @@
-"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe``: Megatron-Core GPTs through the CLI.
+"""``graph-fsdp train|bench --model mcore-gpt|mcore-moe|mcore-hybrid``: Megatron-Core GPTs
+(and hybrid models, ``--hybrid-layer-pattern``) through the CLI.
 
     graph-fsdp train --model mcore-gpt --transformer-impl transformer_engine --bf16 \\
         --fsdp-double-buffer --fsdp-db-use-persist-buf-on-alloc-fail \\
@@ -76,8 +77,9 @@ from graph_fsdp.integrations.megatron import (
 from graph_fsdp.integrations.megatron.train import MCoreTrainConfig, run
 from graph_fsdp.training.processes import launch
 
-MODELS = ("gpt", "mcore-gpt", "mcore-moe")
-"""--model: graph_fsdp's reference GPT, or a Megatron-Core GPTModel (dense / MoE)."""
+MODELS = ("gpt", "mcore-gpt", "mcore-moe", "mcore-hybrid")
+"""--model: graph_fsdp's reference GPT, a Megatron-Core GPTModel (dense / MoE), or a
+Megatron-Core hybrid model of --hybrid-layer-pattern (HybridModel)."""
 
 
 def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
@@ -88,8 +90,17 @@ def add_megatron_model_args(parser: argparse.ArgumentParser) -> None:
         choices=MODELS,
         default="gpt",
         help="gpt: graph_fsdp's reference model; mcore-gpt: a Megatron-Core GPTModel "
-        "(--num-experts makes it MoE); mcore-moe: the MoE GPTModel (default 4 experts). "
+        "(--num-experts makes it MoE); mcore-moe: the MoE GPTModel (default 4 experts); "
+        "mcore-hybrid: Megatron-Core's HybridModel of --hybrid-layer-pattern. "
         'Megatron-Core models need pip install -e ".[megatron]".',
+    )
+    g.add_argument(
+        "--hybrid-layer-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="--model mcore-hybrid: one character per layer - * attention, - MLP, E MoE "
+        "(--num-experts, default 4), M Mamba (needs mamba_ssm, causal_conv1d); e.g. '*-E-'. "
+        "Sets the layer count (--num-layers is ignored, as in Megatron).",
     )
     g.add_argument(
         "--moe-shared-expert-intermediate-size",
@@ -134,13 +145,14 @@ def reject_mcore_only_flags(args: argparse.Namespace) -> None:
             ("--moe-shared-expert-intermediate-size", args.moe_shared_expert_intermediate_size),
             ("--attention-backend", args.attention_backend != "auto"),
             ("--moe-experts-impl", args.moe_experts_impl != "megatron"),
+            ("--hybrid-layer-pattern", args.hybrid_layer_pattern),
         )
         if value
     ]
     if given:
         raise CLIError(
             f"{', '.join(given)}: Megatron-Core model flags, but --model is gpt (graph_fsdp's "
-            "reference model); add --model mcore-gpt|mcore-moe or drop them"
+            "reference model); add --model mcore-gpt|mcore-moe|mcore-hybrid or drop them"
         )
 
 
@@ -215,8 +227,9 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             f"--packed-sequences with --model {args.model} runs in graph_fsdp's loop (the "
             "per-token loss scale over the step); drop --use-megatron-schedule"
         )
+    pattern = _hybrid_pattern(args)
     experts = args.num_experts
-    if args.model == "mcore-moe" and experts is None:
+    if experts is None and (args.model == "mcore-moe" or "E" in (pattern or "")):
         experts = 4
     if world_size is not None:
         check_tensor_parallel_flags(args, world_size)
@@ -226,7 +239,7 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             f"--moe-experts-impl {args.moe_experts_impl} needs an MoE model: add --num-experts N "
             "or use --model mcore-moe"
         )
-    if args.model == "mcore-gpt" and args.moe_shared_expert_intermediate_size and not experts:
+    if args.model != "mcore-moe" and args.moe_shared_expert_intermediate_size and not experts:
         raise CLIError(
             "--moe-shared-expert-intermediate-size needs an MoE model: add --num-experts N or "
             "use --model mcore-moe"
@@ -250,13 +263,36 @@ def mcore_config(args: argparse.Namespace, world_size: int | None = None):
             sequence_parallel=args.sequence_parallel,
             bf16=args.bf16,
             attention_backend=args.attention_backend,
+            hybrid_layer_pattern=pattern,
         )
     except ValueError as err:
         raise CLIError(str(err).replace("MCoreGPTConfig.", "--").replace("_", "-")) from err
 
 
+def _hybrid_pattern(args: argparse.Namespace) -> str | None:
+    """--hybrid-layer-pattern: given exactly for --model mcore-hybrid."""
+    pattern = args.hybrid_layer_pattern
+    if args.model == "mcore-hybrid" and not pattern:
+        raise CLIError(
+            "--model mcore-hybrid builds its layers from --hybrid-layer-pattern: give one, e.g. "
+            "--hybrid-layer-pattern '*-E-' (* attention, - MLP, E MoE, M Mamba)"
+        )
+    if args.model != "mcore-hybrid" and pattern:
+        raise CLIError(
+            f"--hybrid-layer-pattern {pattern} builds a hybrid model, but --model is "
+            f"{args.model}: use --model mcore-hybrid"
+        )
+    return pattern
+
+
 def moe_label(model) -> str:
-    """The MoE settings of a Megatron-Core GPT in words (reports and summaries)."""
+    """The MoE settings of a Megatron-Core GPT in words (reports and summaries); a hybrid
+    model's pattern first."""
+    experts = _experts_label(model)
+    return f"hybrid {model.hybrid_layer_pattern}, {experts}" if model.is_hybrid else experts
+
+
+def _experts_label(model) -> str:
     if not model.num_experts:
         return "dense"
     parts = [f"{model.num_experts} experts top-{model.moe_router_topk}"]

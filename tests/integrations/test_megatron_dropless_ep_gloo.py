@@ -14,7 +14,7 @@ more rows than a balanced exchange would bring it):
   ``check_dropless_exchanges`` (the training loop's check) stops, naming every MoE layer;
 - a checkpoint saved at EP 2 loads at EP 1 bit for bit and training goes on as at EP 2.
 
-Reuses the EP harness of test_megatron_ep_gloo.py (its ``_megatron_on_cpu`` bridges).
+Reuses the EP harness of test_megatron_ep_gloo.py (graph_fsdp_testing.megatron_on_cpu bridges Megatron's CUDA-only details).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import os
 
 import pytest
 import torch
+from graph_fsdp_testing import megatron_on_cpu
 from test_megatron_ep_gloo import (
     FP32,
     _assert_close_states,
     _batch,
     _build,
-    _megatron_on_cpu,
     _model,
     _state,
     _train,
@@ -80,7 +80,7 @@ def _dropless_ep(rank: int, world: int, root: str) -> dict:
     from graph_fsdp.parallel.dropless_ep import take_overflow
     from graph_fsdp.training.loop import check_dropless_exchanges
 
-    _megatron_on_cpu()
+    megatron_on_cpu()
     cfg = _model(moe_token_dispatcher_type="allgather", moe_experts_impl="grouped_mm")
     out: dict = {}
     saved = os.path.join(root, "at_ep2")

@@ -15,12 +15,12 @@ Needs megatron-core (0.16 on Python 3.11, as CI installs it, or 0.19 on Python >
   came along), saved there and loaded at EP = 4 and into EP = 1 with expert groups.
 
 Megatron-Core runs on CUDA; four details are bridged in the worker processes only
-(:func:`_megatron_on_cpu`), none of them in the code under test: its allocations with
-``device=torch.cuda.current_device()`` (communication outputs, the attention's buffer, the
+(graph_fsdp_testing.megatron_on_cpu), none of them in the code under test: its allocations
+with ``device=torch.cuda.current_device()`` (communication outputs, the attention's buffer, the
 router's weight) go to the CPU; megatron-core 0.16's router linear finds its TE-less branch;
-the attention's dropout RNG fork (dropout is 0) is Megatron's
-no-op inference tracker; and the alltoall dispatcher's CUDA stream for dropless host copies,
-which drop-padding never touches, is a placeholder that fails if it is ever used.
+the attention's dropout RNG fork (dropout is 0) is Megatron's no-op inference tracker; and the
+alltoall dispatcher's CUDA stream for dropless host copies, which drop-padding never touches,
+is a placeholder that fails if it is ever used.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import TINY_MCORE_SHAPE
+from graph_fsdp_testing import TINY_MCORE_SHAPE, megatron_on_cpu
 
 from graph_fsdp.training.processes import spawn
 
@@ -76,25 +76,6 @@ VARIANTS = {"ep1": (1, None), "ep1 expert groups": (1, True), "ep2": (2, None), 
 """label -> (expert_model_parallel_size, shard_gpt's expert_groups)."""
 
 
-class _NoStream:
-    """Stands in for the alltoall dispatcher's CUDA stream of dropless host copies."""
-
-    def __getattr__(self, name: str):
-        raise AssertionError(f"the dispatcher used its dtoh stream ({name}) on CPU")
-
-
-def _megatron_on_cpu() -> None:
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
-    torch.cuda.current_device = lambda: "cpu"
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
-    # megatron-core 0.16 reads te_general_gemm in the router's linear whether or not
-    # TransformerEngine imported (0.19 defines it as None without TE).
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _build(cfg, ep: int, expert_groups: bool | None, seed: int | None = None):
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
@@ -135,7 +116,7 @@ def _state(lm) -> dict[str, torch.Tensor]:
 
 
 def _ep_training(rank: int, world: int) -> dict:
-    _megatron_on_cpu()
+    megatron_on_cpu()
     out: dict = {}
     for family, kw in FAMILIES.items():
         cfg = _model(**kw)
@@ -189,7 +170,7 @@ def test_expert_parallel_trains_like_ep1() -> None:
 def _ep_checkpoints(rank: int, world: int, root: str) -> dict:
     from graph_fsdp.fsdp import checkpoint as ckpt
 
-    _megatron_on_cpu()
+    megatron_on_cpu()
     cfg = _model(**FAMILIES["dropless allgather"])
     a, b = os.path.join(root, "at_ep2"), os.path.join(root, "at_ep1")
     lm, opt = _build(cfg, 2, None)
@@ -270,7 +251,7 @@ def _grouped_mm_at_ep1(rank: int, world: int, root: str) -> dict:
     expert groups: one model, and one checkpoint format."""
     from graph_fsdp.fsdp import checkpoint as ckpt
 
-    _megatron_on_cpu()
+    megatron_on_cpu()
     cfg = _model(moe_token_dispatcher_type="allgather", moe_experts_impl="grouped_mm")
     out = {}
     for label, groups in (("dense groups", None), ("expert groups", True)):

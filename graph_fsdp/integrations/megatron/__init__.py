@@ -1,4 +1,6 @@
-"""Megatron-Core ``GPTModel`` (dense and MoE) under graph_fsdp, with Megatron's conventions.
+"""Megatron-Core ``GPTModel`` (dense and MoE) and hybrid models (``HybridModel``, a layer per
+character of ``hybrid_layer_pattern``: :func:`build_hybrid`, megatron/hybrid.py) under
+graph_fsdp, with Megatron's conventions.
 
     from graph_fsdp.integrations import megatron as gm
 
@@ -160,7 +162,9 @@ def _swiglu(cfg: MCoreGPTConfig) -> dict:
     return dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
 
 
-def layer_spec(cfg: MCoreGPTConfig):
+def layer_spec(cfg: MCoreGPTConfig, *, dense: bool = False):
+    """The GPT layer spec of ``cfg`` (TE or local; graph_fsdp's grouped_mm experts when asked);
+    ``dense``: without experts whatever ``cfg.num_experts`` (a hybrid model's ``-`` layers)."""
     require_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415 (optional dependency)
         get_gpt_layer_with_transformer_engine_spec,
@@ -168,14 +172,15 @@ def layer_spec(cfg: MCoreGPTConfig):
 
     from graph_fsdp.integrations.megatron.versions import local_layer_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
-    grouped = cfg.moe_grouped_gemm if cfg.is_moe else False
+    experts = None if dense else cfg.num_experts
+    grouped = cfg.moe_grouped_gemm if experts is not None else False
     if cfg.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=cfg.num_experts, moe_grouped_gemm=grouped
+            num_experts=experts, moe_grouped_gemm=grouped
         )
     else:
-        spec = local_layer_spec(num_experts=cfg.num_experts, moe_grouped_gemm=grouped)
-    if cfg.is_moe and cfg.moe_experts_impl == "grouped_mm":
+        spec = local_layer_spec(num_experts=experts, moe_grouped_gemm=grouped)
+    if experts is not None and cfg.moe_experts_impl == "grouped_mm":
         from graph_fsdp.integrations.megatron.moe import grouped_mm_moe_spec  # noqa: PLC0415 (imports megatron-core: optional dependency)
 
         spec = grouped_mm_moe_spec(spec, receive_buffer_factor=cfg.moe_receive_buffer_factor)
@@ -218,13 +223,62 @@ class MCoreLM(nn.Module):
 
 
 def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> MCoreLM:
-    """A seeded Megatron-Core GPTModel (TE or local spec), wrapped in :class:`MCoreLM`.
+    """A seeded Megatron-Core GPTModel (TE or local spec), wrapped in :class:`MCoreLM`; with
+    ``cfg.hybrid_layer_pattern``, the hybrid model of :func:`build_hybrid`.
 
     Call :func:`init_parallel_state` first. ``device`` defaults to the current CUDA device.
     """
+    if cfg.is_hybrid:
+        return build_hybrid(cfg, device)
     require_megatron()
     from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 (optional dependency)
 
+    device = _prepare_build(cfg, device, "build_gpt")
+    spec = layer_spec(cfg)
+    if cfg.is_moe:  # the same global experts at every EP size (megatron_ep.GlobalExpertInit)
+        spec = megatron_ep.with_global_expert_init(spec, cfg.seed)
+    gpt = GPTModel(
+        config=transformer_config(cfg, device),
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        position_embedding_type=cfg.position_embedding_type,
+        share_embeddings_and_output_weights=False,
+    )
+    return _finish_build(gpt, cfg, device)
+
+
+def build_hybrid(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> MCoreLM:
+    """A seeded Megatron-Core hybrid model of ``cfg.hybrid_layer_pattern`` (``HybridModel``
+    in megatron-core 0.19, ``MambaModel`` in 0.16; TE or local spec), wrapped in
+    :class:`MCoreLM`: ``lm(tokens, labels)`` -> mean per-token loss, as for a GPTModel.
+    A pattern with Mamba layers ('M') is refused here when Megatron's Mamba kernels do not
+    import. [Note: Megatron-Core hybrid models] (megatron/hybrid.py)"""
+    if not cfg.is_hybrid:
+        raise ValueError(
+            "build_hybrid: MCoreGPTConfig.hybrid_layer_pattern is None; give a pattern (e.g. "
+            "'*-E-') or build a GPTModel with build_gpt"
+        )
+    require_megatron()
+    from graph_fsdp.integrations.megatron.hybrid import (  # noqa: PLC0415 (imports megatron-core: optional dependency)
+        build_hybrid_model,
+        check_mamba_kernels,
+    )
+
+    check_mamba_kernels(cfg)
+    device = _prepare_build(cfg, device, "build_hybrid")
+    moe_spec = None
+    if cfg.is_moe:  # the same global experts at every EP size (megatron_ep.GlobalExpertInit)
+        moe_spec = megatron_ep.with_global_expert_init(layer_spec(cfg), cfg.seed)
+    model = build_hybrid_model(
+        cfg, transformer_config(cfg, device), layer_spec(cfg, dense=True), moe_spec
+    )
+    return _finish_build(model, cfg, device)
+
+
+def _prepare_build(cfg: MCoreGPTConfig, device, what: str) -> torch.device:
+    """The device, the checks against it and Megatron's parallel state, the seed and the RNG
+    tracker, before a model is built."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cfg.transformer_impl == "transformer_engine" and device.type != "cuda":
         raise ValueError(
@@ -243,7 +297,7 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
                 "or moe_token_dispatcher_type='allgather' on CPU"
             )
     if megatron_tp.check_model(cfg) == 1:  # TP > 1: over Megatron's data-parallel group
-        megatron_ep.check_model_ep(cfg, "build_gpt")
+        megatron_ep.check_model_ep(cfg, what)
     torch.manual_seed(cfg.seed)
     # Built before Megatron's CUDA RNG tracker exists, so TransformerEngine's attention gets
     # no tracker to fork in every forward: the default tracker's fork sets the CUDA
@@ -253,24 +307,17 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
 
     # no states yet; graph-safe on CUDA (a CPU build of torch lacks the graph-safe API)
     initialize_rng_tracker(use_cudagraphable_rng=device.type == "cuda", force_reset=True)
-    spec = layer_spec(cfg)
-    if cfg.is_moe:  # the same global experts at every EP size (megatron_ep.GlobalExpertInit)
-        spec = megatron_ep.with_global_expert_init(spec, cfg.seed)
-    gpt = GPTModel(
-        config=transformer_config(cfg, device),
-        transformer_layer_spec=spec,
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.seq_length,
-        position_embedding_type=cfg.position_embedding_type,
-        share_embeddings_and_output_weights=False,
-    )
-    gpt = gpt.to(device)
+    return device
+
+
+def _finish_build(model: nn.Module, cfg: MCoreGPTConfig, device: torch.device) -> MCoreLM:
+    model = model.to(device)
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: PLC0415 (optional dependency)
 
         # The local spec's attention forks the tracker in every forward: a graph-safe one.
         model_parallel_cuda_manual_seed(cfg.seed, use_cudagraphable_rng=True, force_reset_rng=True)
-    return MCoreLM(gpt, cfg.seq_length)
+    return MCoreLM(model, cfg.seq_length)
 
 
 def transformer_layers(lm: MCoreLM) -> list[nn.Module]:

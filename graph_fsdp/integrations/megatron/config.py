@@ -20,6 +20,9 @@ MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 MOE_EXPERTS_IMPLS = ("megatron", "grouped_mm")
 """megatron: the layer spec's experts and dispatcher; grouped_mm: graph_fsdp's dropless experts
 with device token counts (megatron_moe.GroupedMMMoELayer)."""
+HYBRID_LAYERS = {"*": "attention", "-": "MLP", "E": "MoE", "M": "Mamba"}
+"""The characters of a ``hybrid_layer_pattern`` graph_fsdp builds (megatron-core 0.16's whole
+vocabulary; 0.19 adds G, D and + layers, ``|`` pipeline stages and ``/`` MTP depths)."""
 
 
 def require_megatron():
@@ -127,8 +130,18 @@ class MCoreGPTConfig:
     """TransformerConfig.attention_backend (Megatron's --attention-backend): auto lets TE pick
     per call; flash, fused or unfused pin one for eager and graphed steps alike (see
     te_backend.py [Note: TE attention under capture]); local needs transformer_impl local."""
+    hybrid_layer_pattern: str | None = None
+    """Megatron's --hybrid-layer-pattern: the model is a HybridModel (megatron-core 0.19;
+    MambaModel's hybrid_override_pattern in 0.16) with one layer per character - ``*``
+    attention, ``-`` MLP, ``E`` MoE (needs num_experts), ``M`` Mamba (needs the mamba_ssm,
+    causal_conv1d and einops packages, the TE spec) - instead of a GPTModel. num_layers is
+    set to the pattern's length, as Megatron derives it. None: a GPTModel
+    (megatron/hybrid.py [Note: Megatron-Core hybrid models])."""
 
     def __post_init__(self) -> None:
+        if self.hybrid_layer_pattern is not None:
+            _check_hybrid(self)
+            self.num_layers = len(self.hybrid_layer_pattern)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"MCoreGPTConfig: num_attention_heads={self.num_attention_heads} does not divide "
@@ -227,6 +240,18 @@ class MCoreGPTConfig:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
+    @property
+    def is_hybrid(self) -> bool:
+        """A HybridModel of ``hybrid_layer_pattern`` (else a GPTModel)."""
+        return self.hybrid_layer_pattern is not None
+
+    def has_layers(self, symbol: str) -> bool:
+        """Whether the model has layers of kind ``symbol`` (a :data:`HYBRID_LAYERS` key); a
+        GPTModel's layers are attention plus MLP (``*``, ``-``) or attention plus MoE."""
+        if self.is_hybrid:
+            return symbol in self.hybrid_layer_pattern
+        return symbol == "*" or symbol == ("E" if self.is_moe else "-")
+
 
 _MOE_ONLY_DEFAULTS = {
     "expert_model_parallel_size": 1,
@@ -301,6 +326,49 @@ def _check_receive_buffer(cfg: MCoreGPTConfig) -> None:
             f"{name}={buffer} sizes the receive buffer of the grouped_mm experts' exchange over "
             f"the expert-parallel group, but moe_experts_impl={cfg.moe_experts_impl!r}: use "
             "moe_experts_impl='grouped_mm', or leave it None"
+        )
+
+
+def _check_hybrid(cfg: MCoreGPTConfig) -> None:
+    """A ``hybrid_layer_pattern`` graph_fsdp can build (megatron/hybrid.py)."""
+    pattern, name = cfg.hybrid_layer_pattern, "MCoreGPTConfig.hybrid_layer_pattern"
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(
+            f"{name}={pattern!r}: give one character per layer, e.g. '*-E-' (* attention, "
+            "- MLP, E MoE, M Mamba)"
+        )
+    bad = sorted({c for c in pattern if c not in HYBRID_LAYERS})
+    if bad:
+        why = {
+            "|": "'|' splits the pattern into pipeline stages (graph_fsdp runs PP = 1)",
+            "/": "'/' starts multi-token-prediction depths, which graph_fsdp does not build",
+        }
+        reasons = [why[c] for c in bad if c in why]
+        raise ValueError(
+            f"{name}={pattern!r} has {', '.join(repr(c) for c in bad)}: graph_fsdp builds "
+            f"{', '.join(f'{c!r} ({k})' for c, k in HYBRID_LAYERS.items())}"
+            + "".join(f"; {r}" for r in reasons)
+        )
+    if "E" in pattern and cfg.num_experts is None:
+        raise ValueError(
+            f"{name}={pattern!r} has MoE layers ('E'), but num_experts is None: set num_experts "
+            "(--num-experts N)"
+        )
+    if "E" not in pattern and cfg.num_experts is not None:
+        raise ValueError(
+            f"{name}={pattern!r} has no MoE layer ('E'), but num_experts={cfg.num_experts}: add "
+            "'E' layers to the pattern or set num_experts=None"
+        )
+    if "M" in pattern and cfg.transformer_impl != "transformer_engine":
+        raise ValueError(
+            f"{name}={pattern!r}: Megatron-Core's Mamba layer ('M') comes with its "
+            "TransformerEngine spec only; set transformer_impl='transformer_engine' or drop 'M'"
+        )
+    if cfg.tensor_model_parallel_size != 1:
+        raise ValueError(
+            f"{name}={pattern!r} with tensor_model_parallel_size="
+            f"{cfg.tensor_model_parallel_size}: graph_fsdp runs Megatron's TP for GPTModels; "
+            "use TP = 1 for hybrid models"
         )
 
 

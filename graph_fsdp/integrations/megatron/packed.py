@@ -87,6 +87,12 @@ def check_packed_config(cfg: MCoreGPTConfig) -> None:
             "(PackedSeqParams(qkv_format='thd')), and the local spec's DotProductAttention "
             f"refuses packed sequences: {TE_SPEC_FIX}"
         )
+    if cfg.is_hybrid:
+        raise ValueError(
+            f"packed sequences with MCoreGPTConfig.hybrid_layer_pattern="
+            f"{cfg.hybrid_layer_pattern!r}: packs run through GPTModels only; drop the pattern "
+            "or --packed-sequences"
+        )
     if cfg.tensor_model_parallel_size != 1:
         raise ValueError(
             f"packed sequences with MCoreGPTConfig.tensor_model_parallel_size="

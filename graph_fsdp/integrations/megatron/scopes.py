@@ -47,13 +47,8 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
     """
     scopes = list(scopes)
     check_scopes(scopes)
+    _check_layer_kinds(cfg, scopes)
     if not cfg.is_moe:
-        moe = [s for s in scopes if s in ("moe", "moe_router", "moe_preprocess")]
-        if moe:
-            raise GraphConfigError(
-                f"--cuda-graph-scope {' '.join(moe)} needs an MoE model (--num-experts N), but "
-                "this GPT is dense; use attn, mlp, the whole layer or full_iteration"
-            )
         return scopes
     if not scopes or "moe" in scopes or "full_iteration" in scopes:
         refusal = moe_expert_capture_refusal(cfg)
@@ -62,11 +57,6 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
                 "the whole layer" if not scopes else "moe" if "moe" in scopes else "full_iteration"
             )
             raise GraphConfigError(f"--cuda-graph-scope {what}: {refusal}")
-    if "mlp" in scopes:
-        raise GraphConfigError(
-            "--cuda-graph-scope mlp: every layer of this Megatron-Core MoE GPT is an MoELayer, "
-            "so there is no dense MLP to capture; use moe_router"
-        )
     if "moe_preprocess" in scopes and (
         cfg.moe_experts_impl == "grouped_mm" or cfg.moe_expert_capacity_factor is not None
     ):
@@ -82,6 +72,34 @@ def check_mcore_scopes(cfg: MCoreGPTConfig, scopes: list[str] | tuple[str, ...])
             f"alltoall dispatcher apart from its host-syncing dispatch; {why}"
         )
     return scopes
+
+
+_SCOPE_LAYERS = {"attn": "*", "mlp": "-", "moe": "E", "moe_router": "E", "moe_preprocess": "E"}
+"""The layer kind (a hybrid pattern's character) each partial scope captures a part of."""
+
+
+def _check_layer_kinds(cfg: MCoreGPTConfig, scopes: list[str]) -> None:
+    """Partial scopes whose layer kind the model does not have."""
+    absent = [s for s in scopes if s in _SCOPE_LAYERS and not cfg.has_layers(_SCOPE_LAYERS[s])]
+    if not absent:
+        return
+    if cfg.is_hybrid:
+        kinds = ", ".join(f"{s} needs '{_SCOPE_LAYERS[s]}' layers" for s in absent)
+        raise GraphConfigError(
+            f"--cuda-graph-scope {' '.join(absent)}: the hybrid pattern "
+            f"{cfg.hybrid_layer_pattern!r} has no such layer ({kinds}); drop "
+            f"{'it' if len(absent) == 1 else 'them'}, or capture the whole layer or "
+            "full_iteration"
+        )
+    if "mlp" in absent:
+        raise GraphConfigError(
+            "--cuda-graph-scope mlp: every layer of this Megatron-Core MoE GPT is an MoELayer, "
+            "so there is no dense MLP to capture; use moe_router"
+        )
+    raise GraphConfigError(
+        f"--cuda-graph-scope {' '.join(absent)} needs an MoE model (--num-experts N), but "
+        "this GPT is dense; use attn, mlp, the whole layer or full_iteration"
+    )
 
 
 _DROPLESS_SYNC = {

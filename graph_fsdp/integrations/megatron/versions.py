@@ -20,6 +20,19 @@ of testing versions itself. What differs, read from the two releases' sources:
   grouped GEMMs. :func:`local_layer_spec` gives 0.19's choice on both.
 * ``MoELayer.__init__`` takes ``is_mtp_layer`` and ``name`` in 0.19, neither in 0.16:
   :func:`moe_layer_kwargs` passes what the installed class accepts.
+* Hybrid models (a layer per character of a pattern): 0.19's ``HybridModel``
+  (``models/hybrid/hybrid_model.py``; ``GPTModel`` logs a deprecation pointing to it) takes
+  ``hybrid_layer_pattern`` and a ``HybridStack`` spec (``models/hybrid/hybrid_block.py``,
+  ``HybridStackSubmodules``: seven layer kinds plus ``mtp_block_spec``); 0.16's is
+  ``MambaModel`` (``models/mamba/mamba_model.py``) with ``hybrid_override_pattern`` and a
+  ``MambaStack`` spec (``ssm/mamba_block.py``, ``MambaStackSubmodules``: ``mamba_layer``,
+  ``attention_layer``, ``mlp_layer``, ``moe_layer``). Both build ``*`` as ``TransformerLayer``,
+  ``-`` as ``MLPLayer``, ``E`` as ``MoETransformerLayer`` and ``M`` as ``MambaLayer`` in
+  ``decoder.layers`` and end with a ``TENorm`` ``decoder.final_norm``; their TE specs are
+  ``hybrid_stack_spec`` (``models/hybrid/hybrid_layer_specs.py``) and ``mamba_stack_spec``
+  (``models/mamba/mamba_layer_specs.py``). :func:`hybrid_model_class`,
+  :func:`hybrid_stack_class`, :func:`hybrid_stack_submodules`, :func:`hybrid_pattern_kwargs`,
+  :func:`te_mamba_layer_spec` and :func:`hybrid_symbols` pick them.
 """
 
 from __future__ import annotations
@@ -114,3 +127,75 @@ def build_mlp(layer_spec, config, pg_collection=None):
     if isinstance(mlp, functools.partial):
         return mlp(config=config, pg_collection=pg_collection, is_mtp_layer=False)
     return build_module(mlp, config=config, pg_collection=pg_collection)
+
+
+def hybrid_model_class() -> type:
+    """``HybridModel`` (0.19) or ``MambaModel`` (0.16): the model of a layer pattern."""
+    if MCORE_VERSION >= (0, 17):
+        from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: PLC0415 (imports TE-era modules only a hybrid model needs)
+
+        return HybridModel
+    from megatron.core.models.mamba.mamba_model import MambaModel  # noqa: PLC0415 (as above)
+
+    return MambaModel
+
+
+def hybrid_stack_class() -> type:
+    """``HybridStack`` (0.19) or ``MambaStack`` (0.16): the decoder of a hybrid model."""
+    if MCORE_VERSION >= (0, 17):
+        from megatron.core.models.hybrid.hybrid_block import HybridStack  # noqa: PLC0415 (as above)
+
+        return HybridStack
+    from megatron.core.ssm.mamba_block import MambaStack  # noqa: PLC0415 (as above)
+
+    return MambaStack
+
+
+def hybrid_stack_submodules(*, attention_layer, mlp_layer, moe_layer, mamba_layer):
+    """The installed release's stack submodules (``HybridStackSubmodules`` /
+    ``MambaStackSubmodules``) with these four layer specs; 0.19's other kinds stay
+    ``IdentityOp`` and its ``mtp_block_spec`` None."""
+    if MCORE_VERSION >= (0, 17):
+        from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules as Sub  # noqa: PLC0415 (as above)
+    else:
+        from megatron.core.ssm.mamba_block import MambaStackSubmodules as Sub  # noqa: PLC0415 (as above)
+    return Sub(
+        attention_layer=attention_layer,
+        mlp_layer=mlp_layer,
+        moe_layer=moe_layer,
+        mamba_layer=mamba_layer,
+    )
+
+
+def hybrid_pattern_kwargs(pattern: str) -> dict:
+    """The model's pattern argument: ``hybrid_layer_pattern`` (0.19; ``hybrid_override_pattern``
+    is deprecated there) or ``hybrid_override_pattern`` (0.16, whose pattern must be
+    ``config.num_layers`` long)."""
+    if MCORE_VERSION >= (0, 17):
+        return {"hybrid_layer_pattern": pattern}
+    return {"hybrid_override_pattern": pattern}
+
+
+def te_mamba_layer_spec():
+    """Megatron's TE spec of a Mamba layer (``MambaLayer`` with ``MambaMixer``): the
+    ``mamba_layer`` of 0.19's ``hybrid_stack_spec`` / 0.16's ``mamba_stack_spec``. Importing
+    those spec modules needs TransformerEngine (and triton)."""
+    if MCORE_VERSION >= (0, 17):
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec  # noqa: PLC0415 (needs TE)
+    else:
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as spec  # noqa: PLC0415 (needs TE)
+    return spec.submodules.mamba_layer
+
+
+def hybrid_symbols() -> frozenset[str]:
+    """The layer characters the installed release's pattern parser accepts: 0.16
+    ``{M, *, -, E}`` (``ssm/mamba_hybrid_layer_allocation.py`` ``Symbols.VALID``); 0.19 adds
+    ``G``, ``D`` and ``+`` (``models/hybrid/hybrid_layer_allocation.py``
+    ``Symbols.VALID_LAYERS``)."""
+    if MCORE_VERSION >= (0, 17):
+        from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols  # noqa: PLC0415 (as above)
+
+        return frozenset(Symbols.VALID_LAYERS)
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import Symbols  # noqa: PLC0415 (as above)
+
+    return frozenset(Symbols.VALID)
