@@ -8,6 +8,7 @@ Processes are started by :func:`graph_fsdp.training.processes.spawn`; HuggingFac
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import traceback
@@ -72,6 +73,17 @@ buffers (double buffer, persistent on a failed allocation) and deterministic ker
 must be reproducible before graphs can equal it."""
 
 
+MCORE_GPU_RUN = dict(
+    {k: v for k, v in GPU_RUN.items() if k != "device"},
+    grad_accum=2,
+    clip_grad=1.0,
+    fused_optimizer=True,
+    return_params=True,
+)
+"""The Megatron-Core GPU parity tests' run settings (``MCoreTrainConfig``, always on CUDA):
+:data:`GPU_RUN`, 2 microbatches a step, clipping and the fused AdamW of the graphed step."""
+
+
 def bit_exact_gpu_run(model: GPTConfig, **overrides) -> TrainConfig:
     """The GPU bit-exactness tests' training run: :data:`GPU_RUN`, 2 microbatches of 2."""
     return TrainConfig(
@@ -127,6 +139,19 @@ def megatron_stack_missing() -> str | None:
     except Exception as err:  # noqa: BLE001 - any import failure means no megatron-core
         return f"megatron-core does not import ({err})"
     return None
+
+
+def megatron_gpu_marks(gpus: int = 1) -> list:
+    """The marks of a Megatron-Core GPU test module: ``gpu``, at least ``gpus`` CUDA devices,
+    and a skip naming what does not import (TransformerEngine, megatron-core) where CUDA is
+    there; TE's deterministic attention for the ranks it spawns
+    (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, read when TE's attention is built)."""
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    marks = [pytest.mark.gpu, needs_gpus(gpus)]
+    missing = megatron_stack_missing() if torch.cuda.is_available() else None
+    if missing:
+        marks.append(pytest.mark.skip(reason=missing))
+    return marks
 
 
 def shard_layers(model: torch.nn.Module, **placement) -> torch.nn.Module:
@@ -326,3 +351,59 @@ def full_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
                 full = out.setdefault(key, torch.full((numel,), math.nan, dtype=value.dtype))
                 full[offset : offset + value.numel()] = value
     return out
+
+
+def first_difference(a: list, b: list) -> str:
+    """The first step where two loss lists differ, or "none"."""
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            return f"step {i}: {x!r} vs {y!r} (delta {y - x:.3e})"
+    return "none"
+
+
+def graphed_run_failures(
+    label: dict, mode: str, got: dict, eager: dict, *, steps: int, warmup: int, what: str = ""
+) -> list[str]:
+    """One graphed run of a GPU parity test against its eager twin: prints its JSON row
+    (``label``, the graph counts, both median step times) and returns what failed - not exactly
+    one capture, an eager fallback, fewer replays than one per graphed step (``mode``
+    "full_iteration": two graphs a step; "one_graph": one; else every captured callable), or
+    losses, eval losses or final weights that are not eager's bit for bit. ``got`` and ``eager``
+    hold ``losses``, ``eval_losses``, ``params`` and ``times`` (``got`` also ``cuda_graphs``, or
+    ``error``); ``what`` names the run in the failures (default: ``mode``)."""
+    what = what or mode
+    if "error" in got:
+        return [f"{what}: {got['error']}"]
+    report = got["cuda_graphs"]
+    print(
+        json.dumps(
+            {
+                **label,
+                "mode": mode,
+                "captures": report["captures"],
+                "replays": report["replays"],
+                "eager_fallbacks": report["eager_fallbacks"],
+                "median_step_s": sorted(got["times"])[len(got["times"]) // 2],
+                "eager_median_step_s": sorted(eager["times"])[len(eager["times"]) // 2],
+            }
+        )
+    )
+    per_step = {"full_iteration": 2, "one_graph": 1}.get(mode, len(report["callables"]))
+    checks = {
+        "one capture": report["captures"] == 1,
+        "no eager fallback": report["eager_fallbacks"] == 0,
+        "a replay every graphed step": report["replays"] >= (steps - warmup - 1) * per_step,
+        "losses": got["losses"] == eager["losses"],
+        "eval losses": got["eval_losses"] == eager["eval_losses"],
+    }
+    failures = []
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        failures.append(
+            f"{what}: {bad}; report {report}; losses "
+            f"{first_difference(eager['losses'], got['losses'])}"
+        )
+    differing = [p for p, v in eager["params"].items() if not torch.equal(got["params"][p], v)]
+    if differing:
+        failures.append(f"{what}: final weights differ from eager's: {differing[:4]}")
+    return failures

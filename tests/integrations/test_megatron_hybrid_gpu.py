@@ -19,22 +19,19 @@ Run: python -m pytest -q -s -m gpu tests/integrations/test_megatron_hybrid_gpu.p
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import traceback
 
 import pytest
 import torch
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus
+from graph_fsdp_testing import (
+    MCORE_GPU_RUN,
+    graphed_run_failures,
+    megatron_gpu_marks,
+)
 
 from graph_fsdp.training.processes import spawn
 
-os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # the spawned ranks inherit it
-
-pytestmark = [pytest.mark.gpu, needs_gpus(1)]
-MISSING = megatron_stack_missing() if torch.cuda.is_available() else None
-if MISSING:
-    pytestmark.append(pytest.mark.skip(reason=MISSING))
+pytestmark = megatron_gpu_marks()
 
 STEPS, WARMUP, EVAL = 12, 2, 4
 GROUPED_MM = dict(moe_experts_impl="grouped_mm")
@@ -89,16 +86,9 @@ def _cfg(pattern: str, moe: dict, **kw):
         model=model,
         model_name="mcore-hybrid",
         steps=STEPS,
-        grad_accum=2,
         eval_interval=EVAL,
-        clip_grad=1.0,
-        fused_optimizer=True,
-        bf16=True,
-        deterministic=True,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-        return_params=True,
         cuda_graph_warmup_steps=WARMUP,
+        **MCORE_GPU_RUN,
     )
     return MCoreTrainConfig(**{**base, **kw})
 
@@ -118,13 +108,6 @@ def _train(rank: int, world: int, families: dict) -> dict:
     return out
 
 
-def _first_difference(a: list, b: list) -> str:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x != y:
-            return f"step {i}: {x!r} vs {y!r} (delta {y - x:.3e})"
-    return "none"
-
-
 def _failures(results: dict, families: dict, world: int) -> list[str]:
     failures = []
     for family, (pattern, _, modes) in families.items():
@@ -132,45 +115,15 @@ def _failures(results: dict, families: dict, world: int) -> list[str]:
         assert len(eager["losses"]) == STEPS, (family, eager["losses"])
         assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
         for name in modes:
-            got, what = results[family, name], f"{family} {pattern} {name}"
-            if "error" in got:
-                failures.append(f"{what}: {got['error']}")
-                continue
-            report = got["cuda_graphs"]
-            median = sorted(got["times"])[len(got["times"]) // 2]
-            eager_median = sorted(eager["times"])[len(eager["times"]) // 2]
-            print(
-                json.dumps(
-                    {
-                        "model": f"mcore-hybrid {pattern} ({family})",
-                        "mode": name,
-                        "world": world,
-                        "captures": report["captures"],
-                        "replays": report["replays"],
-                        "eager_fallbacks": report["eager_fallbacks"],
-                        "median_step_s": median,
-                        "eager_median_step_s": eager_median,
-                    }
-                )
+            failures += graphed_run_failures(
+                {"model": f"mcore-hybrid {pattern} ({family})", "world": world},
+                name,
+                results[family, name],
+                eager,
+                steps=STEPS,
+                warmup=WARMUP,
+                what=f"{family} {pattern} {name}",
             )
-            per_step = {"full_iteration": 2, "one_graph": 1}.get(name, len(report["callables"]))
-            checks = {
-                "one capture": report["captures"] == 1,
-                "no eager fallback": report["eager_fallbacks"] == 0,
-                "a replay every graphed step": report["replays"] >= (STEPS - WARMUP - 1) * per_step,
-                "losses": got["losses"] == eager["losses"],
-                "eval losses": got["eval_losses"] == eager["eval_losses"],
-            }
-            bad = [k for k, ok in checks.items() if not ok]
-            if bad:
-                failures.append(
-                    f"{what}: {bad}; report {report}; losses "
-                    f"{_first_difference(eager['losses'], got['losses'])}"
-                )
-            params = eager["params"]
-            differing = [p for p, v in params.items() if not torch.equal(got["params"][p], v)]
-            if differing:
-                failures.append(f"{what}: final weights differ from eager's: {differing[:4]}")
     return failures
 
 

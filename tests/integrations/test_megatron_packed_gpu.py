@@ -20,20 +20,19 @@ construction). Run:
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus, run_modes
+from graph_fsdp_testing import (
+    MCORE_GPU_RUN,
+    graphed_run_failures,
+    megatron_gpu_marks,
+    run_modes,
+)
 
 from graph_fsdp.training.processes import spawn
 
-os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # the spawned ranks inherit it
-
-pytestmark = [pytest.mark.gpu, needs_gpus(1)]
-MISSING = megatron_stack_missing() if torch.cuda.is_available() else None
-if MISSING:
-    pytestmark.append(pytest.mark.skip(reason=MISSING))
+pytestmark = megatron_gpu_marks()
 
 STEPS, WARMUP, EVAL = 12, 2, 4
 BUDGET, MAX_DOCS = 512, 8
@@ -77,16 +76,9 @@ def _cfg(**kw):
         packing=PackingPolicy(budget=BUDGET, max_documents=MAX_DOCS, mean_document_length=90),
         steps=STEPS,
         micro_batch_size=1,
-        grad_accum=2,
         eval_interval=EVAL,
-        clip_grad=1.0,
-        fused_optimizer=True,
-        bf16=True,
-        deterministic=True,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-        return_params=True,
         cuda_graph_warmup_steps=WARMUP,
+        **MCORE_GPU_RUN,
     )
     return MCoreTrainConfig(**{**base, **kw})
 
@@ -95,13 +87,6 @@ def _train(rank: int, world: int) -> dict:
     from graph_fsdp.integrations.megatron.train import run
 
     return run_modes(run, rank, world, _cfg(), MODES)
-
-
-def _first_difference(a: list, b: list) -> str:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x != y:
-            return f"step {i}: {x!r} vs {y!r} (delta {y - x:.3e})"
-    return "none"
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -114,42 +99,14 @@ def test_packed_mcore_gpt_every_capture_mode_bit_identical(world: int) -> None:
     assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
     failures = []
     for name in MODES:
-        got = results[name]
-        if "error" in got:
-            failures.append(f"{name}: {got['error']}")
-            continue
-        report = got["cuda_graphs"]
-        print(
-            json.dumps(
-                {
-                    "model": "mcore-gpt packed",
-                    "mode": name,
-                    "world": world,
-                    "captures": report["captures"],
-                    "replays": report["replays"],
-                    "eager_fallbacks": report["eager_fallbacks"],
-                    "median_step_s": sorted(got["times"])[len(got["times"]) // 2],
-                    "eager_median_step_s": sorted(eager["times"])[len(eager["times"]) // 2],
-                }
-            )
+        failures += graphed_run_failures(
+            {"model": "mcore-gpt packed", "world": world},
+            name,
+            results[name],
+            eager,
+            steps=STEPS,
+            warmup=WARMUP,
         )
-        per_step = {"full_iteration": 2, "one_graph": 1}.get(name, len(report["callables"]))
-        checks = {
-            "one capture": report["captures"] == 1,
-            "no eager fallback": report["eager_fallbacks"] == 0,
-            "a replay every graphed step": report["replays"] >= (STEPS - WARMUP - 1) * per_step,
-            "losses": got["losses"] == eager["losses"],
-            "eval losses": got["eval_losses"] == eager["eval_losses"],
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            failures.append(
-                f"{name}: {bad}; report {report}; losses "
-                f"{_first_difference(eager['losses'], got['losses'])}"
-            )
-        differing = [p for p, v in eager["params"].items() if not torch.equal(got["params"][p], v)]
-        if differing:
-            failures.append(f"{name}: final weights differ from eager's: {differing[:4]}")
     assert not failures, "\n".join(failures)
 
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from graph_fsdp_testing import GPU_RUN, GRAPH_MODES, bit_exact_gpu_run, needs_gpus
+from graph_fsdp_testing import GPU_RUN, GRAPH_MODES, bit_exact_gpu_run, first_difference, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
 
 from graph_fsdp.models import GPTConfig
@@ -63,18 +63,11 @@ def _assert_same_run(name: str, got: dict, eager: dict) -> None:
     """Losses, eval losses and final weights of a graphed run equal eager's bit for bit."""
     assert got["losses"] == eager["losses"], (
         name,
-        _first_difference(got["losses"], eager["losses"]),
+        first_difference(got["losses"], eager["losses"]),
     )
     assert got["eval_losses"] == eager["eval_losses"], name
     for p, value in eager["params"].items():
         assert torch.equal(got["params"][p], value), (name, p)
-
-
-def _first_difference(a: list, b: list) -> str:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if x != y:
-            return f"step {i}: {x!r} vs {y!r}"
-    return "none"
 
 
 @pytest.mark.parametrize(
