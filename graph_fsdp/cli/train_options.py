@@ -222,7 +222,9 @@ def check_data_path(
     except ValueError as err:
         raise CLIError(str(err)) from err
     _check_data_length(
-        args,
+        path,
+        train_iters=args.train_iters,
+        allow_reuse=getattr(args, "allow_data_reuse", False),
         seq_length=seq_length,
         num_tokens=num_tokens,
         needed=first + count,
@@ -232,20 +234,27 @@ def check_data_path(
 
 
 def _check_data_length(
-    args: argparse.Namespace, *, seq_length: int, num_tokens: int, needed: int, per_step: int
+    path: str,
+    *,
+    train_iters: int,
+    allow_reuse: bool,
+    seq_length: int,
+    num_tokens: int,
+    needed: int,
+    per_step: int,
 ) -> None:
     """A token file holds fewer samples than the run reads up to its last iteration: refused
     (the stream would wrap around and train on the same samples again), or with
-    --allow-data-reuse said once on stderr."""
+    --allow-data-reuse (``allow_reuse``) said once on stderr."""
     num_samples = (num_tokens - 1) // seq_length
     if needed <= num_samples:
         return
     held = (
-        f"--data-path {args.data_path} holds {num_samples} sample{'s' * (num_samples != 1)} "
+        f"--data-path {path} holds {num_samples} sample{'s' * (num_samples != 1)} "
         f"of --seq-length {seq_length} ({num_tokens} tokens), but the run reads {needed} "
-        f"({per_step} per iteration up to --train-iters {args.train_iters})"
+        f"({per_step} per iteration up to --train-iters {train_iters})"
     )
-    if getattr(args, "allow_data_reuse", False):
+    if allow_reuse:
         times = needed / num_samples
         print(f"note: {held}: each sample is read {times:.3g} times on average", file=sys.stderr)
         return
