@@ -67,6 +67,12 @@ from graph_fsdp.integrations.megatron.config import NORMALIZATIONS as NORMALIZAT
 from graph_fsdp.integrations.megatron.config import TRANSFORMER_IMPLS as TRANSFORMER_IMPLS
 from graph_fsdp.integrations.megatron.config import MCoreGPTConfig as MCoreGPTConfig
 from graph_fsdp.integrations.megatron.config import require_megatron as require_megatron
+from graph_fsdp.integrations.megatron.mcore_checkpoint import (
+    load_megatron_checkpoint as load_megatron_checkpoint,
+)
+from graph_fsdp.integrations.megatron.mcore_checkpoint import (
+    save_megatron_checkpoint as save_megatron_checkpoint,
+)
 from graph_fsdp.integrations.megatron.packed import check_packed_config as check_packed_config
 from graph_fsdp.integrations.megatron.packed import packed_loss
 from graph_fsdp.integrations.megatron.packed import packed_model_config as packed_model_config
