@@ -38,6 +38,7 @@ def _dist_checkpointing_on_cpu() -> None:
     megatron_on_cpu()
     torch.cuda.synchronize = lambda *_: None
     fs._process_memory = lambda: 0
+    fs.HAVE_PSUTIL = True  # what save_megatron_checkpoint checks before writing
 
 
 def _build(tp: int, seed: int, *, shard: bool, **cfg):
@@ -163,3 +164,14 @@ def test_tp2_swiglu_megatron_checkpoint_round_trip(results):
         assert out["tp1 x dp2 loaded"] == [], out
         assert out["tp2 moved"], "the training step changed nothing"
         assert out["megatron reads ours at tp1"] == [], out
+
+
+def test_save_refuses_without_psutil_before_writing(monkeypatch, tmp_path):
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs
+
+    from graph_fsdp.integrations import megatron as gm
+
+    monkeypatch.setattr(fs, "HAVE_PSUTIL", False)
+    with pytest.raises(ImportError, match="pip install psutil"):
+        gm.save_megatron_checkpoint(torch.nn.Module(), str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()

@@ -77,6 +77,7 @@ def save_megatron_checkpoint(lm: nn.Module, path: str) -> None:
     from megatron.core import dist_checkpointing  # noqa: PLC0415 (optional dependency)
     from megatron.core import parallel_state as ps  # noqa: PLC0415 (optional dependency)
 
+    _check_writer()
     plain = _plain_gpt(lm, "save_megatron_checkpoint")
     full = full_state_dict(lm)
     names = {f"module.{name}" for name, _ in plain.named_parameters()}
@@ -90,6 +91,20 @@ def save_megatron_checkpoint(lm: nn.Module, path: str) -> None:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     dist_checkpointing.save(plain.sharded_state_dict(), path)
+
+
+def _check_writer() -> None:
+    """Megatron's torch_dist writer logs each writer process's memory through psutil, which
+    megatron-core does not require; without it the writer processes fail and the save waits
+    for them forever (megatron-core 0.16.1 and 0.19.2), so refuse before writing."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415 (optional dependency)
+
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        raise ImportError(
+            "save_megatron_checkpoint: Megatron-Core's torch_dist checkpoint writer needs "
+            "psutil (its writer processes log their memory with it), which is not installed: "
+            "pip install psutil"
+        )
 
 
 def _tp_piece(full: torch.Tensor, p: nn.Parameter, rank: int, size: int) -> torch.Tensor:
