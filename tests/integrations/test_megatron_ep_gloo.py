@@ -35,6 +35,9 @@ from graph_fsdp_testing import TINY_MCORE_SHAPE, megatron_on_cpu
 
 from graph_fsdp.training.processes import spawn
 
+# Three spawned 4-rank groups of about a minute each: the long set (docs/testing.md).
+pytestmark = pytest.mark.slow
+
 try:
     from graph_fsdp.integrations.megatron import moe  # noqa: F401 - imports megatron-core
 except ImportError as err:
