@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from graph_fsdp.parallel.dropless_ep import check_receive_buffer_factor
+
 _NORM_EPS = 1e-5
 
 
@@ -120,14 +122,9 @@ class GPTConfig:
                 f"GPTConfig.moe_router_topk={self.moe_router_topk} exceeds "
                 f"num_experts={self.num_experts}; use moe_router_topk <= num_experts"
             )
-        buffer = self.moe_receive_buffer_factor
-        if buffer is not None and (
-            not isinstance(buffer, int | float) or isinstance(buffer, bool) or not buffer > 0
-        ):
-            raise ValueError(
-                f"GPTConfig.moe_receive_buffer_factor={buffer!r} is invalid: expected a float > 0 "
-                "or None (room for every copy: nothing is ever dropped)"
-            )
+        check_receive_buffer_factor(
+            self.moe_receive_buffer_factor, "GPTConfig.moe_receive_buffer_factor"
+        )
         factor = self.moe_capacity_factor
         if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor > 0:
             raise ValueError(
@@ -189,4 +186,3 @@ def model_flops_per_token(config: GPTConfig) -> float:
         matmul_params += attn_params + ffn_params
     attention = 12 * config.num_layers * h * config.seq_length
     return float(6 * matmul_params + attention)
-

@@ -65,6 +65,18 @@ class _Gather(torch.autograd.Function):
         return padded.index_select(0, back), None, None
 
 
+def check_receive_buffer_factor(value, name: str) -> None:
+    """A receive-buffer factor setting (``name`` spells it for the message): a float > 0, or
+    None (room for every copy)."""
+    if value is not None and (
+        not isinstance(value, int | float) or isinstance(value, bool) or not value > 0
+    ):
+        raise ValueError(
+            f"{name}={value!r} is invalid: expected a float > 0 or None (room for every copy: "
+            "nothing is ever dropped)"
+        )
+
+
 def receive_buffer_rows(copies: int, ep: int, buffer_factor: float | None) -> int:
     """``B``: rows per peer block. None: every copy (never drops); else ``ceil(factor x
     copies / ep)`` (the balanced load times the factor), at most ``copies``."""

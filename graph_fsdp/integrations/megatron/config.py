@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from graph_fsdp.parallel.dropless_ep import check_receive_buffer_factor
+
 INSTALL_HINT = 'pip install -e ".[megatron]"'
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -316,11 +318,7 @@ def _check_receive_buffer(cfg: MCoreGPTConfig) -> None:
     buffer, name = cfg.moe_receive_buffer_factor, "MCoreGPTConfig.moe_receive_buffer_factor"
     if buffer is None:
         return
-    if not isinstance(buffer, int | float) or isinstance(buffer, bool) or not buffer > 0:
-        raise ValueError(
-            f"{name}={buffer!r} is invalid: expected a float > 0 or None (room for every copy: "
-            "nothing is ever dropped)"
-        )
+    check_receive_buffer_factor(buffer, name)
     if cfg.moe_experts_impl != "grouped_mm":
         raise ValueError(
             f"{name}={buffer} sizes the receive buffer of the grouped_mm experts' exchange over "
