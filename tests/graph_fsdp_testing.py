@@ -365,7 +365,8 @@ def graphed_run_failures(
     label: dict, mode: str, got: dict, eager: dict, *, steps: int, warmup: int, what: str = ""
 ) -> list[str]:
     """One graphed run of a GPU parity test against its eager twin: prints its JSON row
-    (``label``, the graph counts, both median step times) and returns what failed - not exactly
+    (``label``, the graph counts, both median step times, both runs' peak allocated and
+    reserved CUDA memory) and returns what failed - not exactly
     one capture, an eager fallback, fewer replays than one per graphed step (``mode``
     "full_iteration": two graphs a step; "one_graph": one; else every captured callable), or
     losses, eval losses or final weights that are not eager's bit for bit. ``got`` and ``eager``
@@ -385,6 +386,10 @@ def graphed_run_failures(
                 "eager_fallbacks": report["eager_fallbacks"],
                 "median_step_s": sorted(got["times"])[len(got["times"]) // 2],
                 "eager_median_step_s": sorted(eager["times"])[len(eager["times"]) // 2],
+                "peak_allocated_bytes": got.get("peak_memory_bytes"),
+                "peak_reserved_bytes": got.get("peak_reserved_bytes"),
+                "eager_peak_allocated_bytes": eager.get("peak_memory_bytes"),
+                "eager_peak_reserved_bytes": eager.get("peak_reserved_bytes"),
             }
         )
     )

@@ -3,9 +3,9 @@ integrations/megatron/packed.py [Note: Megatron-Core packed sequences]) on NCCL.
 
 - Every capture mode over packs whose document counts and lengths change every step: eager vs
   whole layers, ``attn``, ``attn mlp`` (torch graphs), ``attn`` (TE graphs), ``full_iteration``
-  and the one-graph step, at world 1 and 2 (FSDP over the ranks): one capture, a replay every
-  graphed step, no eager fallback, and losses, eval losses and final weights bit-identical to
-  eager's.
+  and the one-graph step, at world 1 and 2 (FSDP over the ranks), 200 steps each: one capture,
+  a replay every graphed step, no eager fallback, and losses, eval losses and final weights
+  bit-identical to eager's; each run's JSON row gives its peak allocated and reserved memory.
 - Attention stays within documents: a pack's loss equals the sum of its documents' losses,
   each run alone as an unpacked sequence (fp32 to 1e-4 relative, bf16 to 2e-2 per document),
   and the same pack with its boundaries removed does not.
@@ -34,7 +34,7 @@ from graph_fsdp.training.processes import spawn
 
 pytestmark = megatron_gpu_marks()
 
-STEPS, WARMUP, EVAL = 12, 2, 4
+STEPS, WARMUP, EVAL = 200, 2, 25
 BUDGET, MAX_DOCS = 512, 8
 MODES = {
     "layerwise": {"cuda_graph_impl": "torch"},
