@@ -70,6 +70,13 @@ def document_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
 
 
+def padding_tail_mask(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """Bool ``[b, s]``: True on each row's padding tail (the last of its ``D + 1`` slots in
+    ``cu_seqlens``). Device ops only - no host synchronization, so it captures."""
+    slots = (cu_seqlens.numel() - 1) // b
+    return (document_ids(cu_seqlens, b * s) % slots == slots - 1).view(b, s)
+
+
 def _within_documents(cu_seqlens: torch.Tensor, b: int, s: int) -> torch.Tensor:
     """Bool ``[b, 1, s, s]``: query ``i`` may attend key ``j`` (same document, ``j <= i``)."""
     docs = document_ids(cu_seqlens, b * s).view(b, s)

@@ -55,6 +55,9 @@ slots per row (unused ones zero-length) and the row's padding tail. Facts from m
   (dot_product_attention.py:949-952); ``LoopConfig.deterministic`` sets both before the
   model is built (training/loop.py ``use_deterministic_kernels``).
 
+MoE layers: the pack's padding tail goes in as Megatron's ``padding_mask`` and is kept out of
+expert capacity (megatron/packed_moe.py [Note: packed MoE routing]).
+
 The loss is graph_fsdp's per-token sum (:func:`~graph_fsdp.models.packed.packed_loss_sum`)
 over the logits GPTModel returns without labels - Megatron's own loss has no ignore index -
 scaled by the loop's step token scale (training/loop.py ``with_token_scale``) like every
@@ -70,7 +73,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graph_fsdp.integrations.megatron.config import MCoreGPTConfig, require_megatron
-from graph_fsdp.models.packed import check_packed_inputs, packed_loss_sum
+from graph_fsdp.models.packed import check_packed_inputs, packed_loss_sum, padding_tail_mask
 
 TE_SPEC_FIX = (
     "use the TransformerEngine layer spec: --transformer-impl transformer_engine "
@@ -207,11 +210,18 @@ def packed_loss(
     check_packed_model(gpt)
     b, s = input_ids.shape
     params = packed_seq_params(cu_seqlens, s)
+    moe = {}
+    if getattr(gpt.config, "num_moe_experts", None):  # [Note: packed MoE routing]
+        from graph_fsdp.integrations.megatron.packed_moe import mask_tail_in_routing  # noqa: PLC0415 (imports megatron-core's MoE modules)
+
+        mask_tail_in_routing(gpt)
+        moe["padding_mask"] = padding_tail_mask(cu_seqlens, b, s).reshape(1, b * s)
     logits = gpt(
         input_ids.reshape(1, b * s),
         position_ids.reshape(1, b * s),
         None,  # THD attention masks by cu_seqlens (padding_causal)
         packed_seq_params=params,
+        **moe,
     )
     return packed_loss_sum(logits, labels.reshape(1, b * s))
 
