@@ -19,9 +19,10 @@
 # torch-memory-saver, ~2 min at world 1), rl_offload_1b (its 1B-parameter measurement, ~1 min);
 # both measure the device's free memory: give each a GPU no other lane uses; fi_pool
 # (full_iteration's main gradients in its graph's pool, 1 GPU), packed (packed variable-length
-# documents under every capture mode, ~2 min at world 2), megatron_packed (packed documents
-# through a Megatron-Core GPT with TE's THD attention: every capture mode at world 1 and 2, and
-# attention within documents; 2-GPU parts skip on one), megatron_hybrid (a Megatron-Core
+# documents under every capture mode, 200 steps, ~3 min at world 2), megatron_packed (packed
+# documents through a Megatron-Core GPT with TE's THD attention: every capture mode at world 1
+# and 2, TP 2 + sequence parallelism, 200 steps each, and attention within documents; 2-GPU
+# parts skip on one), megatron_hybrid (a Megatron-Core
 # HybridModel with attention, MLP and MoE layers under every capture mode at world 1 and 2;
 # its Mamba pattern skips where mamba_ssm / causal_conv1d do not import).
 # Logs go to $OUT/gpu_<chunk>.log (OUT defaults to ./gpu_tests_out; BUNDLE=<file.tgz> also packs

@@ -79,12 +79,14 @@ def packing_of(args: argparse.Namespace) -> PackingPolicy | None:
             if value is not None:
                 raise CLIError(f"{flag} {value} is given without --packed-sequences: add it")
         return None
-    if args.tensor_model_parallel_size > 1:
+    model = getattr(args, "model", "gpt")
+    if args.tensor_model_parallel_size > 1 and model == "gpt":
         raise CLIError(
             f"--packed-sequences with --tensor-model-parallel-size "
-            f"{args.tensor_model_parallel_size} is not supported: drop one of them"
+            f"{args.tensor_model_parallel_size} and --model gpt: the reference GPT packs "
+            "documents without tensor parallelism; use --model mcore-gpt (Megatron-Core packs "
+            "at any TP size) or drop one of them"
         )
-    model = getattr(args, "model", "gpt")
     if model == "gpt" and args.transformer_impl != "local":
         raise CLIError(
             f"--packed-sequences needs --transformer-impl local (got {args.transformer_impl}): "

@@ -44,7 +44,8 @@ def test_megatron_spellings_mean_packed_sequences(capsys):
         capsys, "train", *TINY, "--reset-position-ids", "--reset-attention-mask",
         "--eod-mask-loss", "--tensor-model-parallel-size", "2",
     )  # fmt: skip
-    assert "--packed-sequences with --tensor-model-parallel-size 2" in err
+    assert "--packed-sequences with --tensor-model-parallel-size 2 and --model gpt" in err
+    assert "use --model mcore-gpt" in err
     err = cli_error(capsys, "train", *TINY, "--reset-position-ids")
     assert "--reset-position-ids alone" in err and "--reset-attention-mask --eod-mask-loss" in err
 

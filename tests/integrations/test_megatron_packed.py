@@ -103,12 +103,21 @@ def test_packed_model_config_turns_on_te_rope_fusion() -> None:
     ("kwargs", "expected"),
     [
         (dict(transformer_impl="local"), "--transformer-impl transformer_engine"),
-        (dict(tensor_model_parallel_size=2), "tensor_model_parallel_size=1"),
     ],
 )
 def test_packed_model_config_refusals(kwargs: dict, expected: str) -> None:
     with pytest.raises(ValueError, match=expected):
         gm.packed_model_config(gm.MCoreGPTConfig(**TINY_MCORE_SHAPE, **kwargs))
+
+
+def test_packed_model_config_accepts_tensor_parallelism() -> None:
+    """TP > 1 packs (the loss through Megatron's vocabulary-parallel cross entropy:
+    megatron/packed.py ``token_loss_sum``), with sequence parallelism too."""
+    for sp in (False, True):
+        cfg = gm.MCoreGPTConfig(
+            **TINY_MCORE_SHAPE, tensor_model_parallel_size=2, sequence_parallel=sp
+        )
+        assert gm.packed_model_config(cfg).tensor_model_parallel_size == 2
 
 
 def test_train_config_refusals() -> None:
@@ -179,3 +188,19 @@ def test_cli_accepts_packing_with_the_te_spec(capsys) -> None:
     assert cfg.packing == PackingPolicy(budget=16, max_documents=4, seed=args.seed)
     err = cli_error(capsys, *argv)
     assert "needs CUDA" in err and "packed" not in err
+
+
+def test_sequence_parallel_pack_must_split_over_tp() -> None:
+    """Sequence parallelism splits the pack's ``b * T`` tokens over the TP ranks: a pack of 3 x
+    5 tokens at TP 2 is refused before the model runs, naming the fix."""
+    from types import SimpleNamespace
+
+    from graph_fsdp.integrations.megatron.packed import packed_loss
+
+    gpt = torch.nn.Module()
+    gpt.config = SimpleNamespace(
+        tensor_model_parallel_size=2, sequence_parallel=True, apply_rope_fusion=True
+    )
+    pack = pack_tensors([[torch.arange(4)]] * 3, PackingPolicy(budget=5, max_documents=1), "cpu")
+    with pytest.raises(ValueError, match=r"3 x 5 = 15 tokens .* multiple of 2"):
+        packed_loss(gpt, pack.input_ids, pack.labels, pack.position_ids, pack.cu_seqlens)

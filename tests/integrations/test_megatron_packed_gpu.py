@@ -6,6 +6,8 @@ integrations/megatron/packed.py [Note: Megatron-Core packed sequences]) on NCCL.
   and the one-graph step, at world 1 and 2 (FSDP over the ranks), 200 steps each: one capture,
   a replay every graphed step, no eager fallback, and losses, eval losses and final weights
   bit-identical to eager's; each run's JSON row gives its peak allocated and reserved memory.
+- Tensor parallelism: TP 2 with sequence parallelism on 2 GPUs, eager vs whole layers,
+  ``full_iteration`` and the one graph, 200 steps, the same checks on both TP ranks.
 - Attention stays within documents: a pack's loss equals the sum of its documents' losses,
   each run alone as an unpacked sequence (fp32 to 1e-4 relative, bf16 to 2e-2 per document),
   and the same pack with its boundaries removed does not.
@@ -107,6 +109,41 @@ def test_packed_mcore_gpt_every_capture_mode_bit_identical(world: int) -> None:
             steps=STEPS,
             warmup=WARMUP,
         )
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ tensor parallelism
+TP_MODES = {k: MODES[k] for k in ("layerwise", "full_iteration", "one_graph")}
+
+
+def _train_tp(rank: int, world: int) -> dict:
+    from graph_fsdp.integrations.megatron.train import run
+
+    tp = _model(tensor_model_parallel_size=2, sequence_parallel=True)
+    return run_modes(run, rank, world, _cfg(model=tp), TP_MODES)
+
+
+def test_packed_mcore_gpt_tensor_parallel_bit_identical() -> None:
+    """TP 2 with sequence parallelism over 2 GPUs (each pack's ``b * T`` tokens split over the
+    TP ranks between the blocks; the loss through Megatron's vocabulary-parallel cross
+    entropy): eager vs whole layers, full_iteration and the one graph, 200 steps."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    results = spawn(_train_tp, 2, backend="nccl", timeout=1200)
+    failures = []
+    for rank, result in enumerate(results):
+        eager = result["eager"]
+        assert len(eager["losses"]) == STEPS
+        assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
+        for name in TP_MODES:
+            failures += graphed_run_failures(
+                {"model": "mcore-gpt packed tp2 sp", "world": 2, "rank": rank},
+                name,
+                result[name],
+                eager,
+                steps=STEPS,
+                warmup=WARMUP,
+            )
     assert not failures, "\n".join(failures)
 
 

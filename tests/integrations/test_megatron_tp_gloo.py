@@ -306,6 +306,22 @@ def _first_losses(cfg: gm.MCoreGPTConfig) -> torch.Tensor:
         return torch.stack([lm(*_batch(0, m, cfg)) for m in range(MICRO)])
 
 
+def _masked_loss_sum(cfg: gm.MCoreGPTConfig) -> torch.Tensor:
+    """The packed loss's reduction (``token_loss_sum``: a third of the labels ignored) of the
+    first batch: at TP 1 over whole-vocabulary logits, at TP 2 Megatron's vocabulary-parallel
+    cross entropy."""
+    from graph_fsdp.integrations.megatron.packed import token_loss_sum
+    from graph_fsdp.models.packed import IGNORE_INDEX
+
+    lm = _build(cfg)
+    ids, labels = _batch(0, 0, cfg)
+    s = cfg.seq_length
+    labels = labels.masked_fill(torch.arange(s) % 3 == 0, IGNORE_INDEX)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    with torch.no_grad():
+        return token_loss_sum(lm.module, ids, torch.arange(s)[None], causal, labels)
+
+
 def _four_ranks(rank: int, world: int, root: str) -> dict:
     _megatron_on_cpu()
     out: dict = {}
@@ -322,6 +338,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
             save = os.path.join(root, "tp2") if sp and clip > 1 else None
             out[key] = {"fsdp": _graph_fsdp(cfg, clip, save), "ref": _reference(cfg, clip)}
         out[f"sp={sp} first"] = _first_losses(cfg)
+        out[f"sp={sp} masked loss sum"] = _masked_loss_sum(cfg)
     swiglu2 = gm.MCoreGPTConfig(**SWIGLU_CFG, tensor_model_parallel_size=2, sequence_parallel=True)
     out["swiglu"] = {
         "fsdp": _graph_fsdp(swiglu2, 1e9, os.path.join(root, "swiglu2")),
@@ -345,6 +362,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     _resave(swiglu1, os.path.join(root, "swiglu2"), os.path.join(root, "swiglu1"))
     tp1 = gm.MCoreGPTConfig(**TP_CFG)
     out["tp1 first"] = _first_losses(tp1)
+    out["tp1 masked loss sum"] = _masked_loss_sum(tp1)
     out["tp2 -> tp1"] = _load(tp1, os.path.join(root, "tp2"))
     _resave(tp1, os.path.join(root, "tp2"), os.path.join(root, "tp1"))
     out["errors"] = _errors(tp2)
@@ -444,6 +462,17 @@ def test_tp1_and_tp2_compute_the_same_model(results):
     for res in results:
         for sp in (False, True):
             torch.testing.assert_close(res[f"sp={sp} first"], res["tp1 first"], rtol=0, atol=1e-6)
+
+
+@needs_megatron
+def test_packed_loss_sum_is_the_same_at_tp2(results):
+    """The packed loss at TP 2 (Megatron's vocabulary-parallel cross entropy, ignored labels
+    zeroed) sums what TP 1's whole-vocabulary cross entropy sums: the same tokens, to fp32."""
+    for res in results:
+        tp1 = res["tp1 masked loss sum"]
+        assert tp1 > 0
+        for sp in (False, True):
+            torch.testing.assert_close(res[f"sp={sp} masked loss sum"], tp1, rtol=1e-5, atol=0)
 
 
 @needs_megatron

@@ -61,7 +61,14 @@ expert capacity (megatron/packed_moe.py [Note: packed MoE routing]).
 The loss is graph_fsdp's per-token sum (:func:`~graph_fsdp.models.packed.packed_loss_sum`)
 over the logits GPTModel returns without labels - Megatron's own loss has no ignore index -
 scaled by the loop's step token scale (training/loop.py ``with_token_scale``) like every
-packed model's.
+packed model's. Under tensor parallelism the logits are split over the vocabulary, so
+:func:`token_loss_sum` takes each token's loss from Megatron's vocabulary-parallel cross entropy
+(``GPTModel`` given labels; ignored labels set to 0, their losses zeroed) - no gather of the
+logits. With sequence parallelism the flattened ``b * T`` tokens are split over the TP ranks
+between the blocks (the attention's QKV projection gathers them back, so THD attention and
+RoPE see the whole pack): ``b * T`` must divide by the TP size. The token scale's all-reduce
+over every rank counts each pack once per TP rank, which its ``world`` numerator matches:
+``world / (TP x data-parallel tokens)`` = ``data-parallel world / data-parallel tokens``.
 """
 
 from __future__ import annotations
@@ -73,7 +80,13 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from graph_fsdp.integrations.megatron.config import MCoreGPTConfig, require_megatron
-from graph_fsdp.models.packed import check_packed_inputs, packed_loss_sum, padding_tail_mask
+from graph_fsdp.models.packed import (
+    IGNORE_INDEX,
+    at_least_fp32,
+    check_packed_inputs,
+    packed_loss_sum,
+    padding_tail_mask,
+)
 
 TE_SPEC_FIX = (
     "use the TransformerEngine layer spec: --transformer-impl transformer_engine "
@@ -95,12 +108,6 @@ def check_packed_config(cfg: MCoreGPTConfig) -> None:
             f"packed sequences with MCoreGPTConfig.hybrid_layer_pattern="
             f"{cfg.hybrid_layer_pattern!r}: packs run through GPTModels only; drop the pattern "
             "or --packed-sequences"
-        )
-    if cfg.tensor_model_parallel_size != 1:
-        raise ValueError(
-            f"packed sequences with MCoreGPTConfig.tensor_model_parallel_size="
-            f"{cfg.tensor_model_parallel_size}: the packed loss reads whole-vocabulary logits; "
-            "use tensor_model_parallel_size=1 (--tensor-model-parallel-size 1)"
         )
 
 
@@ -181,11 +188,6 @@ def check_packed_model(gpt: nn.Module) -> None:
             f"({local[0]}): it refuses PackedSeqParams; {TE_SPEC_FIX}"
         )
     config = gpt.config
-    if config.tensor_model_parallel_size != 1:
-        raise ValueError(
-            f"packed sequences with tensor_model_parallel_size="
-            f"{config.tensor_model_parallel_size}: use TP = 1 for packed documents"
-        )
     if getattr(gpt, "position_embedding_type", None) == "rope" and not config.apply_rope_fusion:
         raise ValueError(
             "packed sequences with RoPE and TransformerConfig.apply_rope_fusion=False: "
@@ -209,21 +211,51 @@ def packed_loss(
     check_packed_inputs(input_ids, position_ids, cu_seqlens)
     check_packed_model(gpt)
     b, s = input_ids.shape
-    params = packed_seq_params(cu_seqlens, s)
-    moe = {}
-    if getattr(gpt.config, "num_moe_experts", None):  # [Note: packed MoE routing]
+    config = gpt.config
+    tp = config.tensor_model_parallel_size
+    if config.sequence_parallel and (b * s) % tp:
+        raise ValueError(
+            f"packed sequences with sequence_parallel: the pack's {b} x {s} = {b * s} tokens "
+            f"(one THD sequence) must divide by tensor_model_parallel_size={tp}, which splits "
+            f"them; use a budget (seq_length) that is a multiple of {tp}"
+        )
+    extra = {"packed_seq_params": packed_seq_params(cu_seqlens, s)}
+    if getattr(config, "num_moe_experts", None):  # [Note: packed MoE routing]
         from graph_fsdp.integrations.megatron.packed_moe import mask_tail_in_routing  # noqa: PLC0415 (imports megatron-core's MoE modules)
 
         mask_tail_in_routing(gpt)
-        moe["padding_mask"] = padding_tail_mask(cu_seqlens, b, s).reshape(1, b * s)
-    logits = gpt(
+        extra["padding_mask"] = padding_tail_mask(cu_seqlens, b, s).reshape(1, b * s)
+    return token_loss_sum(
+        gpt,
         input_ids.reshape(1, b * s),
         position_ids.reshape(1, b * s),
         None,  # THD attention masks by cu_seqlens (padding_causal)
-        packed_seq_params=params,
-        **moe,
+        labels.reshape(1, b * s),
+        **extra,
     )
-    return packed_loss_sum(logits, labels.reshape(1, b * s))
+
+
+def token_loss_sum(
+    gpt: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    **kwargs,
+) -> torch.Tensor:
+    """``GPTModel``'s cross entropy summed (at least fp32) over the tokens whose label is not
+    ``IGNORE_INDEX``. At TP 1 over the whole-vocabulary logits (``packed_loss_sum``); at TP > 1
+    the logits are split over the vocabulary, so Megatron's vocabulary-parallel cross entropy
+    (``GPTModel`` given labels) computes each token's loss - the ignored tokens' labels set to 0,
+    their losses zeroed after - without gathering the logits. ``kwargs`` go to ``GPTModel``."""
+    if gpt.config.tensor_model_parallel_size == 1:
+        logits = gpt(input_ids, position_ids, attention_mask, **kwargs)
+        return packed_loss_sum(logits, labels)
+    real = labels != IGNORE_INDEX
+    losses = gpt(
+        input_ids, position_ids, attention_mask, labels=torch.where(real, labels, 0), **kwargs
+    )
+    return at_least_fp32(losses).masked_fill(~real, 0).sum()
 
 
 __all__ = [
@@ -234,4 +266,5 @@ __all__ = [
     "packed_model_config",
     "packed_seq_params",
     "register_packed_seq_params",
+    "token_loss_sum",
 ]
