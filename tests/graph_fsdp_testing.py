@@ -220,6 +220,47 @@ def megatron_on_cpu() -> None:
         moe_utils.te_general_gemm = None
 
 
+MOE_EXPERTS, MOE_TOPK, MOE_HIDDEN, MOE_FFN = 4, 2, 32, 64
+"""The shape of :func:`megatron_moe_config`'s MoE block."""
+
+
+def megatron_moe_config(**kw):
+    """A one-layer Megatron ``TransformerConfig`` of a small MoE block for CPU tests (CPU
+    initialisation, no dropout, no biases; a shared expert; the allgather dispatcher, as the
+    alltoall one makes a CUDA stream at construction): ``kw`` overrides any field."""
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=MOE_HIDDEN,
+        num_attention_heads=4,
+        ffn_hidden_size=MOE_FFN,
+        moe_ffn_hidden_size=MOE_FFN,
+        num_moe_experts=MOE_EXPERTS,
+        moe_router_topk=MOE_TOPK,
+        moe_token_dispatcher_type="allgather",
+        moe_shared_expert_intermediate_size=MOE_FFN,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
+    return TransformerConfig(**{**base, **kw})
+
+
+def graphed_modes_failures(
+    label: dict, results: dict, modes, *, steps: int, warmup: int
+) -> list[str]:
+    """:func:`graphed_run_failures` of each of ``modes``' runs in ``results`` (by mode name)
+    against ``results["eager"]``, all of them."""
+    failures = []
+    for name in modes:
+        failures += graphed_run_failures(
+            label, name, results[name], results["eager"], steps=steps, warmup=warmup
+        )
+    return failures
+
+
 def cli_error(capsys, *argv: str) -> str:
     """The message ``graph-fsdp argv`` stops with (a CLIError: exit code 2), on one line.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_fsdp_testing import MOE_EXPERTS, MOE_FFN, MOE_HIDDEN, MOE_TOPK, megatron_moe_config
 
 from graph_fsdp.training.processes import spawn
 
@@ -27,27 +28,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-E, TOPK, H, FFN = 4, 2, 32, 64
-
-
-def config(**kw) -> TransformerConfig:
-    base = dict(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=4,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_moe_experts=E,
-        moe_router_topk=TOPK,
-        moe_token_dispatcher_type="allgather",  # alltoall makes a CUDA stream at construction
-        moe_shared_expert_intermediate_size=FFN,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+E, TOPK, H, FFN = MOE_EXPERTS, MOE_TOPK, MOE_HIDDEN, MOE_FFN
+config = megatron_moe_config
 
 
 def build_pair(cfg: TransformerConfig):

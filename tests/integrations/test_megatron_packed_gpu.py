@@ -27,7 +27,7 @@ import pytest
 import torch
 from graph_fsdp_testing import (
     MCORE_GPU_RUN,
-    graphed_run_failures,
+    graphed_modes_failures,
     megatron_gpu_marks,
     run_modes,
 )
@@ -99,16 +99,9 @@ def test_packed_mcore_gpt_every_capture_mode_bit_identical(world: int) -> None:
     eager = results["eager"]
     assert len(eager["losses"]) == STEPS
     assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
-    failures = []
-    for name in MODES:
-        failures += graphed_run_failures(
-            {"model": "mcore-gpt packed", "world": world},
-            name,
-            results[name],
-            eager,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
+    failures = graphed_modes_failures(
+        {"model": "mcore-gpt packed", "world": world}, results, MODES, steps=STEPS, warmup=WARMUP
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -135,15 +128,8 @@ def test_packed_mcore_gpt_tensor_parallel_bit_identical() -> None:
         eager = result["eager"]
         assert len(eager["losses"]) == STEPS
         assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
-        for name in TP_MODES:
-            failures += graphed_run_failures(
-                {"model": "mcore-gpt packed tp2 sp", "world": 2, "rank": rank},
-                name,
-                result[name],
-                eager,
-                steps=STEPS,
-                warmup=WARMUP,
-            )
+        label = {"model": "mcore-gpt packed tp2 sp", "world": 2, "rank": rank}
+        failures += graphed_modes_failures(label, result, TP_MODES, steps=STEPS, warmup=WARMUP)
     assert not failures, "\n".join(failures)
 
 

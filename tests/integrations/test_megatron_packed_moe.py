@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_fsdp_testing import megatron_on_cpu
+from graph_fsdp_testing import MOE_EXPERTS, MOE_HIDDEN, megatron_moe_config, megatron_on_cpu
 
 from graph_fsdp.models.packed import padding_tail_mask
 from graph_fsdp.training.packing import PackingPolicy, pack_tensors
@@ -20,7 +20,7 @@ try:
 except ImportError as err:  # megatron-core does not import here
     pytest.skip(f"megatron-core does not import ({err})", allow_module_level=True)
 
-E, TOPK, H, FFN, TOKENS = 4, 2, 32, 64, 64
+E, H, TOKENS = MOE_EXPERTS, MOE_HIDDEN, 64
 TAIL = slice(16, 28)
 TAILS = ((2, 1.0), (3, 30.0))  # (seed, scale): two tails of other experts and weights
 CAPACITY = {
@@ -40,20 +40,10 @@ CAPACITY = {
 
 def _layer(**kw):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=4,
-        ffn_hidden_size=FFN,
-        moe_ffn_hidden_size=FFN,
-        num_moe_experts=E,
-        moe_router_topk=TOPK,
+    config = megatron_moe_config(
+        moe_shared_expert_intermediate_size=None,
         moe_aux_loss_coeff=1e-2,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        use_cpu_initialization=True,
         **{"moe_token_dispatcher_type": "alltoall", **kw},
     )
     torch.manual_seed(0)

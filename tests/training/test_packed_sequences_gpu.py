@@ -19,7 +19,7 @@ from graph_fsdp_testing import (
     GPU_RUN,
     GRAPH_MODES,
     bit_exact_gpu_run,
-    graphed_run_failures,
+    graphed_modes_failures,
     needs_gpus,
 )
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
@@ -78,16 +78,13 @@ def test_packed_documents_every_capture_mode_bit_identical(model, strategy):
     assert len(eager["losses"]) == STEPS and all(
         map(torch.isfinite, map(torch.tensor, eager["losses"]))
     )
-    failures = []
-    for name in MODES:
-        failures += graphed_run_failures(
-            {"model": "gpt", "world": WORLD, "strategy": strategy},
-            name,
-            results[name],
-            eager,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
+    failures = graphed_modes_failures(
+        {"model": "gpt", "world": WORLD, "strategy": strategy},
+        results,
+        MODES,
+        steps=STEPS,
+        warmup=WARMUP,
+    )
     assert not failures, "\n".join(failures)
 
 
@@ -128,14 +125,7 @@ def test_huggingface_llama_packed_every_capture_mode_bit_identical():
     results = spawn(_train_hf, WORLD, backend="nccl", timeout=1500)[0]
     eager = results["eager"]
     assert len(eager["losses"]) == STEPS
-    failures = []
-    for name in HF_MODES:
-        failures += graphed_run_failures(
-            {"model": "hf-llama", "world": WORLD},
-            name,
-            results[name],
-            eager,
-            steps=STEPS,
-            warmup=WARMUP,
-        )
+    failures = graphed_modes_failures(
+        {"model": "hf-llama", "world": WORLD}, results, HF_MODES, steps=STEPS, warmup=WARMUP
+    )
     assert not failures, "\n".join(failures)
