@@ -12,9 +12,9 @@ the tail's included - a tail token can take an expert slot a real token needed.
 
 Megatron-Core's own ``padding_mask`` (``GPTModel.forward(padding_mask=...)``, True on padding,
 the shape of ``input_ids``) reaches every ``MoELayer`` and its router, but the router uses it
-only for the auxiliary losses, the z-loss and the expert-bias counts (megatron-core 0.16.1 and
-0.19's ``TopKRouter.routing``: token dropping runs on the unmasked ``probs`` and
-``routing_map``). So:
+only for the auxiliary losses, the z-loss and the expert-bias counts (``TopKRouter.routing``
+as read in megatron-core 0.16.1 and in a later main branch, whose ``GPTModel.forward`` takes the
+same keyword: token dropping runs on the unmasked ``probs`` and ``routing_map``). So:
 
 * :func:`~graph_fsdp.integrations.megatron.packed.packed_loss` passes the pack's tail as
   ``padding_mask`` to MoE models (:func:`~graph_fsdp.models.packed.padding_tail_mask`, device
