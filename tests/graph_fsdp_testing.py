@@ -453,3 +453,53 @@ def graphed_run_failures(
     if differing:
         failures.append(f"{what}: final weights differ from eager's: {differing[:4]}")
     return failures
+
+
+OVERFLOW_MODES = {
+    "eager": {},
+    "layer": {"cuda_graph_impl": "torch"},
+    "moe": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["moe"]},
+    "full_iteration": GRAPH_MODES["full_iteration"],
+    "one_graph": GRAPH_MODES["one_graph"],
+}
+"""Loop config fields of the modes the dropless overflow GPU tests run with a receive buffer
+that overflows: eager, whole layers, ``moe``, ``full_iteration`` and the one graph."""
+
+
+def overflow_probe(rank: int, world: int, run, cfg) -> list[float]:
+    """Run ``cfg`` (a receive-buffer factor that overflows every step) through ``run(rank,
+    world, cfg)``; rank 0: the factor each step's warning named (the factor that would have
+    held that step; the repeats make the run's trajectory that of a buffer of every copy)."""
+    import re
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(rank, world, cfg)
+    said = [str(w.message) for w in caught if "overflowed its receive buffer" in str(w.message)]
+    return [float(re.search(r"factor >= ([0-9.]+)", m).group(1)) for m in said]
+
+
+def overflow_problems(label: str, reference: dict, got: dict, *, steps: int, warmup: int) -> list:
+    """A run with an overflowing factor against ``reference`` (no factor, eager): overflow
+    steps counted, not all; bit-identical losses, eval losses and weights; graphed runs
+    captured once, replayed every graphed step, no eager fallback."""
+    problems = []
+    overflows = got.get("overflow_steps", 0)
+    if not 0 < overflows < steps:
+        problems.append(f"{label}: {overflows} overflow steps of {steps}")
+    if got.get("skipped_steps"):
+        problems.append(f"{label}: {got['skipped_steps']} non-finite skipped steps")
+    for what in ("losses", "eval_losses"):
+        if got[what] != reference[what]:
+            problems.append(f"{label}: {what} differ from the run without a factor")
+    differ = [k for k, v in reference["params"].items() if not torch.equal(got["params"][k], v)]
+    if differ:
+        problems.append(f"{label}: final weights differ: {differ[:4]}")
+    report = got.get("cuda_graphs")
+    if report is not None and report["impl"] != "eager":
+        if report["captures"] != 1 or report["eager_fallbacks"]:
+            problems.append(f"{label}: captures/fallbacks {report}")
+        if report["replays"] < steps - warmup:
+            problems.append(f"{label}: {report['replays']} replays in {steps - warmup} steps")
+    return problems

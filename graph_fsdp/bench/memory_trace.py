@@ -480,5 +480,3 @@ def format_table(results: dict[str, dict]) -> str:
     ):
         lines.append(f"| {label} | " + " | ".join(gib(fn(r)) for r in results.values()) + " |")
     return "\n".join(lines) + "\n"
-
-

@@ -94,6 +94,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -268,6 +269,15 @@ class FullIterationGraphs(RunnerLifecycle):
         self.captured_generation = None
         self._pool = None
         _unpin(self._pinned_main_grads)  # [Note: main gradients in the step's pool]
+
+    @contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """The caller runs the step function itself (not through :meth:`forward_backward`:
+        no position is called) on its stream, with the main -> compute weight copy at every
+        gather that the graphs hold (as a verification's eager run does): an overflowed
+        step's repeat (parallel/dropless_ep.py [Note: dropless overflow reports])."""
+        with self.states[0].root.capture.refreshing_weights():
+            yield
 
     # ------------------------------------------------------------------ teardown
     def _free_graphs(self) -> None:

@@ -30,7 +30,8 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -184,13 +185,20 @@ class LayerwiseGraphs(RunnerLifecycle):
         self._verify_pending = False
         return self._verify(what, run)
 
+    @contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """The dispatchers call the original forwards while inside (a verification's eager
+        run, an overflowed step's repeat): no replay, no fallback counted."""
+        self.force_eager = True
+        try:
+            yield
+        finally:
+            self.force_eager = False
+
     def _verify(self, what: str, run):
         def run_eager():
-            self.force_eager = True
-            try:
+            with self.eagerly():
                 return run()
-            finally:
-                self.force_eager = False
 
         def graph_calls() -> tuple[int, int]:
             return sum(c.replays for c in self.caps), sum(c.fallbacks for c in self.caps)

@@ -19,7 +19,8 @@ import gc
 import types
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,15 @@ class RunnerLifecycle:
 
     def _free_graphs(self) -> None:
         raise NotImplementedError
+
+    @contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """Inside, the model's forward+backward runs eagerly, outside every graph, and the
+        graphs replay again after it (no recapture, not counted as eager fallbacks): the
+        repeat of a step whose dropless exchange overflowed (parallel/dropless_ep.py [Note:
+        dropless overflow reports]). The runners whose graphs hold the optimizer step too run
+        their own eager step instead (``WholeStep.eagerly``)."""
+        yield
 
     def _check_open(self) -> None:
         """Before a step: the runner is open and its model's state is on the device (with

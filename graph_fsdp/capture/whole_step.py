@@ -110,6 +110,7 @@ from graph_fsdp.fsdp.address_keeping import graph_capture
 from graph_fsdp.fsdp.grad_norm import clip_grads_, global_grad_norm
 from graph_fsdp.fsdp.state import collect_states
 from graph_fsdp.fsdp.tensor_parallel import data_address
+from graph_fsdp.parallel.dropless_ep import bounded_buffers, overflow_in_step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +149,11 @@ class StepResult:
     grad_norm: torch.Tensor
     """The global gradient norm before clipping (float32, 0-d)."""
     skipped: torch.Tensor
-    """1.0 when the update was skipped (a non-finite norm), else 0.0 (float32, 0-d)."""
+    """1.0 when the update was skipped for a non-finite norm, else 0.0 (float32, 0-d)."""
+    overflowed: torch.Tensor
+    """1.0 when a dropless exchange with a receive-buffer factor overflowed on some rank: the
+    update was skipped and the step must be repeated (``WholeStep.eagerly``), else 0.0
+    (float32, 0-d; parallel/dropless_ep.py [Note: dropless overflow reports])."""
 
 
 @dataclass
@@ -178,6 +183,10 @@ class WholeStep:
     def __call__(self, microbatches: Sequence, **kwargs) -> StepResult:
         return self.runner.step(self.fn, microbatches, **kwargs)
 
+    def eagerly(self, microbatches: Sequence, **kwargs) -> StepResult:
+        """The same step run eagerly, outside the graph (``WholeStepGraph.run_eagerly``)."""
+        return self.runner.run_eagerly(self.fn, microbatches, **kwargs)
+
 
 class WholeStepGraph(RunnerLifecycle):
     """One CUDA graph per training step of a ``fully_shard``-ed model and its optimizer
@@ -197,6 +206,14 @@ class WholeStepGraph(RunnerLifecycle):
         self.policy = policy if policy is not None else StepPolicy()
         check_capturable(model, ["full_iteration"], warmup_steps, graphs=not eager)
         check_optimizer(optimizer, skip_nonfinite=self.policy.skip_nonfinite, graphs=not eager)
+        self._bounded = bounded_buffers(model)
+        if self._bounded and not all(g.get("fused") for g in optimizer.param_groups):
+            raise GraphConfigError(
+                f"{type(optimizer).__name__} is not fused=True, but the dropless exchanges of "
+                f"{self._bounded[0][0]} have a receive-buffer factor: the one-graph step skips "
+                "an overflowed step's update on the device through found_inf, which only fused "
+                "optimizers take. Create it with fused=True, or leave the factor unset"
+            )
         self.model, self.optimizer, self.eager = model, optimizer, eager
         self.device = next(model.parameters()).device
         self.states = collect_states(model)
@@ -261,6 +278,19 @@ class WholeStepGraph(RunnerLifecycle):
                     "(a momentum-cycling scheduler needs cycle_momentum=False)"
                 )
         return self._replay(rec, tensors)
+
+    def run_eagerly(self, step_fn: StepFn, microbatches: Sequence, **kwargs) -> StepResult:
+        """The step over ``microbatches`` eagerly on the caller's stream, outside the graph,
+        which replays again at the next :meth:`step` (no recapture; not a step of the warmup
+        count): the repeat of a step whose dropless exchange overflowed, with every copy's
+        buffer (parallel/dropless_ep.py [Note: dropless overflow reports])."""
+        self._check_open()
+        rec, _ = self._check_call(step_fn, _calls(microbatches, kwargs))
+        self.learning_rates.sync()
+        out = self._result(*self._body(rec.fn, _calls(microbatches, kwargs)), owned=True)
+        for g in self._groups:
+            g.dirty = True  # as after a replay: the main weights stepped
+        return out
 
     def drop(self) -> None:
         """Forget the graph; the next graphed step captures again (the call stays recorded)."""
@@ -363,14 +393,23 @@ class WholeStepGraph(RunnerLifecycle):
             if self.policy.clip_grad is not None:
                 clip_grads_(grads, self.policy.clip_grad, norm)
             skipped = torch.isfinite(norm).logical_not().to(torch.float32)
+            if not self.policy.skip_nonfinite:
+                skipped = torch.zeros_like(norm)  # applied whatever the norm
+            # A dropless exchange that overflowed: the update is skipped as for Inf/NaN, and
+            # reported apart (dropless_ep.py [Note: dropless overflow reports]).
+            overflowed = overflow_in_step(self._bounded)
+            if overflowed is None:
+                overflowed = torch.zeros_like(norm)
+            found_inf = torch.maximum(skipped, overflowed)
         with nvtx_range("graph_fsdp/whole_step/optimizer"):
-            step_optimizer(self.optimizer, skipped if self.policy.skip_nonfinite else None)
+            skips = self.policy.skip_nonfinite or bool(self._bounded)
+            step_optimizer(self.optimizer, found_inf if skips else None)
             self.optimizer.zero_grad(set_to_none=True)
         loss = _loss_sum(outputs)
         has_loss = loss is not None
-        if not self.policy.skip_nonfinite:
-            skipped = torch.zeros_like(norm)  # applied whatever the norm
-        summary = torch.stack([loss if has_loss else torch.zeros_like(norm), norm, skipped])
+        summary = torch.stack(
+            [loss if has_loss else torch.zeros_like(norm), norm, skipped, overflowed]
+        )
         return outputs, summary, has_loss
 
     def _result(self, outputs: list, summary: torch.Tensor, has_loss: bool, *, owned: bool):
@@ -382,6 +421,7 @@ class WholeStepGraph(RunnerLifecycle):
             loss=summary[0] if has_loss else None,
             grad_norm=summary[1],
             skipped=summary[2],
+            overflowed=summary[3],
         )
 
     # ------------------------------------------------------------------ capture / replay

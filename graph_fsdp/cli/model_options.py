@@ -76,8 +76,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         metavar="FACTOR",
         help="--moe-dropless (Megatron-Core: --moe-experts-impl grouped_mm) with expert "
         "parallelism: rows an EP rank receives from one peer, as a multiple of the balanced "
-        "load (default: every copy, never drops; a smaller factor that overflows stops the run "
-        "naming the layers).",
+        "load (default: every copy, never drops; a step that overflows a smaller factor is "
+        "repeated exactly with every copy's buffer, counted as an overflow step and named in a "
+        "warning with the factor that would have held it).",
     )
     g.add_argument(
         "--expert-model-parallel-size",

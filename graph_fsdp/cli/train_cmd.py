@@ -282,6 +282,7 @@ def train_worker(rank: int, world_size: int, job: TrainJob) -> dict | None:
         "saved_at": result.get("saved_at"),
         "stopped_at": result.get("stopped_at"),
         "skipped_steps": result.get("skipped_steps", 0),
+        "overflow_steps": result.get("overflow_steps", 0),
     }
 
 

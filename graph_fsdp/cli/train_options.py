@@ -337,6 +337,11 @@ def checkpoint_lines(args: argparse.Namespace, cfg, out: dict) -> list[str]:
             f"  skipped steps: {out['skipped_steps']} (a non-finite gradient norm; the update "
             "was not applied)"
         )
+    if out.get("overflow_steps"):
+        lines.append(
+            f"  overflow steps: {out['overflow_steps']} (a dropless exchange overflowed "
+            "--moe-receive-buffer-factor; each was repeated exactly with a buffer of every copy)"
+        )
     return lines
 
 

@@ -513,3 +513,14 @@ def state_of(module: nn.Module) -> FSDPState | None:
 def collect_states(module: nn.Module) -> list[FSDPState]:
     """FSDP states at or below ``module`` in pre-order (construction == forward order)."""
     return [state for m in module.modules() if (state := state_of(m)) is not None]
+
+
+def discard_gradients(module: nn.Module) -> None:
+    """Forget the gradients every unit at or below ``module`` accumulated since the last
+    optimizer step, once its backward is over: no pending ``no_sync`` accumulation, and, with
+    the optimizer's ``zero_grad(set_to_none=True)`` (no sharded ``.grad`` attached), the next
+    reduction overwrites the main gradients (param_group.py ``post_backward``). For a step
+    that is run again (training/overflow.py)."""
+    for state in collect_states(module):
+        for group in state.groups:
+            group.restore_accumulation(False)

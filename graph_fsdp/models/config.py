@@ -64,8 +64,10 @@ class GPTConfig:
     moe_receive_buffer_factor: float | None = None
     """Dropless expert parallelism: rows each EP rank can receive from one peer, as a multiple
     of the balanced load (``tokens x topk / EP``). None: every copy a rank has - nothing is
-    ever dropped, at EP x a balanced exchange's rows. A smaller factor can overflow: the step
-    is then refused (parallel/dropless_ep.py [Note: dropless all-to-all with static shapes])."""
+    ever dropped, at EP x a balanced exchange's rows. A smaller factor can overflow: the
+    training loop then repeats the step exactly with every copy's buffer, counts it
+    (``overflow_steps``) and warns, naming the layers and the factor that would have held it
+    (parallel/dropless_ep.py [Note: dropless overflow reports])."""
 
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights."""

@@ -113,9 +113,9 @@ class MoEExperts(_SeededInit, nn.Module):
     ep_group: dist.ProcessGroup | None = None
     ep_rank: int = 0
     dropless_overflow: OverflowFlag | None = None
-    """Dropless EP with a receive-buffer factor: set once an exchange dropped rows, until
-    :func:`take_overflow` reads and clears it (dropless_ep.py [Note: dropless overflow
-    reports])."""
+    """Dropless EP (set by :meth:`partition`): the receive buffer of the exchanges, with
+    ``GPTConfig.moe_receive_buffer_factor``, and the record of those that dropped rows, which
+    the training loop reads (dropless_ep.py [Note: dropless overflow reports])."""
 
     def __init__(self, config: GPTConfig) -> None:
         with _construction(self):
@@ -165,14 +165,8 @@ class MoEExperts(_SeededInit, nn.Module):
         its expert, also under expert parallelism; returns the outputs in the same order."""
         if self.ep_group is None:
             return self.grouped(rows, sort.offsets)
-        if self.dropless_overflow is None:
-            self.dropless_overflow = OverflowFlag()
         exchange = exchange_for(
-            sort.counts,
-            self.ep_group,
-            num_copies=rows.shape[0],
-            buffer_factor=self._init_config.moe_receive_buffer_factor,
-            overflow=self.dropless_overflow,
+            sort.counts, self.ep_group, num_copies=rows.shape[0], overflow=self.dropless_overflow
         )
         out = self.grouped(exchange.dispatch(rows), exchange.local_offsets)
         return exchange.combine(out)
@@ -200,6 +194,7 @@ class MoEExperts(_SeededInit, nn.Module):
             self.w1 = nn.Parameter(self.w1[rows].clone(), requires_grad=self.w1.requires_grad)
             self.w2 = nn.Parameter(self.w2[rows].clone(), requires_grad=self.w2.requires_grad)
         self.ep_group, self.ep_rank = ep_group, rank
+        self.dropless_overflow = OverflowFlag(self._init_config.moe_receive_buffer_factor)
 
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

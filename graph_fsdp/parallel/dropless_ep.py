@@ -22,23 +22,53 @@ every exchange has a fixed size and all offsets stay on the device:
 topk``: one peer can be sent all of them), so no token is ever dropped, whatever the routing,
 at ``EP x`` the rows of a balanced exchange. A smaller buffer (``buffer_factor`` times the
 balanced load) saves memory and bandwidth; copies past it are not exchanged and the
-exchange's ``overflow`` flag (a device tensor) says so - a caller must treat an overflowed
-step as not exact (:attr:`DroplessExchange.overflow`).
+exchange's ``overflow`` flag (a device tensor) says so - a caller must not keep such a step
+(:attr:`DroplessExchange.overflow`; [Note: dropless overflow reports]).
 
 [Note: dropless overflow reports]
-A layer whose exchange can overflow (a receive-buffer factor is set) keeps an
-:class:`OverflowFlag` as its ``dropless_overflow`` attribute and ORs every exchange's flag
-into it on the device (in place: a CUDA graph replays the OR). After a step the training loop
-calls :func:`take_overflow` on the model: one host read per such layer, which names the
-layers that dropped rows and clears their flags; the loop then stops
-(training/loop.py ``check_dropless_exchanges``). graph_fsdp's reference MoE
-(models/moe.py) and its Megatron-Core grouped_mm layer (integrations/megatron/moe.py) both
-report this way.
+A layer whose exchange has a receive-buffer factor keeps an :class:`OverflowFlag` (its
+factor, a device flag, and the largest factor any exchange needed) as its
+``dropless_overflow`` attribute and records every exchange into it on the device, in place (a
+CUDA graph replays the records). The count all-to-all's companion all-reduce carries the
+largest block any rank of the EP group sends one peer, so every rank of a group agrees on the
+flag. A step that overflowed is never kept; the training loop (training/loop.py
+``repeat_overflowed_step``) repeats it exactly:
+
+1. eager optimizer (eager steps, layerwise graphs, ``full_iteration``): after the step's
+   forward+backward and before the gradients reach the main weights,
+   :func:`take_overflow_report` reads every bounded layer's flag (one all-reduce over all
+   ranks - EP groups that did not overflow repeat too, so every data-parallel rank steps
+   the same microbatches - and one host read; none at all when no layer has a factor). On
+   overflow the step's gradients are dropped (``Trainer.drop_grads``: the sharded
+   ``.grad`` views, so the next reduction overwrites the main gradients, and any pending
+   ``no_sync`` accumulation), the random generators are put back to where the step began,
+   and its microbatches run again eagerly with :func:`holding_every_copy` (every layer's
+   buffer of every copy: the factor None path, which cannot overflow) - the runners'
+   ``eagerly()`` keeps their graphs out of it (layerwise: the dispatchers call through, not
+   counted as fallbacks; ``full_iteration``: the step function itself, with the weight
+   refresh its graphs hold) and the graphs replay again at the next step;
+2. the one-graph step (capture/whole_step.py): the step ORs :func:`overflow_in_step` (the
+   flags, all-reduced over all ranks on the device) into the update's ``found_inf``, so an
+   overflowed step leaves parameters and optimizer state untouched inside the graph (like an
+   Inf/NaN skip, but reported apart: not a non-finite skipped step); the loop then runs the
+   runner's eager step with every copy's buffer.
+
+Either way the step the run keeps is the one a buffer of every copy computes, bit for bit
+(the grouped GEMMs see the same rows per expert whatever the padding). The loop counts the
+repeats (``overflow_steps`` in its result), writes them in the step log, and warns on rank 0
+naming the layers and ``moe_receive_buffer_factor >= F``: the factor that would have held the
+step, ``F = rows x EP / copies`` for the largest per-peer block it needed, rounded up to
+hundredths. Evaluation runs with every copy's buffer (nothing repeats it). Dropout stays
+exact: the generators (CPU, CUDA, Megatron-Core's tracker) are restored before the repeat.
+graph_fsdp's reference MoE (models/moe.py) and its Megatron-Core grouped_mm layer
+(integrations/megatron/moe.py) both report this way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +140,17 @@ class DroplessExchange:
     overflow: torch.Tensor
     """Scalar bool: some copy of this rank's did not fit a peer's block, or some peer's did not
     fit this rank's (the exchange dropped rows)."""
+    needed_rows: torch.Tensor
+    """Scalar int64: the largest block any rank of the EP group sends one peer (``B`` that
+    would have held the exchange); with ``detect_overflow`` off, this rank's own."""
+    num_copies: int
+    """Copies this rank dispatches (``tokens x topk``)."""
+
+    @property
+    def needed_factor(self) -> torch.Tensor:
+        """The receive-buffer factor that holds this exchange (float32 device scalar):
+        :func:`receive_buffer_rows` of it is :attr:`needed_rows`."""
+        return self.needed_rows.to(torch.float32) * self.ep / self.num_copies
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """``[copies, ...]`` in global expert order -> ``[ep * B, ...]`` in local expert order
@@ -137,8 +178,9 @@ def plan_exchange(
     """The exchange of a dispatch whose ``num_copies`` copies (``tokens x topk``, static) are
     in global expert order with ``counts`` ``[E]`` per expert (``ExpertSort.counts``) over the
     EP ``group`` (rank ``p`` holds experts ``[p * L, (p + 1) * L)``). Two small fixed-size
-    collectives (the counts; with ``detect_overflow``, the overflow flag - a buffer of every
-    copy cannot overflow); no host sync."""
+    collectives (the counts; with ``detect_overflow``, the largest block any rank sends one
+    peer, which decides the overflow - a buffer of every copy cannot overflow); no host
+    sync."""
     ep = dist.get_world_size(group)
     num_experts = counts.numel()
     if num_experts % ep:
@@ -173,9 +215,9 @@ def plan_exchange(
     real = (rows < recv_counts.sum(1)[:, None]).reshape(-1)
     padding_rank = torch.cumsum((~real).long(), 0) - 1
     from_expert = torch.where(real, position.reshape(-1), total.sum() + padding_rank)
-    flag = (n > b).any().to(torch.int32)  # this rank's copies that did not fit a block
+    needed = n.max()  # this rank's largest block; over the group: what every block needs
     if ep > 1 and detect_overflow:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
     return DroplessExchange(
         group=group,
         ep=ep,
@@ -186,30 +228,58 @@ def plan_exchange(
         from_expert=from_expert,
         local_counts=total,
         local_offsets=torch.cumsum(total, 0).to(torch.int32),
-        overflow=flag.bool(),
+        overflow=needed > b,
+        needed_rows=needed,
+        num_copies=num_copies,
     )
 
 
 class OverflowFlag:
-    """A layer's record of dropped rows: a device flag, set by any exchange since the last
-    :meth:`take` ([Note: dropless overflow reports])."""
+    """A layer's receive buffer: its factor (None: every copy) and the record of the exchanges
+    that dropped rows since the last :meth:`take` ([Note: dropless overflow reports])."""
 
-    def __init__(self) -> None:
+    def __init__(self, factor: float | None = None) -> None:
+        check_receive_buffer_factor(factor, "receive_buffer_factor")
+        self.factor = factor
+        """Rows received from one peer as a multiple of the balanced load; None: every copy."""
+        self.every_copy = False
+        """While True (:func:`holding_every_copy`), exchanges hold every copy whatever the
+        factor: an overflowed step's repeat and evaluation."""
         self.flag: torch.Tensor | None = None
+        """Bool device scalar: an exchange overflowed (allocated at the first record)."""
+        self.needed: torch.Tensor | None = None
+        """Float32 device scalar: the largest factor an exchange needed since the last take."""
+
+    @property
+    def bounded(self) -> bool:
+        """A factor is set: this layer's exchanges can overflow."""
+        return self.factor is not None
+
+    def buffer_factor(self) -> float | None:
+        """The factor the next exchange sizes its buffer with (None: every copy)."""
+        return None if self.every_copy else self.factor
 
     def record(self, exchange: DroplessExchange) -> None:
-        """OR ``exchange``'s overflow into the flag, in place (allocated at the first call: an
-        eager warmup step before any capture)."""
+        """OR ``exchange``'s overflow into the flag and keep the largest factor needed, in
+        place (allocated at the first call: an eager warmup step before any capture)."""
         if self.flag is None:
-            self.flag = torch.zeros((), dtype=torch.bool, device=exchange.overflow.device)
+            device = exchange.overflow.device
+            self.flag = torch.zeros((), dtype=torch.bool, device=device)
+            self.needed = torch.zeros((), dtype=torch.float32, device=device)
         self.flag.logical_or_(exchange.overflow)
+        torch.maximum(self.needed, exchange.needed_factor, out=self.needed)
 
     def take(self) -> bool:
-        """Whether rows were dropped since the last call (one host read); clears the flag."""
+        """Whether rows were dropped since the last call (one host read); clears the record."""
         if self.flag is None or not bool(self.flag.item()):
             return False
-        self.flag.zero_()
+        self.clear()
         return True
+
+    def clear(self) -> None:
+        if self.flag is not None:
+            self.flag.zero_()
+            self.needed.zero_()
 
 
 OVERFLOW_ATTR = "dropless_overflow"
@@ -221,23 +291,34 @@ def exchange_for(
     group: dist.ProcessGroup,
     *,
     num_copies: int,
-    buffer_factor: float | None,
     overflow: OverflowFlag,
 ) -> DroplessExchange:
-    """The exchange of one dispatch with the receive buffer ``buffer_factor`` sizes
-    (:func:`receive_buffer_rows`): with a factor the overflow is detected and recorded into
-    ``overflow``; without one the buffer holds every copy and cannot overflow."""
+    """The exchange of one dispatch with the receive buffer ``overflow`` sizes
+    (:meth:`OverflowFlag.buffer_factor`, :func:`receive_buffer_rows`): with a factor the
+    overflow is detected and recorded into ``overflow``; without one the buffer holds every
+    copy and cannot overflow."""
     ep = dist.get_world_size(group)
+    factor = overflow.buffer_factor()
     exchange = plan_exchange(
         counts,
         group,
         num_copies=num_copies,
-        rows_per_peer=receive_buffer_rows(num_copies, ep, buffer_factor),
-        detect_overflow=buffer_factor is not None,
+        rows_per_peer=receive_buffer_rows(num_copies, ep, factor),
+        detect_overflow=factor is not None,
     )
-    if buffer_factor is not None:
+    if factor is not None:
         overflow.record(exchange)
     return exchange
+
+
+def bounded_buffers(model: nn.Module) -> list[tuple[str, OverflowFlag]]:
+    """``(name, flag)`` of the modules of ``model`` whose dropless exchange has a
+    receive-buffer factor (the layers that can overflow), in module order."""
+    return [
+        (name, flag)
+        for name, module in model.named_modules()
+        if isinstance(flag := getattr(module, OVERFLOW_ATTR, None), OverflowFlag) and flag.bounded
+    ]
 
 
 def take_overflow(model: nn.Module) -> list[str]:
@@ -249,6 +330,72 @@ def take_overflow(model: nn.Module) -> list[str]:
         if isinstance(flag, OverflowFlag) and flag.take():
             dropped.append(name)
     return dropped
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """A step whose exchanges overflowed, over all ranks ([Note: dropless overflow reports])."""
+
+    layers: list[str]
+    """The layers whose exchange dropped rows on some rank."""
+    factor: float
+    """The smallest receive-buffer factor that holds the step, rounded up to hundredths."""
+
+    def describe(self) -> str:
+        return (
+            f"the dropless expert-parallel exchange of {', '.join(self.layers)} overflowed its "
+            f"receive buffer; moe_receive_buffer_factor >= {self.factor:.2f} would have held it"
+        )
+
+
+def _global_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def take_overflow_report(
+    buffers: list[tuple[str, OverflowFlag]], device: torch.device
+) -> OverflowReport | None:
+    """Whether any rank's ``buffers`` (:func:`bounded_buffers`; the same layers on every rank)
+    overflowed since the last call: one all-reduce over all ranks and one host read; clears
+    the records. None: no overflow anywhere."""
+    if not buffers:
+        return None
+    zero = torch.zeros((), device=device)
+    flags = [zero if f.flag is None else f.flag.to(zero.dtype) for _, f in buffers]
+    needed = [zero if f.needed is None else f.needed for _, f in buffers]
+    values = _global_max(torch.stack([*flags, torch.stack(needed).max()]).to(device)).tolist()
+    for _, f in buffers:
+        f.clear()
+    if not any(values[:-1]):
+        return None
+    layers = [name for (name, _), flag in zip(buffers, values) if flag]
+    return OverflowReport(layers=layers, factor=math.ceil(round(values[-1] * 100, 4)) / 100)
+
+
+def overflow_in_step(buffers: list[tuple[str, OverflowFlag]]) -> torch.Tensor | None:
+    """Float32 device scalar, 1.0 when any rank's ``buffers`` overflowed since their records
+    were last cleared (one all-reduce over all ranks, no host sync: a CUDA graph holds it);
+    None when no buffer has recorded an exchange yet."""
+    flags = [f.flag for _, f in buffers if f.flag is not None]
+    if not flags:
+        return None
+    return _global_max(torch.stack(flags).any().to(torch.float32).reshape(1))[0]
+
+
+@contextmanager
+def holding_every_copy(buffers: list[tuple[str, OverflowFlag]]) -> Iterator[None]:
+    """Every exchange of ``buffers`` sizes its receive buffer for every copy (cannot
+    overflow) while inside: an overflowed step's repeat, evaluation."""
+    saved = [f.every_copy for _, f in buffers]
+    for _, f in buffers:
+        f.every_copy = True
+    try:
+        yield
+    finally:
+        for (_, f), was in zip(buffers, saved):
+            f.every_copy = was
 
 
 def _fit(per_peer: torch.Tensor, b: int) -> torch.Tensor:

@@ -4,7 +4,9 @@ reference; integrations/megatron/train.py: Megatron-Core GPTs)::
     result = run_loop(GPTAdapter(cfg), rank, world_size)
 
 One step: the graph runner's ``before_step`` (a capture is not timed), every microbatch's
-forward+backward (gradient sync on the last only), the gradients to the main weights, clipping
+forward+backward (gradient sync on the last only), its repeat when a dropless expert-parallel
+exchange overflowed (overflow.py; parallel/dropless_ep.py [Note: dropless overflow reports]),
+the gradients to the main weights, clipping
 by the global norm, the optimizer step, then the mean loss and the stop votes in one
 all-reduce (interrupt.py [Note: stopping at a step boundary]), an eval pass every
 ``eval_interval`` steps, the step's log record, the NaN/Inf check (nonfinite.py [Note:
@@ -40,8 +42,8 @@ from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
+from graph_fsdp.fsdp.state import discard_gradients
 from graph_fsdp.models.packed import PackedBatch
-from graph_fsdp.parallel.dropless_ep import take_overflow
 from graph_fsdp.training.checkpoints import (
     optimizer_settings,
     resolve_checkpoint,
@@ -50,6 +52,7 @@ from graph_fsdp.training.checkpoints import (
 )
 from graph_fsdp.training.interrupt import mean_loss_and_stop
 from graph_fsdp.training.nonfinite import NonFiniteGuard, check_finite_model, json_number
+from graph_fsdp.training.overflow import OverflowRepeats, overflow_record
 
 Batch = tuple[torch.Tensor, ...]
 """``(input_ids, labels)``, or packed ``(input_ids, labels, position_ids, cu_seqlens)``."""
@@ -238,6 +241,11 @@ class Trainer:
     def grads_to_main(self) -> None:
         """Make the gradients the optimizer reads (GradScaler's ``unscale_`` point)."""
 
+    def drop_grads(self) -> None:
+        """Throw away every gradient the step accumulated (before :meth:`grads_to_main`): an
+        overflowed step is repeated (overflow.py)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip; the global gradient norm before clipping."""
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -262,6 +270,13 @@ class ShardedTrainer(Trainer):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def drop_grads(self) -> None:
+        """The sharded ``.grad`` views go (the next reduction then overwrites the main
+        gradients instead of adding to them) and so does any pending ``no_sync``
+        accumulation (fsdp/state.py ``discard_gradients``)."""
+        super().drop_grads()
+        discard_gradients(self.model)
 
 
 class ModelAdapter:
@@ -318,6 +333,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
     # One protocol for every runner: capture(step_fn) (capture/teardown.py RunnerLifecycle).
     run = microbatch if graphs is None else graphs.capture(microbatch)
     owns_step = graphs is not None and graphs.owns_optimizer_step
+    repeats = OverflowRepeats(trainer.model, device, rank)  # overflow.py
     losses, times, eval_losses = [], [], []
     host = {"step": [], "forward": [], "backward": []}
     log = open(cfg.log_path, "a") if cfg.log_path and rank == 0 else None
@@ -336,15 +352,30 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
             norm = skipped = None  # the global gradient norm where computed; a skipped update
             microbatch.clock = clock = HostClock()
             batches = with_token_scale(adapter.microbatches(step, device), trainer.loss_world)
+            rng, overflow = repeats.rng_state(), None
             if owns_step:
                 # Microbatches, reductions, clipping, optimizer and zeroing: one call (one replay
-                # once captured, the capture step included in its time).
-                out = run([b for micro in batches for b in micro])
+                # once captured, the capture step included in its time). An overflow skipped
+                # the update on the device; the eager step redoes it with every copy's buffer.
+                flat = [b for micro in batches for b in micro]
+                out = run(flat)
+                if repeats.buffers and bool(out.overflowed):
+                    overflow = repeats.take(step)
+                    with repeats.repeating(None, rng):
+                        out = run.eagerly(flat)
                 step_loss, norm, skipped = out.loss, out.grad_norm, out.skipped
             else:
                 step_loss = _forward_backward(
                     trainer, batches, micros=cfg.grad_accum, run=run, schedule=schedule
                 )
+                overflow = repeats.take(step)
+                if overflow is not None:  # before the gradients reach the main weights
+                    trainer.drop_grads()
+                    with repeats.repeating(graphs, rng):
+                        step_loss = _forward_backward(
+                            trainer, batches, micros=cfg.grad_accum, run=microbatch,
+                            schedule=schedule,
+                        )  # fmt: skip
                 trainer.grads_to_main()
                 if cfg.clip_grad > 0:
                     norm = trainer.clip_grad_norm_(cfg.clip_grad)
@@ -361,12 +392,11 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         losses.append(step_loss.item())
-        check_dropless_exchanges(trainer.model, step)
         stopping = stop_votes.item() > 0
         grad_norm = None if norm is None else float(norm)
         skipped = skipped is not None and bool(skipped)
         if cfg.eval_interval and (step + 1) % cfg.eval_interval == 0:
-            with torch.no_grad():
+            with torch.no_grad(), repeats.evaluating():
                 eval_losses.append(eval_loss(trainer.model, adapter.eval_batch(step, device)))
         if log is not None:
             record = {"step": step, "loss": json_number(losses[-1]), "step_time_s": times[-1]}
@@ -374,6 +404,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
                 record["grad_norm"] = json_number(grad_norm)
             if skipped:
                 record["skipped"] = True
+            record.update(overflow_record(overflow))
             log.write(json.dumps(record, allow_nan=False) + "\n")
             log.flush()
         guard.after_step(step + 1, losses[-1], grad_norm, skipped)  # raises: nonfinite.py
@@ -394,6 +425,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
         "saved_at": saved_at,
         "stopped_at": stopped_at,
         "skipped_steps": guard.skipped,
+        "overflow_steps": repeats.steps,
     }
     if cfg.return_params:
         result["params"] = trainer.full_params()
@@ -499,22 +531,6 @@ def with_token_scale(batches: Iterable[Iterable[Batch]], loss_world: int) -> lis
         dist.all_reduce(tokens)
     scale = loss_world / tokens.clamp_min(1).to(torch.float32)
     return [[(*b, scale) if isinstance(b, PackedBatch) else b for b in micro] for micro in batches]
-
-
-def check_dropless_exchanges(model: nn.Module, step: int) -> None:
-    """A dropless expert-parallel exchange that overflowed its receive buffer dropped tokens:
-    the step was not the model's. Stop, naming the layers and the setting that holds them
-    (graph_fsdp's GPT and Megatron-Core's grouped_mm MoE layers alike: dropless_ep.py [Note:
-    dropless overflow reports])."""
-    dropped = take_overflow(model)
-    if dropped:
-        raise RuntimeError(
-            f"step {step}: the dropless expert-parallel exchange of {', '.join(dropped)} "
-            "overflowed its receive buffer, so tokens were dropped "
-            "(moe_receive_buffer_factor of GPTConfig / MCoreGPTConfig, "
-            "--moe-receive-buffer-factor): raise the factor, or leave it unset to size the "
-            "buffer for every token (never drops)"
-        )
 
 
 def eval_loss(model: nn.Module, batch: Batch) -> float:

@@ -7,6 +7,7 @@ ranks."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -242,6 +243,33 @@ def test_command_line_dropless_ep_trains(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(log.read_text().splitlines()) == 3
+    assert "overflow steps" not in out.stdout
+
+
+@pytest.mark.slow
+def test_command_line_overflowing_receive_buffer_repeats_steps(tmp_path):
+    """--moe-receive-buffer-factor 0.5 at EP 2: a block of a quarter of a rank's copies, but
+    one of the two peers is sent at least half of them - every step overflows, is repeated with
+    a buffer of every copy, counted in the summary and the step log, and the losses are those
+    of the run without a factor."""
+    logs = [tmp_path / "none.jsonl", tmp_path / "factor.jsonl"]
+    dropless = [*TINY, "--num-experts", "4", "--moe-dropless", "--expert-model-parallel-size", "2"]
+    runs = [
+        run_cli("train", *dropless, "--train-iters", "3", "--log-json", str(logs[0])),
+        run_cli(
+            "train", *dropless, "--train-iters", "3", "--log-json", str(logs[1]),
+            "--moe-receive-buffer-factor", "0.5",
+        ),
+    ]  # fmt: skip
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert "overflow steps: 3 (" in runs[1].stdout, runs[1].stdout
+    records = [[json.loads(line) for line in log.read_text().splitlines()] for log in logs]
+    assert [r["loss"] for r in records[0]] == [r["loss"] for r in records[1]]
+    for record in records[1]:
+        assert record["overflow"]["layers"], record
+        assert record["overflow"]["receive_buffer_factor_needed"] > 0.5, record
+    assert all("overflow" not in r for r in records[0])
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,18 @@ Every graphed run must equal its eager run bit for bit - losses, eval losses and
 weights (every expert, under its global name) - and must have replayed with no eager
 fallback. ``test_checkpoints_between_ep_sizes_on_gpus`` (2 GPUs) saves at EP = 2 and loads at
 EP = 1 (and back): the weights bit for bit; training goes on within bf16 rounding.
+``test_mcore_grouped_mm_overflowed_steps_repeat_exactly`` (EP 2 on 2 GPUs; EP 4 and EP 2 x
+EDP 2 on 4) trains the grouped_mm GPT through graph_fsdp's loop with a receive buffer that
+overflows on some steps (the smallest factor a probe run's warnings named): eager, te whole
+layer, torch ``moe``, ``full_iteration`` and the one graph (eager and the one graph on 4 GPUs)
+- overflow steps counted, bit-identical to the run without a factor, one capture, a replay
+every graphed step, no eager fallback.
 
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k world1     # 1 GPU
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k "world2 or between"
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k world4     # 4 GPUs
     python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k "grouped_mm and world2"
+    python -m pytest -q -s -m gpu tests/integrations/test_megatron_ep_gpu.py -k overflowed
 """
 
 from __future__ import annotations
@@ -42,7 +49,12 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import megatron_stack_missing
+from graph_fsdp_testing import (
+    OVERFLOW_MODES,
+    megatron_stack_missing,
+    overflow_probe,
+    overflow_problems,
+)
 
 from graph_fsdp.training.loop import use_deterministic_kernels
 from graph_fsdp.training.processes import spawn
@@ -338,3 +350,61 @@ def test_checkpoints_between_ep_sizes_on_gpus(tmp_path) -> None:
     a, b = torch.tensor(out["losses at 2"]), torch.tensor(out["losses at 1"])
     print(f"EP 2 vs EP 1 after the load: max |delta loss| {(a - b).abs().max().item():.3e}")
     torch.testing.assert_close(b, a, rtol=0, atol=2e-2)
+
+
+OVERFLOW_STEPS, OVERFLOW_WARMUP = 8, 2
+
+
+def _overflow_cfg(ep: int, factor: float | None, **graphs):
+    from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
+
+    model = _model(ep, moe_experts_impl="grouped_mm", moe_receive_buffer_factor=factor)
+    return MCoreTrainConfig(
+        model=model, steps=OVERFLOW_STEPS, eval_interval=4, bf16=True, deterministic=True,
+        fused_optimizer=True, return_params=True, cuda_graph_warmup_steps=OVERFLOW_WARMUP,
+        **graphs,
+    )  # fmt: skip
+
+
+def _overflow_probe(rank: int, world: int, ep: int) -> list[float]:
+    from graph_fsdp.integrations.megatron.train import run
+
+    return overflow_probe(rank, world, run, _overflow_cfg(ep, 0.5))  # overflows every step
+
+
+def _overflow_runs(rank: int, world: int, ep: int, factor: float, modes: dict) -> dict:
+    from graph_fsdp.integrations.megatron.train import run
+
+    out = {"none": run(rank, world, _overflow_cfg(ep, None))}
+    for name, graphs in modes.items():
+        out[name] = run(rank, world, _overflow_cfg(ep, factor, **graphs))
+    return out
+
+
+OVERFLOW_LAYOUTS = {"ep2_world2": (2, 2), "ep4_world4": (4, 4), "ep2x2_world4": (4, 2)}
+
+
+@pytest.mark.parametrize("label", list(OVERFLOW_LAYOUTS))
+def test_mcore_grouped_mm_overflowed_steps_repeat_exactly(label: str, monkeypatch) -> None:
+    world, ep = OVERFLOW_LAYOUTS[label]
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")  # full_iteration holds the all-to-alls
+    modes = dict(OVERFLOW_MODES, layer={"cuda_graph_impl": "te"})
+    if world == 4:
+        modes = {k: modes[k] for k in ("eager", "one_graph")}
+    named = spawn(_overflow_probe, world, ep, backend="nccl", timeout=900, pg_timeout_s=600)[0]
+    assert len(named) == OVERFLOW_STEPS and min(named) < max(named), named
+    results = spawn(
+        _overflow_runs, world, ep, min(named), modes, backend="nccl", timeout=1500,
+        pg_timeout_s=600,
+    )  # fmt: skip
+    problems = [
+        f"rank {rank}: {p}"
+        for rank, res in enumerate(results)
+        for name in modes
+        for p in overflow_problems(
+            f"{label} {name}", res["none"], res[name], steps=OVERFLOW_STEPS, warmup=OVERFLOW_WARMUP
+        )
+    ]
+    assert not problems, "\n".join(problems)

@@ -7,6 +7,7 @@ the unsharded reference."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -34,10 +35,12 @@ DROPLESS = GPTConfig(
 def _skew(model, expert: int = 0, bias: float = 3.0) -> None:
     """Bias every router's score of ``expert`` (a forward hook on its gate): most tokens then
     route there (:func:`test_the_skew_skews` measures how many)."""
+
     def add_bias(module, args, out):
-        return out + torch.nn.functional.one_hot(
-            torch.tensor(expert), out.shape[-1]
-        ).to(out.dtype) * bias
+        return (
+            out
+            + torch.nn.functional.one_hot(torch.tensor(expert), out.shape[-1]).to(out.dtype) * bias
+        )
 
     for name, module in model.named_modules():
         if name.endswith("router.gate"):
@@ -155,7 +158,77 @@ def test_dropless_ep_trains_like_the_reference(world):
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-5)
 
 
+OVERFLOW_FACTOR, OVERFLOW_STEPS = 1.25, 6
+"""A receive buffer that the unskewed router overflows on some of the 6 steps, not all."""
+
+
+GRAPHS = {"eager": {}, "whole step": {"optimizer": True}}
+"""The loop's eager step and the one-graph step's eager twin (GraphPolicy changes)."""
+
+
+def _with_factor(base: TrainConfig, factor: float | None, label: str) -> TrainConfig:
+    model = dataclasses.replace(base.model, moe_receive_buffer_factor=factor)
+    return dataclasses.replace(base, model=model).with_graphs(**GRAPHS[label])
+
+
+def _overflow_runs(rank: int, world: int, base: TrainConfig) -> dict:
+    """Per step kind: ``base`` without a factor and with :data:`OVERFLOW_FACTOR`, and the
+    overflow warnings of the latter."""
+    import warnings
+
+    out = {}
+    for label in GRAPHS:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = run(rank, world, _with_factor(base, OVERFLOW_FACTOR, label))
+        out[label] = {
+            "none": run(rank, world, _with_factor(base, None, label)),
+            "factor": got,
+            "warnings": [str(w.message) for w in caught if "overflowed" in str(w.message)],
+        }
+    return out
+
+
+def _held_runs(rank: int, world: int, base: TrainConfig, factors: dict) -> dict:
+    return {
+        label: run(rank, world, _with_factor(base, factor, label))["overflow_steps"]
+        for label, factor in factors.items()
+    }
+
+
+def test_an_overflowed_step_is_repeated_exactly():
+    """The unskewed router at EP 2 with a receive buffer of 1.25x the balanced load: some
+    steps overflow; each is repeated with every copy's buffer, so every loss, eval loss and
+    final weight equals the run without a factor bit for bit - in the loop's eager step and in
+    the one-graph step's eager twin. Rank 0 warns once per overflow step, naming the layers
+    and a factor; the largest factor named holds every step."""
+    base = TrainConfig(
+        model=DROPLESS, expert_parallel=2, steps=OVERFLOW_STEPS, grad_accum=2,
+        micro_batch_size=2, eval_interval=3, fused_optimizer=True, clip_grad=1.0,
+    )  # fmt: skip
+    results = spawn(_overflow_runs, 2, base)
+    named = {}
+    for rank, result in enumerate(results):
+        for label, runs in result.items():
+            none, got = runs["none"], runs["factor"]
+            assert 0 < got["overflow_steps"] < OVERFLOW_STEPS, (label, got["overflow_steps"])
+            assert none["overflow_steps"] == 0 and got["skipped_steps"] == 0
+            assert got["losses"] == none["losses"], label
+            assert got["eval_losses"] == none["eval_losses"], label
+            for name, value in none["params"].items():
+                assert torch.equal(got["params"][name], value), (label, name)
+            said = runs["warnings"]
+            assert len(said) == (got["overflow_steps"] if rank == 0 else 0), (label, said)
+            for message in said:
+                assert re.search(r"layers\.[01]\.moe\.experts", message), message
+            if rank == 0:
+                factors = [float(re.search(r"factor >= ([0-9.]+)", m).group(1)) for m in said]
+                named[label] = max(factors)
+    assert all(f > OVERFLOW_FACTOR for f in named.values()), named
+    for held in spawn(_held_runs, 2, base, named):
+        assert held == {label: 0 for label in GRAPHS}, held
+
+
 def test_dropless_experts_are_moe_experts():
     model = build_model(DROPLESS)
     assert sum(isinstance(m, MoEExperts) for m in model.modules()) == 2
-

@@ -4,7 +4,15 @@ layers vs ``attn moe`` vs ``full_iteration`` vs the one graph, over ZeRO-3 and Z
 loss, eval loss and final weight bit-identical to eager, one capture, a replay every graphed
 step, no fallback. Prints one JSON line per graphed mode (step time, own peak reserved).
 
+With a receive buffer that overflows on some steps (the smallest factor a probe run's warnings
+named: the steps that needed more overflow): eager, whole layers, ``moe``, ``full_iteration``
+and the one graph at EP 2 on 2 GPUs, and eager and the one graph at EP 4 and EP 2 x EDP 2 on 4
+GPUs (skipped with fewer) - overflow steps counted, every loss, eval loss and final weight
+bit-identical to the run without a factor, one capture, a replay every graphed step, no eager
+fallback; a factor that holds every step (the largest named) overflows none.
+
     GRAPH_FSDP_GPU_TEST_WORLD=2 python -m pytest -q -s -m gpu tests/parallel/test_dropless_ep_gpu.py
+    python -m pytest -q -s -m gpu tests/parallel/test_dropless_ep_gpu.py -k overflow   # 4 GPUs
 """
 
 from __future__ import annotations
@@ -16,7 +24,14 @@ from statistics import median
 import pytest
 import torch
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import GRAPH_MODES, bit_exact_gpu_run, needs_gpus
+from graph_fsdp_testing import (
+    GRAPH_MODES,
+    OVERFLOW_MODES,
+    bit_exact_gpu_run,
+    needs_gpus,
+    overflow_probe,
+    overflow_problems,
+)
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -83,3 +98,70 @@ def test_dropless_ep_every_capture_mode_bit_identical(monkeypatch, strategy):
         assert got["eval_losses"] == eager["eval_losses"], name
         for p, value in eager["params"].items():
             assert torch.equal(got["params"][p], value), (name, p)
+
+
+OVERFLOW_STEPS = 8
+
+
+def _overflow_base(ep: int, factor: float | None):
+    model = dataclasses.replace(MODEL, moe_receive_buffer_factor=factor)
+    return bit_exact_gpu_run(
+        model, expert_parallel=ep, steps=OVERFLOW_STEPS, eval_interval=4, clip_grad=1.0,
+        fused_optimizer=True, cuda_graph_warmup_steps=WARMUP,
+    )  # fmt: skip
+
+
+def _probe(rank: int, world: int, ep: int) -> list[float]:
+    from graph_fsdp.training.train import run
+
+    return overflow_probe(rank, world, run, _overflow_base(ep, 0.5))  # overflows every step
+
+
+def _overflow_runs(rank: int, world: int, ep: int, factors: tuple, modes: list) -> dict:
+    from graph_fsdp.training.train import run
+
+    low, high = factors
+    out = {"none": run(rank, world, _overflow_base(ep, None))}
+    for name in modes:
+        out[name] = run(
+            rank, world, dataclasses.replace(_overflow_base(ep, low), **OVERFLOW_MODES[name])
+        )
+    out["held"] = run(rank, world, _overflow_base(ep, high))
+    return out
+
+
+def _check_overflow_repeats(world: int, ep: int, modes: list) -> None:
+    named = spawn(_probe, world, ep, backend="nccl", timeout=900)[0]
+    assert len(named) == OVERFLOW_STEPS and min(named) < max(named), named
+    factors = (min(named), max(named))  # the smallest: the steps that needed more overflow
+    results = spawn(_overflow_runs, world, ep, factors, modes, backend="nccl", timeout=1500)
+    problems = []
+    for rank, res in enumerate(results):
+        for name in modes:
+            print(json.dumps({"model": f"dropless-ep{ep}-world{world}", "mode": name,
+                              "factor": factors[0], "overflow_steps": res[name]["overflow_steps"],
+                              "report": res[name].get("cuda_graphs")}, default=str))  # fmt: skip
+            problems += [
+                f"rank {rank}: {p}"
+                for p in overflow_problems(
+                    name, res["none"], res[name], steps=OVERFLOW_STEPS, warmup=WARMUP
+                )
+            ]
+        if res["held"]["overflow_steps"] or res["held"]["losses"] != res["none"]["losses"]:
+            problems.append(f"rank {rank}: factor {factors[1]} did not hold every step")
+    assert not problems, "\n".join(problems)
+
+
+@needs_gpus(2)
+def test_overflowed_steps_repeat_exactly_in_every_capture_mode(monkeypatch):
+    """EP 2 on 2 GPUs: eager, whole layers, moe, full_iteration and the one graph."""
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    _check_overflow_repeats(2, 2, list(OVERFLOW_MODES))
+
+
+@needs_gpus(4)
+@pytest.mark.parametrize("ep", [4, 2], ids=["ep4", "ep2xedp2"])
+def test_overflowed_steps_repeat_exactly_on_four_gpus(monkeypatch, ep):
+    """EP 4, and EP 2 x expert-data-parallel 2, on 4 GPUs: eager and the one graph."""
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
+    _check_overflow_repeats(4, ep, ["eager", "one_graph"])

@@ -86,9 +86,10 @@ class MCoreGPTConfig:
     """grouped_mm at expert_model_parallel_size > 1: rows each EP rank receives from one peer,
     as a multiple of the balanced load (tokens x topk / EP). None: every copy a rank has -
     nothing is ever dropped, at EP x a balanced exchange's rows. A smaller factor can
-    overflow: the training loop then stops after the step, naming the layers
-    (parallel/dropless_ep.py [Note: dropless overflow reports]). Unused at EP = 1 (no
-    exchange), so one config moves between EP sizes."""
+    overflow: the training loop then repeats the step exactly with every copy's buffer,
+    counts it (``overflow_steps``) and warns, naming the layers and the factor that would
+    have held it (parallel/dropless_ep.py [Note: dropless overflow reports]). Unused at EP = 1
+    (no exchange), so one config moves between EP sizes."""
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of Megatron's load-balancing loss (moe_router_load_balancing_type aux_loss);
     0 = off, Megatron's default."""

@@ -210,7 +210,9 @@ class DeviceCountDispatcher(MoETokenDispatcher):
     all-to-all, the rows in fixed-size per-peer blocks of ``receive_buffer_rows`` rows, the
     local layout's offsets computed on the device; ``token_combine`` is the reverse exchange.
     With ``receive_buffer_factor`` set, copies past a peer's block are not exchanged and
-    ``overflow`` records it ([Note: dropless overflow reports]).
+    ``overflow`` (the layer's :class:`OverflowFlag`, which holds the factor) records it, so the
+    training loop repeats the step with every copy's buffer ([Note: dropless overflow
+    reports]).
     """
 
     def __init__(
@@ -234,8 +236,12 @@ class DeviceCountDispatcher(MoETokenDispatcher):
         self.num_local_experts = num_local_experts
         self.num_experts = num_local_experts * self.ep_size
         self.topk = config.moe_router_topk
-        self.receive_buffer_factor = receive_buffer_factor
-        self.overflow = overflow if overflow is not None else OverflowFlag()
+        if overflow is not None and overflow.factor != receive_buffer_factor:
+            raise ValueError(
+                f"DeviceCountDispatcher: receive_buffer_factor={receive_buffer_factor!r} but the "
+                f"OverflowFlag given holds factor={overflow.factor!r}: pass one of them"
+            )
+        self.overflow = overflow if overflow is not None else OverflowFlag(receive_buffer_factor)
         self.hidden_shape: torch.Size | None = None
         self._sort: ExpertSort | None = None
         self._exchange: DroplessExchange | None = None
@@ -259,7 +265,6 @@ class DeviceCountDispatcher(MoETokenDispatcher):
             self._current_sort().counts,
             self.ep_group,
             num_copies=hidden_states.shape[0],
-            buffer_factor=self.receive_buffer_factor,
             overflow=self.overflow,
         )
         return self._exchange.dispatch(hidden_states), self._exchange.dispatch(probs)
@@ -403,7 +408,8 @@ class GroupedMMMoELayer(MoELayer):
     ``receive_buffer_factor`` (EP > 1): rows each rank receives from one peer, as a multiple
     of the balanced load; None holds every copy (never drops). With a factor the layer's
     ``dropless_overflow`` flag records exchanges that dropped rows, which the training loop
-    reads after each step (parallel/dropless_ep.py [Note: dropless overflow reports]).
+    reads after each step's backward to repeat the step with every copy's buffer
+    (parallel/dropless_ep.py [Note: dropless overflow reports]).
     """
 
     def __init__(
@@ -433,7 +439,8 @@ class GroupedMMMoELayer(MoELayer):
             **moe_layer_kwargs(is_mtp_layer=is_mtp_layer, name=name),
         )
         # MoELayer built the dispatcher config.moe_token_dispatcher_type names; replace it.
-        self.dropless_overflow = OverflowFlag()  # OVERFLOW_ATTR: the loop's take_overflow
+        # OVERFLOW_ATTR: the loop's overflow check reads it.
+        self.dropless_overflow = OverflowFlag(receive_buffer_factor)
         self.token_dispatcher = DeviceCountDispatcher(
             self.num_local_experts,
             config=config,
