@@ -42,7 +42,10 @@ first gather of each group casts inside the graph and clears the mark, and later
 the same step (other microbatches; the backward of ZeRO-1/2, whose weights stay gathered)
 copy nothing, as in the eager step. (``FullIterationGraphs`` forces the copy at every gather,
 ``refreshing_weights`` of capture_context.py: its optimizer runs between replays, outside its
-graphs.) A ZeRO-3 gather always casts its shard ([Note: copy-in all-gather]).
+graphs.) A ZeRO-3 gather always casts its shard ([Note: copy-in all-gather]). With
+``StepPolicy(overlap_next_gather=True)`` the units the previous step gathered are fresh and
+left unmarked: the graph's own tail refreshes them after their update, for the next replay
+(next_gather.py [Note: the next step's gathers in the step graph]).
 
 [Note: main gradients in the step graph's pool] ``FullIterationGraphs`` pins the main
 gradients (its graphs write them, the eager optimizer reads them after the replay). Here
