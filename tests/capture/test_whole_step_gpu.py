@@ -99,6 +99,20 @@ def _snapshot(model, opt) -> dict:
     return {"weights": weights, "opt": state}
 
 
+def _poisoned_step(step, sched, cfg, i: int, rank: int, device) -> torch.Tensor:
+    """Step ``i`` over ``cfg.grad_accum`` microbatches (``_poison`` ed), then the scheduler:
+    ``[loss, grad norm, skipped]``."""
+    from graph_fsdp.training.data import batch_for
+
+    n = cfg.grad_accum
+    mbs = [
+        (*batch_for(cfg, i * n + m, rank, device), _poison(i, m, rank, device)) for m in range(n)
+    ]
+    res = step(mbs, n=n)
+    sched.step()
+    return torch.stack([res.loss, res.grad_norm, res.skipped])
+
+
 def _train(
     rank: int,
     world: int,
@@ -130,13 +144,7 @@ def _train(
     step = runner.capture(step_fn)
     rows, snaps, eval_loss = [], {}, None
     for i in range(STEPS):
-        mbs = [
-            (*batch_for(cfg, i * grad_accum + m, rank, device), _poison(i, m, rank, device))
-            for m in range(grad_accum)
-        ]
-        res = step(mbs, n=grad_accum)
-        sched.step()
-        rows.append(torch.stack([res.loss, res.grad_norm, res.skipped]))
+        rows.append(_poisoned_step(step, sched, cfg, i, rank, device))
         if i in (INF_STEP - 1, INF_STEP):
             snaps[i] = _snapshot(model, opt)
         if i == LOAD_STEP:  # new state tensors, same values (a checkpoint load): recapture
@@ -392,33 +400,42 @@ def _whole_step_row(rank: int, world: int, spec, *, clip=None, overlap: bool = F
 A2A_ROW = "graph_fsdp whole step, vocab-parallel embedding, bf16 all-to-all + fp32 sums"
 
 
-def _rows(world: int) -> list[tuple]:
-    """(name, runner, spec, kwargs): the peers' rows (eager, captured reference, full_iteration,
-    FSDP2 + graph) and the whole-step rows."""
-    from graph_fsdp.bench.peers import (
-        BenchSpec,
-        run_fsdp2_cuda_graph,
-        run_graph_fsdp,
-        run_unsharded,
-        run_unsharded_captured,
-    )
+FULL_ITERATION = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
+
+
+def _timed_spec(grad_accum: int = 1, **changes):
+    """A timing row's spec: the 16-layer GPT (hidden 1024, seq 1024, vocab 32000), micro batch
+    1, bf16 compute, fused AdamW, the double buffer; ``changes`` to the TrainConfig."""
+    from graph_fsdp.bench.peers import BenchSpec
     from graph_fsdp.training.train import TrainConfig
 
-    base = TrainConfig(
-        model=GPTConfig(),  # 16 layers, hidden 1024, seq 1024, vocab 32000
+    cfg = TrainConfig(
+        model=GPTConfig(),
         bf16=True,
         micro_batch_size=1,
+        grad_accum=grad_accum,
         device="cuda",
         fused_optimizer=True,
         allocator="double_buffer",
         persist_on_alloc_fail=True,
     )
+    return BenchSpec(
+        cfg=dataclasses.replace(cfg, **changes), warmup=TIMED_WARMUP, steps=TIMED_STEPS
+    )
 
-    def spec(grad_accum=1, **kw):
-        cfg = dataclasses.replace(base, grad_accum=grad_accum, **kw)
-        return BenchSpec(cfg=cfg, warmup=TIMED_WARMUP, steps=TIMED_STEPS)
 
-    full = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
+def _rows(world: int) -> list[tuple]:
+    """(name, runner, spec, kwargs): the peers' rows (eager, captured reference, full_iteration,
+    FSDP2 + graph) and the whole-step rows."""
+    from graph_fsdp.bench.peers import (
+        run_fsdp2_cuda_graph,
+        run_graph_fsdp,
+        run_unsharded,
+        run_unsharded_captured,
+    )
+
+    spec = _timed_spec
+    full = FULL_ITERATION
     layers = {"cuda_graph_impl": "torch", "cuda_graph_scope": []}  # no scope: whole layers
     rows = [
         ("one GPU, eager", run_unsharded, spec(), {}),
@@ -667,13 +684,7 @@ def _overlap_train(rank, world, strategy, grad_accum, graphed: bool, path: str) 
             runner.drop()
         if i == OV_LOAD:  # older weights than the gathered ones; new optimizer state tensors
             checkpoint.load(path, model, opt)
-        mbs = [
-            (*batch_for(cfg, i * grad_accum + m, rank, device), _poison(i, m, rank, device))
-            for m in range(grad_accum)
-        ]
-        res = step(mbs, n=grad_accum)
-        sched.step()
-        rows.append(torch.stack([res.loss, res.grad_norm, res.skipped]))
+        rows.append(_poisoned_step(step, sched, cfg, i, rank, device))
     out = {
         "summary": torch.stack(rows).cpu(),
         "evals": evals,
@@ -726,25 +737,9 @@ def test_overlapped_next_gathers_are_bit_identical_to_eager(tmp_path):
 def _overlap_rows(world: int) -> list[tuple]:
     """full_iteration (eager fused AdamW) and the one graph with the overlap off and on, for
     ZeRO-3 and ZeRO-2, on the timing test's 16-layer GPT, beside the captured reference."""
-    from graph_fsdp.bench.peers import BenchSpec, run_graph_fsdp, run_unsharded_captured
-    from graph_fsdp.training.train import TrainConfig
+    from graph_fsdp.bench.peers import run_graph_fsdp, run_unsharded_captured
 
-    base = TrainConfig(
-        model=GPTConfig(),
-        bf16=True,
-        micro_batch_size=1,
-        device="cuda",
-        fused_optimizer=True,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-    )
-
-    def spec(**kw):
-        return BenchSpec(
-            cfg=dataclasses.replace(base, **kw), warmup=TIMED_WARMUP, steps=TIMED_STEPS
-        )
-
-    full = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
+    spec, full = _timed_spec, FULL_ITERATION
     rows = [
         (
             "one GPU, fwd+bwd captured, optimizer eager (reference)",
