@@ -708,6 +708,7 @@ def _overlap_worker(rank: int, world: int, path: str) -> dict:
     return out
 
 
+@needs_gpus()
 def test_overlapped_next_gathers_are_bit_identical_to_eager(tmp_path):
     results = spawn(_overlap_worker, WORLD, str(tmp_path), backend="nccl")
     skips = torch.tensor([1.0 if i == OV_INF else 0.0 for i in range(OV_STEPS)])
