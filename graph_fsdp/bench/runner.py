@@ -109,9 +109,8 @@ def plan_rows(job: BenchJob) -> list[Row]:
                 planned.add(name)
                 graphed = replace(spec, cfg=cfg.with_graphs(impl=row_impl, scopes=scopes))
                 skip = None if cfg.device == "cuda" else "CUDA graphs need a CUDA device"
-                rows.append(
-                    Row(name=name, runner=run_graph_fsdp, spec=graphed, skip=skip, graphed=True)
-                )
+                row = Row(name=name, runner=run_graph_fsdp, spec=graphed, skip=skip, graphed=True)
+                rows += _overlap_twins(row) or [row]
                 if job.compare_comm_graphs and "full_iteration" not in scopes:
                     eager_comm = replace(graphed, cfg=graphed.cfg.with_graphs(comm_graphs=False))
                     rows.append(
@@ -181,6 +180,27 @@ def packed_rows(rows: list[Row], spec: BenchSpec) -> list[Row]:
     ]
     packed = [replace(row, name=f"{row.name}, packed") for row in rows]
     return packed + padded
+
+
+def _overlap_twins(row: Row) -> list[Row]:
+    """--cuda-graph-overlap-next-gather: a one-graph row as three, side by side -
+    full_iteration with the eager (fused) optimizer, the one graph without the overlap, the
+    one graph with it ([Note: the next step's gathers in the step graph]); [] for other rows."""
+    graphs = row.spec.cfg.graphs
+    if not (graphs.optimizer and graphs.overlap_next_gather and graphs.full_iteration):
+        return []
+    cfg = row.spec.cfg
+    plain = cfg.with_graphs(optimizer=False, overlap_next_gather=False)
+    off = cfg.with_graphs(overlap_next_gather=False)
+    return [
+        replace(
+            row,
+            name=f"graph_fsdp {graphs.impl} [{scope_label(graphs.scopes)}]",
+            spec=replace(row.spec, cfg=plain),
+        ),
+        replace(row, spec=replace(row.spec, cfg=off)),
+        replace(row, name=f"{row.name}, next gathers overlapped"),
+    ]
 
 
 def _one_graph_twin(row: Row) -> tuple[Row, ...]:

@@ -13,7 +13,10 @@ Pure functions over the trace JSON, so they are tested with hand-written traces.
 * Exposed communication is collective time not overlapped by compute:
   ``|union(collectives) - union(compute)|``; per collective launch, numbered in its step (the
   n-th collective of every measured step is one position), the mean exposed time says which
-  collective leaves compute waiting, and when in the step.
+  collective leaves compute waiting, and when in the step; per kind (all-gather,
+  reduce-scatter, all-reduce, all-to-all, other), the time the step spent in collectives of
+  that kind and the part of it not under compute, so a change that moves one kind (the next
+  step's gathers under the optimizer step) shows in its own row.
 * On CUDA each step also says how long after its start the GPU's first operation began (the
   host's work before the step's first launch).
 """
@@ -33,6 +36,14 @@ COLLECTIVE = re.compile(
     r"record_param_comms",
     re.IGNORECASE,
 )
+KINDS = (
+    ("all-gather", re.compile(r"all_?gather", re.IGNORECASE)),
+    ("reduce-scatter", re.compile(r"reduce_?scatter", re.IGNORECASE)),
+    ("all-reduce", re.compile(r"all_?reduce", re.IGNORECASE)),
+    ("all-to-all", re.compile(r"all_?to_?all|send_?recv", re.IGNORECASE)),
+)
+"""A collective's kind by its kernel or op name (NCCL's ``ncclDevKernel_AllGather_...``, gloo's
+``c10d::allgather_``); anything else is ``other``."""
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 RANGE_PREFIX = "graph_fsdp/"
 OPTIMIZER_STEP = "Optimizer.step#"
@@ -163,6 +174,41 @@ def _exposed_by_position(
     return sorted(rows, key=lambda r: (-r["exposed_us"], r["position"]))
 
 
+def collective_kind(name: str) -> str:
+    """all-gather, reduce-scatter, all-reduce, all-to-all or other (:data:`KINDS`)."""
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
+
+
+def _exposed_by_kind(
+    comm: list[dict], compute_u: list[Interval], windows: list[tuple[str, float, float]]
+) -> list[dict]:
+    """Per collective kind, the mean per measured step of: launches, time in collectives of
+    the kind (their union) and its part not under compute. Kinds running at once (an
+    all-gather beside a reduce-scatter) each count the time they share."""
+    n = max(len(windows), 1)
+    by_kind: dict[str, list[dict]] = defaultdict(list)
+    for e in comm:
+        by_kind[collective_kind(e["name"])].append(e)
+    rows = []
+    for kind, events in by_kind.items():
+        union = merge([_span(e) for e in events])
+        exposed = subtract(union, compute_u)
+        calls = comm_us = exposed_us = 0.0
+        for _, lo, hi in windows:
+            calls += sum(1 for e in events if lo <= _span(e)[0] < hi)
+            comm_us += total(clip(union, lo, hi))
+            exposed_us += total(clip(exposed, lo, hi))
+        rows.append(
+            {
+                "kind": kind,
+                "calls_per_step": calls / n,
+                "comm_ms_per_step": comm_us / n / 1e3,
+                "exposed_ms_per_step": exposed_us / n / 1e3,
+            }
+        )
+    return sorted(rows, key=lambda r: (-r["exposed_ms_per_step"], r["kind"]))
+
+
 def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
     """Per-step wall/busy/communication numbers, host ranges and collectives of a trace."""
     events = _complete_events(trace)
@@ -232,6 +278,7 @@ def summarize_trace(trace: dict, *, skip_steps: int = 0) -> dict:
         "exposed_by_position": _exposed_by_position(
             comm, exposed_u, windows[skip_steps:] or windows
         ),
+        "exposed_by_kind": _exposed_by_kind(comm, compute_u, windows[skip_steps:] or windows),
         "ranges": sorted(
             (
                 {
@@ -274,6 +321,16 @@ def format_summary(summary: dict, *, title: str, max_rows: int = 15) -> str:
             f"  the GPU's first operation of a step began {summary['mean_first_gpu_op_ms']:.3f} ms "
             "after the step's start (mean)"
         )
+    kinds = summary.get("exposed_by_kind", [])
+    if kinds:
+        lines.append(
+            f"  {'collectives by kind, per step':<48}{'calls':>7}{'comm ms':>10}{'exposed ms':>12}"
+        )
+        for r in kinds:
+            lines.append(
+                f"  {r['kind']:<48}{r['calls_per_step']:>7.1f}{r['comm_ms_per_step']:>10.3f}"
+                f"{r['exposed_ms_per_step']:>12.3f}"
+            )
     exposed = [r for r in summary.get("exposed_by_position", []) if r["exposed_us"] > 0]
     if exposed:
         lines.append(

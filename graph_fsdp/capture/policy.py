@@ -71,6 +71,10 @@ class GraphPolicy:
     microbatch, the reductions, clipping by the global norm, the optimizer step with an
     Inf/NaN skip on the device and the zeroing - one replay per step. Needs full_iteration;
     with ``impl="none"`` the same step runs eagerly (its bit-exact twin)."""
+    overlap_next_gather: bool = False
+    """With ``optimizer``: the step updates the next forward's first units first and queues
+    their next-step gathers under the rest of the optimizer step (``StepPolicy.
+    overlap_next_gather``, next_gather.py [Note: the next step's gathers in the step graph])."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scopes", tuple(self.scopes))
@@ -81,6 +85,12 @@ class GraphPolicy:
             )
         if self.optimizer:
             self._check_whole_step()
+        elif self.overlap_next_gather:
+            raise GraphConfigError(
+                "--cuda-graph-overlap-next-gather (overlap_next_gather=True) queues the next "
+                "step's gathers inside the whole-step graph's optimizer step: add "
+                "--cuda-graph-optimizer (optimizer=True), or drop it"
+            )
         if not self.enabled:
             return
         check_scopes(self.scopes, scope_modules=self.scope_modules)
@@ -192,7 +202,10 @@ class GraphPolicy:
             return WholeStepGraph(
                 model,
                 optimizer,
-                policy=StepPolicy(clip_grad=clip_grad if clip_grad > 0 else None),
+                policy=StepPolicy(
+                    clip_grad=clip_grad if clip_grad > 0 else None,
+                    overlap_next_gather=self.overlap_next_gather,
+                ),
                 warmup_steps=self.warmup_steps,
                 eager=not self.enabled,
             )

@@ -189,9 +189,45 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def step_optimizer(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+def step_optimizer(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor | None,
+    *,
+    params: list[torch.Tensor] | None = None,
+    exclude: set[int] | None = None,
+) -> None:
     """``optimizer.step()``, skipped on the device where ``found_inf`` is 1 ([Note: the
-    update skipped on the device]); None: always applied."""
+    update skipped on the device]); None: always applied. ``params`` steps only those
+    parameters, ``exclude`` all but those (ids): [Note: the optimizer over a subset]."""
+    if params is None and exclude is None:
+        _step(optimizer, found_inf)
+        return
+    wanted = {id(p) for p in params} if params is not None else None
+    groups = optimizer.param_groups
+    subset = []
+    for group in groups:
+        kept = [
+            p
+            for p in group["params"]
+            if (wanted is None or id(p) in wanted) and (exclude is None or id(p) not in exclude)
+        ]
+        if kept:
+            subset.append({**group, "params": kept})
+    optimizer.param_groups = subset
+    try:
+        _step(optimizer, found_inf)
+    finally:
+        optimizer.param_groups = groups
+
+
+# [Note: the optimizer over a subset] To update some parameters before the others (the next
+# step's gathers: next_gather.py), ``step_optimizer`` runs the optimizer's own ``step()`` over
+# shallow copies of its param groups that keep only those parameters (the same settings, the
+# same learning-rate tensor, the same per-parameter state), then puts the groups back. Each
+# parameter's update reads only its own gradient and state, and torch's fused kernels are
+# elementwise per tensor: the calls over disjoint subsets write the bits one call writes.
+# An empty subset of a group is left out (no empty list reaches a kernel).
+def _step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
     if found_inf is None:
         optimizer.step()
         return

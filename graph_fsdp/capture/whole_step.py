@@ -42,7 +42,10 @@ first gather of each group casts inside the graph and clears the mark, and later
 the same step (other microbatches; the backward of ZeRO-1/2, whose weights stay gathered)
 copy nothing, as in the eager step. (``FullIterationGraphs`` forces the copy at every gather,
 ``refreshing_weights`` of capture_context.py: its optimizer runs between replays, outside its
-graphs.) A ZeRO-3 gather always casts its shard ([Note: copy-in all-gather]).
+graphs.) A ZeRO-3 gather always casts its shard ([Note: copy-in all-gather]). With
+``StepPolicy(overlap_next_gather=True)`` the units the previous step gathered are fresh and
+left unmarked: the graph's own tail refreshes them after their update, for the next replay
+(next_gather.py [Note: the next step's gathers in the step graph]).
 
 [Note: main gradients in the step graph's pool] ``FullIterationGraphs`` pins the main
 gradients (its graphs write them, the eager optimizer reads them after the replay). Here
@@ -85,6 +88,7 @@ from graph_fsdp.capture.diagnosis import (
     no_collection,
 )
 from graph_fsdp.capture.full_iteration import same_step_fn
+from graph_fsdp.capture.next_gather import NextGather
 from graph_fsdp.capture.pools import pool_bytes, release_for_capture
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.step import (
@@ -125,6 +129,15 @@ class StepPolicy:
     skip_nonfinite: bool = True
     """Skip the optimizer update of a step whose global gradient norm is Inf or NaN, decided
     on the device (needs a fused optimizer: step_optimizer.py)."""
+    overlap_next_gather: bool = False
+    """Update the next forward's first units first and queue their next-step all-gathers
+    (ZeRO-3) or weight refreshes (ZeRO-1/2) on the all-gather stream right after, under the
+    rest of the optimizer step: the next step starts with them gathered (next_gather.py
+    [Note: the next step's gathers in the step graph]). The same bits either way."""
+    next_gather_units: int = 2
+    """How many units of the forward order ``overlap_next_gather`` gathers for the next step:
+    2 = the root and the unit its pre-forward prefetches (what the forward holds before its
+    first computation). More need as many weight slots (``BufferPolicy.num_slots``)."""
 
     def __post_init__(self) -> None:
         if self.clip_grad is not None and not self.clip_grad > 0:
@@ -134,6 +147,11 @@ class StepPolicy:
             )
         if not float(self.norm_type) > 0:
             raise ValueError(f"StepPolicy.norm_type={self.norm_type!r} must be positive (or inf)")
+        if self.next_gather_units < 1:
+            raise ValueError(
+                f"StepPolicy.next_gather_units={self.next_gather_units!r}: at least 1 (the "
+                "root's unit); 2 gathers the root and the unit its pre-forward prefetches"
+            )
 
 
 @dataclass
@@ -170,6 +188,9 @@ class _Recorded:
     hyperparameters: list[dict] | None = None
     optimizer_state: tuple | None = None
     """``(optimizer.state, [(per-param state dict, key, tensor)])`` the graph addresses."""
+    next_addresses: list[int] | None = None
+    """Where the graph's forward reads the units the previous replay gathered (next_gather.py),
+    None without ``overlap_next_gather``."""
 
 
 class WholeStep:
@@ -218,6 +239,11 @@ class WholeStepGraph(RunnerLifecycle):
         self.device = next(model.parameters()).device
         self.states = collect_states(model)
         self.warmup_steps = warmup_steps
+        self.next_gather = (
+            NextGather(self.states[0], self.policy.next_gather_units)
+            if self.policy.overlap_next_gather and self.states
+            else None
+        )
         self.learning_rates = DeviceLearningRates(optimizer)
         self.stream = None if eager else torch.cuda.Stream(self.device)
         self._tracker = ModuleTracker.for_model(model)
@@ -250,6 +276,8 @@ class WholeStepGraph(RunnerLifecycle):
             self.drop()  # release() moved the buffers the graph addresses
         if self.graph is not None and not _same_state(self.optimizer, rec.optimizer_state):
             self.drop()  # [Note: optimizer state the graph addresses]
+        if self.next_gather is not None:
+            self.next_gather.forget_stale()  # changed outside the step: gathered again
         self.learning_rates.sync()
         phase = self._phase()
         self.steps_seen += 1
@@ -266,6 +294,12 @@ class WholeStepGraph(RunnerLifecycle):
                 for group in self._groups:  # [Note: main gradients before the warmup step]
                     group.ensure_main_grad()
                 return self._result(*self._body(rec.fn, calls), owned=True)
+        if self.next_gather is not None:
+            addresses = self.next_gather.gather_now()
+            if rec.graph is not None and addresses != rec.next_addresses:
+                self.drop()  # the slots moved: the forward reads them elsewhere now
+                addresses = self.next_gather.gather_now()
+            rec.next_addresses = addresses
         if rec.graph is None:
             self._capture(rec)
         else:
@@ -299,7 +333,9 @@ class WholeStepGraph(RunnerLifecycle):
             torch.cuda.synchronize()  # no replay still runs when the graph is freed
         if rec is not None:
             rec.graph, rec.static_inputs, rec.static_outputs = None, [], []
-            rec.static_summary = None
+            rec.static_summary = rec.next_addresses = None
+        if self.next_gather is not None:
+            self.next_gather.forget()
         self.captured_generation = None
         self._pool = None
 
@@ -403,7 +439,11 @@ class WholeStepGraph(RunnerLifecycle):
             found_inf = torch.maximum(skipped, overflowed)
         with nvtx_range("graph_fsdp/whole_step/optimizer"):
             skips = self.policy.skip_nonfinite or bool(self._bounded)
-            step_optimizer(self.optimizer, found_inf if skips else None)
+            found_inf = found_inf if skips else None
+            if self.next_gather is not None:
+                self.next_gather.step_and_gather(self.optimizer, found_inf)
+            else:
+                step_optimizer(self.optimizer, found_inf)
             self.optimizer.zero_grad(set_to_none=True)
         loss = _loss_sum(outputs)
         has_loss = loss is not None
@@ -439,8 +479,10 @@ class WholeStepGraph(RunnerLifecycle):
         rec.static_inputs = [sig.static_copies() for sig in rec.signatures]
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]
         graph = new_cuda_graph()
+        held = self._held_groups()
         for g in groups:
-            g.dirty = True  # [Note: weight refresh in the step graph]
+            if id(g) not in held:  # held ones the previous step gathered (next_gather.py)
+                g.dirty = True  # [Note: weight refresh in the step graph]
         try:
             with (
                 self._tracker.active(),
@@ -473,6 +515,12 @@ class WholeStepGraph(RunnerLifecycle):
         self.captures += 1
         self.capture_seconds += time.perf_counter() - t0
 
+    def _held_groups(self) -> set[int]:
+        """ids of the groups the last step left gathered for the next (next_gather.py)."""
+        if self.next_gather is None:
+            return set()
+        return {id(g) for s in self.next_gather.held for g in s.groups}
+
     def _replay(self, rec: _Recorded, tensors: list[list[torch.Tensor]]) -> StepResult:
         with nvtx_range("graph_fsdp/replay/whole_step"):
             for statics, given in zip(rec.static_inputs, tensors):
@@ -481,8 +529,10 @@ class WholeStepGraph(RunnerLifecycle):
                         static.copy_(x)
             rec.graph.replay()
         self.replays += 1
+        held = self._held_groups()
         for g in self._groups:
-            g.dirty = True  # the graph stepped the main weights: eager gathers must refresh
+            if id(g) not in held:  # held ones the graph gathered again after their update
+                g.dirty = True  # the graph stepped the main weights: eager gathers must refresh
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer stepped
         outputs = [tree_unflatten(flat, spec) for flat, spec in rec.static_outputs]
         return self._result(outputs, rec.static_summary, rec.has_loss, owned=False)

@@ -67,6 +67,17 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         "the device; eager rows of bench/compare run the same step without graphs.",
     )
     g.add_argument(
+        "--cuda-graph-overlap-next-gather",
+        dest="cuda_graph_overlap_next_gather",
+        action="store_true",
+        help="With --cuda-graph-optimizer: update the first two units of the forward (the "
+        "root and the unit it prefetches) first and start their next-step all-gathers "
+        "(ZeRO-3) or weight refreshes (ZeRO-1/2) under the rest of the optimizer step, so the "
+        "next step starts with them gathered (Megatron's --overlap-param-gather-with-"
+        "optimizer-step, inside the graph). Same bits. bench: each one-graph row is run "
+        "with and without it, beside full_iteration with the eager optimizer.",
+    )
+    g.add_argument(
         "--cuda-graph-warmup-steps",
         type=int,
         default=2,
@@ -233,6 +244,7 @@ def graph_policy(
             # gives the run its value)
             verify=bool(getattr(args, "cuda_graph_verify", None)),
             optimizer=args.cuda_graph_optimizer,
+            overlap_next_gather=getattr(args, "cuda_graph_overlap_next_gather", False),
         )
         policy.check_optimizer(
             fused=getattr(args, "fused_adamw", True),  # train/compare: fused with the flag

@@ -464,6 +464,7 @@ def run_graphs(
         comm_graphs=getattr(args, "cuda_graph_comm", True),
         scope_modules=scope_modules or {},
         optimizer=args.cuda_graph_optimizer,
+        overlap_next_gather=getattr(args, "cuda_graph_overlap_next_gather", False),
     )
 
 

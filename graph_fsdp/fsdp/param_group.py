@@ -331,6 +331,22 @@ class FlatParamGroup(StorageMoves):
             or self.main_flat._version != self._synced_version
         )
 
+    @property
+    def holds_gather(self) -> bool:
+        """ZeRO-3: ``full`` is a slot this group gathered (or is gathering) and must give
+        back."""
+        return self._holds_full
+
+    def gathered_weights(self) -> torch.Tensor | None:
+        """The compute weights a forward would use now without gathering or refreshing them
+        (ZeRO-3: the held slot; ZeRO-0/1/2: the kept weights), or None where the next gather
+        must run (nothing held, or the main weights changed since the cast: ``stale``)."""
+        if self.stale():
+            return None
+        if self.placements.params:
+            return self.full if self._holds_full else None
+        return self.persistent_full
+
     def unshard(self, allocator: BufferAllocator) -> None:
         """Queue the all-gather (or refresh) of the compute weights on the AG stream."""
         comm = self.comm

@@ -99,6 +99,20 @@ def _snapshot(model, opt) -> dict:
     return {"weights": weights, "opt": state}
 
 
+def _poisoned_step(step, sched, cfg, i: int, rank: int, device) -> torch.Tensor:
+    """Step ``i`` over ``cfg.grad_accum`` microbatches (``_poison`` ed), then the scheduler:
+    ``[loss, grad norm, skipped]``."""
+    from graph_fsdp.training.data import batch_for
+
+    n = cfg.grad_accum
+    mbs = [
+        (*batch_for(cfg, i * n + m, rank, device), _poison(i, m, rank, device)) for m in range(n)
+    ]
+    res = step(mbs, n=n)
+    sched.step()
+    return torch.stack([res.loss, res.grad_norm, res.skipped])
+
+
 def _train(
     rank: int,
     world: int,
@@ -130,13 +144,7 @@ def _train(
     step = runner.capture(step_fn)
     rows, snaps, eval_loss = [], {}, None
     for i in range(STEPS):
-        mbs = [
-            (*batch_for(cfg, i * grad_accum + m, rank, device), _poison(i, m, rank, device))
-            for m in range(grad_accum)
-        ]
-        res = step(mbs, n=grad_accum)
-        sched.step()
-        rows.append(torch.stack([res.loss, res.grad_norm, res.skipped]))
+        rows.append(_poisoned_step(step, sched, cfg, i, rank, device))
         if i in (INF_STEP - 1, INF_STEP):
             snaps[i] = _snapshot(model, opt)
         if i == LOAD_STEP:  # new state tensors, same values (a checkpoint load): recapture
@@ -340,7 +348,7 @@ def test_training_loop_whole_step_is_bit_identical_to_its_eager_twin():
 TIMED_STEPS, TIMED_WARMUP = 20, 3
 
 
-def _whole_step_row(rank: int, world: int, spec, *, clip=None) -> dict:
+def _whole_step_row(rank: int, world: int, spec, *, clip=None, overlap: bool = False) -> dict:
     """graph_fsdp's whole step (one replay per step): warmup steps and the capture's step
     untimed, then ``spec.steps`` timed steps, each generating its batches as the other rows."""
     from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
@@ -353,7 +361,8 @@ def _whole_step_row(rank: int, world: int, spec, *, clip=None) -> dict:
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
     )
-    runner = WholeStepGraph(model, opt, policy=StepPolicy(clip_grad=clip), warmup_steps=spec.warmup)
+    policy = StepPolicy(clip_grad=clip, overlap_next_gather=overlap)
+    runner = WholeStepGraph(model, opt, policy=policy, warmup_steps=spec.warmup)
 
     def step_fn(x, y, *, n):
         loss = model(x, y) / n
@@ -391,33 +400,42 @@ def _whole_step_row(rank: int, world: int, spec, *, clip=None) -> dict:
 A2A_ROW = "graph_fsdp whole step, vocab-parallel embedding, bf16 all-to-all + fp32 sums"
 
 
-def _rows(world: int) -> list[tuple]:
-    """(name, runner, spec, kwargs): the peers' rows (eager, captured reference, full_iteration,
-    FSDP2 + graph) and the whole-step rows."""
-    from graph_fsdp.bench.peers import (
-        BenchSpec,
-        run_fsdp2_cuda_graph,
-        run_graph_fsdp,
-        run_unsharded,
-        run_unsharded_captured,
-    )
+FULL_ITERATION = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
+
+
+def _timed_spec(grad_accum: int = 1, **changes):
+    """A timing row's spec: the 16-layer GPT (hidden 1024, seq 1024, vocab 32000), micro batch
+    1, bf16 compute, fused AdamW, the double buffer; ``changes`` to the TrainConfig."""
+    from graph_fsdp.bench.peers import BenchSpec
     from graph_fsdp.training.train import TrainConfig
 
-    base = TrainConfig(
-        model=GPTConfig(),  # 16 layers, hidden 1024, seq 1024, vocab 32000
+    cfg = TrainConfig(
+        model=GPTConfig(),
         bf16=True,
         micro_batch_size=1,
+        grad_accum=grad_accum,
         device="cuda",
         fused_optimizer=True,
         allocator="double_buffer",
         persist_on_alloc_fail=True,
     )
+    return BenchSpec(
+        cfg=dataclasses.replace(cfg, **changes), warmup=TIMED_WARMUP, steps=TIMED_STEPS
+    )
 
-    def spec(grad_accum=1, **kw):
-        cfg = dataclasses.replace(base, grad_accum=grad_accum, **kw)
-        return BenchSpec(cfg=cfg, warmup=TIMED_WARMUP, steps=TIMED_STEPS)
 
-    full = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
+def _rows(world: int) -> list[tuple]:
+    """(name, runner, spec, kwargs): the peers' rows (eager, captured reference, full_iteration,
+    FSDP2 + graph) and the whole-step rows."""
+    from graph_fsdp.bench.peers import (
+        run_fsdp2_cuda_graph,
+        run_graph_fsdp,
+        run_unsharded,
+        run_unsharded_captured,
+    )
+
+    spec = _timed_spec
+    full = FULL_ITERATION
     layers = {"cuda_graph_impl": "torch", "cuda_graph_scope": []}  # no scope: whole layers
     rows = [
         ("one GPU, eager", run_unsharded, spec(), {}),
@@ -485,14 +503,14 @@ def _rows(world: int) -> list[tuple]:
     return rows
 
 
-def _timing_worker(rank: int, world: int) -> list[dict] | None:
+def _timing_worker(rank: int, world: int, which: str = "all") -> list[dict] | None:
     from graph_fsdp.bench.verdicts import CudaCounters, RowMemory
     from graph_fsdp.training.train import device_of
 
     device = torch.device("cuda", torch.cuda.current_device())
     counters = CudaCounters(device)
     out = []
-    for name, runner, spec, kwargs in _rows(world):
+    for name, runner, spec, kwargs in (_rows if which == "all" else _overlap_rows)(world):
         assert device_of(spec.cfg) == device
         memory = RowMemory.start(counters)
         raw = runner(rank, world, spec, **kwargs)
@@ -620,3 +638,156 @@ def test_whole_step_timing_and_memory():
         assert rows[name]["captures"] == 1 and rows[name]["eager_fallbacks"] == 0, rows[name]
         assert rows[name]["replays"] == TIMED_STEPS + 1, rows[name]  # + the capture's step
         assert math.isfinite(rows[name]["final_loss"]), rows[name]
+
+
+# ----------------------------------------------------------------- next step's gathers overlapped
+# StepPolicy(overlap_next_gather=True) (capture/next_gather.py [Note: the next step's gathers in
+# the step graph]): the graphed step with it equals the eager step without it, bit for bit,
+# through the traps that must make the next step gather again; and its timing row.
+OV_STEPS, OV_SAVE, OV_INF, OV_EVAL, OV_DROP, OV_LOAD = 16, 5, 6, 8, 10, 12
+OVERLAP_VARIANTS = [  # (strategy, microbatches)
+    ("optim_grads_params", 1),
+    ("optim_grads_params", 2),
+    ("optim_grads", 1),
+    ("optim", 2),
+]
+
+
+def _overlap_train(rank, world, strategy, grad_accum, graphed: bool, path: str) -> dict:
+    from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
+    from graph_fsdp.fsdp import checkpoint
+    from graph_fsdp.training.data import batch_for
+    from graph_fsdp.training.train import build_for, device_of, shard_model
+
+    cfg = dataclasses.replace(_exact_cfg(grad_accum), strategy=strategy)
+    device = device_of(cfg)
+    model = shard_model(build_for(cfg, device), cfg)
+    opt = _optimizer("adamw", model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
+    policy = StepPolicy(clip_grad=0.5, overlap_next_gather=graphed)  # eager: the switch off
+    runner = WholeStepGraph(model, opt, policy=policy, warmup_steps=WARMUP, eager=not graphed)
+
+    def step_fn(x, y, poison, *, n):
+        loss = (model(x, y) / n) * poison
+        loss.backward()
+        return loss.detach()
+
+    step = runner.capture(step_fn)
+    rows, evals = [], []
+    for i in range(OV_STEPS):
+        if i == OV_SAVE:
+            checkpoint.save(path, model, opt)
+        if i == OV_EVAL:  # ZeRO-3: reshards the units the last replay gathered
+            with torch.no_grad():
+                evals.append(model(*batch_for(cfg, i, rank, device, eval=True)).float().cpu())
+        if i == OV_DROP:
+            runner.drop()
+        if i == OV_LOAD:  # older weights than the gathered ones; new optimizer state tensors
+            checkpoint.load(path, model, opt)
+        rows.append(_poisoned_step(step, sched, cfg, i, rank, device))
+    out = {
+        "summary": torch.stack(rows).cpu(),
+        "evals": evals,
+        "final": _snapshot(model, opt),
+        "report": runner.report(),
+    }
+    runner.close()
+    return out
+
+
+def _overlap_worker(rank: int, world: int, path: str) -> dict:
+    use_deterministic_kernels()
+    out = {}
+    for strategy, grad_accum in OVERLAP_VARIANTS:
+        for graphed in (False, True):
+            where = f"{path}/{strategy}_{grad_accum}_{graphed}"
+            out[(strategy, grad_accum, graphed)] = _overlap_train(
+                rank, world, strategy, grad_accum, graphed, where
+            )
+            dist.barrier()
+    return out
+
+
+@needs_gpus()
+def test_overlapped_next_gathers_are_bit_identical_to_eager(tmp_path):
+    results = spawn(_overlap_worker, WORLD, str(tmp_path), backend="nccl")
+    skips = torch.tensor([1.0 if i == OV_INF else 0.0 for i in range(OV_STEPS)])
+    for rank, res in enumerate(results):
+        for strategy, grad_accum in OVERLAP_VARIANTS:
+            what = f"rank {rank} of {WORLD}, {strategy}, {grad_accum} microbatch(es)"
+            eager, graphed = res[(strategy, grad_accum, False)], res[(strategy, grad_accum, True)]
+            differ = [
+                i
+                for i in range(OV_STEPS)
+                if not _same_bits(eager["summary"][i], graphed["summary"][i])
+            ]
+            assert differ == [], (what, differ, eager["summary"], graphed["summary"])
+            assert torch.equal(graphed["summary"][:, 2], skips), what
+            assert all(_same_bits(a, b) for a, b in zip(eager["evals"], graphed["evals"])), what
+            assert _differing(eager["final"]["weights"], graphed["final"]["weights"]) == [], what
+            assert _differing(eager["final"]["opt"], graphed["final"]["opt"]) == [], what
+            report = graphed["report"]
+            # Captured after the warmup, after drop() and after the load replaced the optimizer's
+            # state; the eval's resharded units gathered again at their addresses (no capture).
+            assert report["captures"] == 3, (what, report)
+            assert report["replays"] == OV_STEPS - WARMUP, (what, report)
+            assert report["eager_fallbacks"] == 0 and report["policy"]["overlap_next_gather"]
+            print(json.dumps({"overlap_exact": what, "replays": report["replays"]}))
+
+
+def _overlap_rows(world: int) -> list[tuple]:
+    """full_iteration (eager fused AdamW) and the one graph with the overlap off and on, for
+    ZeRO-3 and ZeRO-2, on the timing test's 16-layer GPT, beside the captured reference."""
+    from graph_fsdp.bench.peers import run_graph_fsdp, run_unsharded_captured
+
+    spec, full = _timed_spec, FULL_ITERATION
+    rows = [
+        (
+            "one GPU, fwd+bwd captured, optimizer eager (reference)",
+            run_unsharded_captured,
+            spec(),
+            {},
+        )
+    ]
+    for strategy in ("optim_grads_params", "optim_grads"):
+        rows += [
+            (f"{strategy} full_iteration", run_graph_fsdp, spec(strategy=strategy, **full), {}),
+            (f"{strategy} one graph", _whole_step_row, spec(strategy=strategy), {}),
+            (
+                f"{strategy} one graph, next gathers overlapped",
+                _whole_step_row,
+                spec(strategy=strategy),
+                {"overlap": True},
+            ),
+        ]
+    return rows
+
+
+@needs_gpus()
+def test_overlapped_next_gathers_timing_and_memory():
+    """Median step time and own peak reserved, overlap off vs on (printed; written as JSON to
+    $GRAPH_FSDP_OVERLAP_TIMING_JSON when set). Asserted: one capture, a replay every step, no
+    fallback, and no more peak reserved with the overlap than without (+1%)."""
+    rows = {r["row"]: r for r in spawn(_timing_worker, WORLD, "overlap", backend="nccl")[0]}
+    ref = "one GPU, fwd+bwd captured, optimizer eager (reference)"
+    for row in rows.values():
+        row["x_reference"] = _ratio(rows, row["row"], ref)
+        print(json.dumps(row))
+    summary = {"world_size": WORLD, "rows": list(rows.values())}
+    for strategy in ("optim_grads_params", "optim_grads"):
+        off, on = f"{strategy} one graph", f"{strategy} one graph, next gathers overlapped"
+        summary[f"{strategy}: on / off step time"] = _ratio(rows, on, off)
+        summary[f"{strategy}: on / off peak reserved"] = _ratio(
+            rows, on, off, "own_peak_reserved_gib"
+        )
+        for name in (off, on):
+            row = rows[name]
+            assert row["captures"] == 1 and row["eager_fallbacks"] == 0, row
+            assert row["replays"] == TIMED_STEPS + 1, row
+            assert math.isfinite(row["final_loss"]), row
+        assert summary[f"{strategy}: on / off peak reserved"] <= 1.01, summary
+    print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
+    path = os.environ.get("GRAPH_FSDP_OVERLAP_TIMING_JSON")
+    if path:
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=2)

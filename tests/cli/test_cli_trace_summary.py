@@ -52,6 +52,15 @@ def test_gpu_trace_exposed_communication_is_nccl_not_under_compute() -> None:
     assert [c["name"] for c in s["collectives"]][0].startswith("ncclDevKernel_AllGather")
     text = format_summary(s, title="rank 0")
     assert "GPU busy %" in text and "exposed" in text
+    # By kind, per step: the all-gather 30 us (10 exposed) in step 0, the reduce-scatter 20 us
+    # (all exposed) in step 1.
+    kinds = {r["kind"]: r for r in s["exposed_by_kind"]}
+    assert list(kinds) == ["reduce-scatter", "all-gather"]  # most exposed first
+    assert kinds["all-gather"]["calls_per_step"] == pytest.approx(0.5)
+    assert kinds["all-gather"]["comm_ms_per_step"] == pytest.approx(0.015)
+    assert kinds["all-gather"]["exposed_ms_per_step"] == pytest.approx(0.005)
+    assert kinds["reduce-scatter"]["exposed_ms_per_step"] == pytest.approx(0.01)
+    assert "collectives by kind, per step" in text and "reduce-scatter" in text
 
 
 def test_each_collective_position_says_how_long_compute_waited_for_it() -> None:
@@ -101,6 +110,23 @@ def test_cpu_trace_ops_inside_collectives_are_not_compute() -> None:
     assert step["busy_pct"] == pytest.approx(70.0)  # cpu ops cover 0..20 and 30..80
     assert {c["name"] for c in s["collectives"]} == {"c10d::_allgather_base_", "gloo:all_gather"}
     assert "CPU op busy %" in format_summary(s, title="rank 0")
+
+
+def test_collective_kinds_by_name() -> None:
+    from graph_fsdp.bench.trace import collective_kind
+
+    names = {
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all-gather",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "reduce-scatter",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "all-reduce",
+        "ncclDevKernel_SendRecv": "all-to-all",
+        "c10d::allgather_": "all-gather",
+        "c10d::reduce_scatter_tensor_coalesced_": "reduce-scatter",
+        "gloo:all_reduce": "all-reduce",
+        "c10d::alltoall_base_": "all-to-all",
+        "ncclDevKernel_Broadcast_RING_LL": "other",
+    }
+    assert {n: collective_kind(n) for n in names} == names
 
 
 def test_optimizer_ranges_delimit_steps_when_there_are_no_step_ranges() -> None:

@@ -52,6 +52,10 @@ MCORE = ["--model", "mcore-gpt", "--device", "cpu", "--nproc", "2"]
             ["train", *MCORE, "--optimizer-cuda-graph", "--cuda-graph-impl", "torch", *STATIC],
             ["scopes are layer"],
         ),
+        (
+            ["train", *TINY, "--cuda-graph-overlap-next-gather", *FULL, *STATIC],
+            ["--cuda-graph-overlap-next-gather", "add --cuda-graph-optimizer"],
+        ),
         # Allowed by every rule: the environment is what remains on this CPU machine.
         (["train", *TINY, "--cuda-graph-optimizer", *FULL, *STATIC], ["needs a CUDA device"]),
     ],
@@ -82,3 +86,30 @@ def test_cuda_graph_optimizer_builds_fused_whole_step_configs(monkeypatch) -> No
     assert job.base.cuda_graph_optimizer and job.base.fused_optimizer
     names = [name for name, _, _ in job.rows]
     assert "graph_fsdp torch [full_iteration + optimizer]" in names, names
+
+
+def test_overlap_next_gather_reaches_the_runner_and_the_bench_rows() -> None:
+    from graph_fsdp.bench.runner import BenchJob, BenchSpec, plan_rows
+    from graph_fsdp.cli.options import resolve
+
+    args = build_parser().parse_args(
+        ["compare", *TINY, "--cuda-graph-impl", "torch", "--scopes", "full_iteration"]
+        + ["--optimizer-cuda-graph", "--cuda-graph-overlap-next-gather", "--fsdp-double-buffer"]
+    )
+    cfg = resolve(args, graph_scope_sets=[["full_iteration"]], graphs_optional=True).cfg
+    assert cfg.graphs.optimizer and cfg.graphs.overlap_next_gather
+    job = BenchJob(
+        spec=BenchSpec(cfg=cfg, warmup=3, steps=2),
+        rows=("graph_fsdp", "graph_fsdp_graphed"),
+        graph_impls=("torch",),
+        scope_sets=[["full_iteration"]],
+    )
+    rows = {row.name: row.spec.cfg.graphs for row in plan_rows(job)}
+    plain = rows["graph_fsdp torch [full_iteration]"]
+    off = rows["graph_fsdp torch [full_iteration + optimizer]"]
+    on = rows["graph_fsdp torch [full_iteration + optimizer], next gathers overlapped"]
+    assert not plain.optimizer and not plain.overlap_next_gather
+    assert off.optimizer and not off.overlap_next_gather
+    assert on.optimizer and on.overlap_next_gather
+    # The eager row is the one-graph step's eager twin, with the same switches.
+    assert rows["graph_fsdp eager"].overlap_next_gather
