@@ -52,7 +52,11 @@ def test_readme_example_runs_on_cpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     out = subprocess.run(
         [*cmd, str(ROOT / "examples" / "quickstart.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]

@@ -110,8 +110,7 @@ def test_graphed_script_exits_cleanly(mode):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The script imports the package and the test helpers (tests/graph_fsdp_testing.py).
     env["PYTHONPATH"] = os.pathsep.join(
-        [root, os.path.join(root, "tests")]
-        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        [root, os.path.join(root, "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     start = time.monotonic()
     proc = subprocess.Popen(

@@ -111,12 +111,14 @@ def test_pack_layout():
     batch = pack_tensors([[a, b], [c]], PackingPolicy(budget=10, max_documents=3))
     assert batch.cu_seqlens.tolist() == [0, 3, 7, 7, 10, 15, 15, 15, 20]
     assert batch.position_ids[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
-    assert batch.labels[0].tolist() == [*a[1:].tolist(), IGNORE_INDEX, *b[1:].tolist()] + [
-        IGNORE_INDEX
-    ] * 4
-    assert document_ids(batch.cu_seqlens, 20).tolist() == [0] * 3 + [1] * 4 + [3] * 3 + [4] * 5 + [
-        7
-    ] * 5
+    assert (
+        batch.labels[0].tolist()
+        == [*a[1:].tolist(), IGNORE_INDEX, *b[1:].tolist()] + [IGNORE_INDEX] * 4
+    )
+    assert (
+        document_ids(batch.cu_seqlens, 20).tolist()
+        == [0] * 3 + [1] * 4 + [3] * 3 + [4] * 5 + [7] * 5
+    )
 
 
 def test_first_fit_splits_spills_and_refuses():
