@@ -356,13 +356,15 @@ OVERFLOW_STEPS, OVERFLOW_WARMUP = 8, 2
 
 
 def _overflow_cfg(ep: int, factor: float | None, **graphs):
+    from graph_fsdp.fsdp.api import BufferPolicy
     from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 
     model = _model(ep, moe_experts_impl="grouped_mm", moe_receive_buffer_factor=factor)
+    buffers = BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True)  # layerwise
     return MCoreTrainConfig(
         model=model, steps=OVERFLOW_STEPS, eval_interval=4, bf16=True, deterministic=True,
         fused_optimizer=True, return_params=True, cuda_graph_warmup_steps=OVERFLOW_WARMUP,
-        **graphs,
+        buffers=buffers, **graphs,
     )  # fmt: skip
 
 

@@ -127,6 +127,7 @@ def _overflow_runs(rank: int, world: int, ep: int, factors: tuple, modes: list) 
             rank, world, dataclasses.replace(_overflow_base(ep, low), **OVERFLOW_MODES[name])
         )
     out["held"] = run(rank, world, _overflow_base(ep, high))
+    out["none again"] = run(rank, world, _overflow_base(ep, None))  # the process's own drift
     return out
 
 
@@ -147,8 +148,16 @@ def _check_overflow_repeats(world: int, ep: int, modes: list) -> None:
                     name, res["none"], res[name], steps=OVERFLOW_STEPS, warmup=WARMUP
                 )
             ]
-        if res["held"]["overflow_steps"] or res["held"]["losses"] != res["none"]["losses"]:
-            problems.append(f"rank {rank}: factor {factors[1]} did not hold every step")
+        held, none = res["held"], res["none"]
+        differ = [i for i, (a, b) in enumerate(zip(held["losses"], none["losses"])) if a != b]
+        if held["overflow_steps"] or differ:
+            problems.append(
+                f"rank {rank}: factor {factors[1]} (the largest named of {named}) did not hold "
+                f"every step: {held['overflow_steps']} overflow steps, losses differ from the "
+                f"run without a factor at steps {differ}; a second run without a factor "
+                f"{'equals' if res['none again']['losses'] == none['losses'] else 'differs from'}"
+                " the first"
+            )
     assert not problems, "\n".join(problems)
 
 
