@@ -31,8 +31,8 @@ factor, a device flag, and the largest factor any exchange needed) as its
 ``dropless_overflow`` attribute and records every exchange into it on the device, in place (a
 CUDA graph replays the records). The count all-to-all's companion all-reduce carries the
 largest block any rank of the EP group sends one peer, so every rank of a group agrees on the
-flag. A step that overflowed is never kept; the training loop (training/loop.py
-``repeat_overflowed_step``) repeats it exactly:
+flag. A step that overflowed is never kept; the training loop (training/loop.py with
+training/overflow.py ``OverflowRepeats``) repeats it exactly:
 
 1. eager optimizer (eager steps, layerwise graphs, ``full_iteration``): after the step's
    forward+backward and before the gradients reach the main weights,
@@ -58,7 +58,10 @@ Either way the step the run keeps is the one a buffer of every copy computes, bi
 repeats (``overflow_steps`` in its result), writes them in the step log, and warns on rank 0
 naming the layers and ``moe_receive_buffer_factor >= F``: the factor that would have held the
 step, ``F = rows x EP / copies`` for the largest per-peer block it needed, rounded up to
-hundredths. Evaluation runs with every copy's buffer (nothing repeats it). Dropout stays
+hundredths. ``F`` is measured in the repeat (:func:`holding_every_copy` with ``measure``,
+:func:`take_needed_factor`), not in the overflowed pass: there the layers after the first
+that dropped rows saw inputs without them and routed otherwise (on 2 H200s the overflowed
+pass's largest factor, 1.97, still overflowed one step of eight). Evaluation runs with every copy's buffer (nothing repeats it). Dropout stays
 exact: the generators (CPU, CUDA, Megatron-Core's tracker) are restored before the repeat.
 graph_fsdp's reference MoE (models/moe.py) and its Megatron-Core grouped_mm layer
 (integrations/megatron/moe.py) both report this way.
@@ -245,6 +248,9 @@ class OverflowFlag:
         self.every_copy = False
         """While True (:func:`holding_every_copy`), exchanges hold every copy whatever the
         factor: an overflowed step's repeat and evaluation."""
+        self.measuring = False
+        """While True (an overflowed step's repeat: :func:`holding_every_copy` with
+        ``measure``), exchanges holding every copy still record the factor they needed."""
         self.flag: torch.Tensor | None = None
         """Bool device scalar: an exchange overflowed (allocated at the first record)."""
         self.needed: torch.Tensor | None = None
@@ -304,9 +310,9 @@ def exchange_for(
         group,
         num_copies=num_copies,
         rows_per_peer=receive_buffer_rows(num_copies, ep, factor),
-        detect_overflow=factor is not None,
+        detect_overflow=factor is not None or overflow.measuring,
     )
-    if factor is not None:
+    if factor is not None or overflow.measuring:  # measuring: the need only (cannot overflow)
         overflow.record(exchange)
     return exchange
 
@@ -371,7 +377,22 @@ def take_overflow_report(
     if not any(values[:-1]):
         return None
     layers = [name for (name, _), flag in zip(buffers, values) if flag]
-    return OverflowReport(layers=layers, factor=math.ceil(round(values[-1] * 100, 4)) / 100)
+    return OverflowReport(layers=layers, factor=_hundredths_up(values[-1]))
+
+
+def take_needed_factor(buffers: list[tuple[str, OverflowFlag]], device: torch.device) -> float:
+    """The largest factor any rank's ``buffers`` needed since their records were last cleared
+    (rounded up to hundredths; one all-reduce and one host read); clears the records."""
+    zero = torch.zeros((), device=device)
+    needed = torch.stack([zero if f.needed is None else f.needed for _, f in buffers]).max()
+    for _, f in buffers:
+        f.clear()
+    return _hundredths_up(_global_max(needed.reshape(1).to(device)).item())
+
+
+def _hundredths_up(factor: float) -> float:
+    """``factor`` rounded up to hundredths (a float32 value's last bits do not round it up)."""
+    return math.ceil(round(factor * 100, 4)) / 100
 
 
 def overflow_in_step(buffers: list[tuple[str, OverflowFlag]]) -> torch.Tensor | None:
@@ -385,17 +406,20 @@ def overflow_in_step(buffers: list[tuple[str, OverflowFlag]]) -> torch.Tensor | 
 
 
 @contextmanager
-def holding_every_copy(buffers: list[tuple[str, OverflowFlag]]) -> Iterator[None]:
+def holding_every_copy(
+    buffers: list[tuple[str, OverflowFlag]], *, measure: bool = False
+) -> Iterator[None]:
     """Every exchange of ``buffers`` sizes its receive buffer for every copy (cannot
-    overflow) while inside: an overflowed step's repeat, evaluation."""
-    saved = [f.every_copy for _, f in buffers]
+    overflow) while inside: an overflowed step's repeat, evaluation. ``measure``: the
+    exchanges still record the factor they needed (:func:`take_needed_factor`)."""
+    saved = [(f.every_copy, f.measuring) for _, f in buffers]
     for _, f in buffers:
-        f.every_copy = True
+        f.every_copy, f.measuring = True, measure
     try:
         yield
     finally:
-        for (_, f), was in zip(buffers, saved):
-            f.every_copy = was
+        for (_, f), (was, measuring) in zip(buffers, saved):
+            f.every_copy, f.measuring = was, measuring
 
 
 def _fit(per_peer: torch.Tensor, b: int) -> torch.Tensor:

@@ -360,15 +360,16 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
                 flat = [b for micro in batches for b in micro]
                 out = run(flat)
                 if repeats.buffers and bool(out.overflowed):
-                    overflow = repeats.take(step)
+                    overflow = repeats.take()
                     with repeats.repeating(None, rng):
                         out = run.eagerly(flat)
+                    overflow = repeats.measured(overflow, step)
                 step_loss, norm, skipped = out.loss, out.grad_norm, out.skipped
             else:
                 step_loss = _forward_backward(
                     trainer, batches, micros=cfg.grad_accum, run=run, schedule=schedule
                 )
-                overflow = repeats.take(step)
+                overflow = repeats.take()
                 if overflow is not None:  # before the gradients reach the main weights
                     trainer.drop_grads()
                     with repeats.repeating(graphs, rng):
@@ -376,6 +377,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
                             trainer, batches, micros=cfg.grad_accum, run=microbatch,
                             schedule=schedule,
                         )  # fmt: skip
+                    overflow = repeats.measured(overflow, step)
                 trainer.grads_to_main()
                 if cfg.clip_grad > 0:
                     norm = trainer.clip_grad_norm_(cfg.clip_grad)

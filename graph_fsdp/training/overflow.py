@@ -4,10 +4,12 @@ bounded receive buffer (parallel/dropless_ep.py [Note: dropless overflow reports
     repeats = OverflowRepeats(model, device, rank)      # nothing to do without a factor
     rng = repeats.rng_state()                           # at the step's start
     loss = forward_backward()
-    if repeats.take(step) is not None:                  # one all-reduce and host read
+    report = repeats.take()                             # one all-reduce and host read
+    if report is not None:
         trainer.drop_grads()
         with repeats.repeating(graphs, rng):
             loss = forward_backward()                   # eager, every copy's buffer
+        report = repeats.measured(report, step)         # the factor it needed; the warning
 
 The repeat is the step a buffer of every copy computes, bit for bit: the same microbatches,
 from the same generator states, through exchanges that cannot overflow.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -27,6 +30,7 @@ from graph_fsdp.parallel.dropless_ep import (
     OverflowReport,
     bounded_buffers,
     holding_every_copy,
+    take_needed_factor,
     take_overflow_report,
 )
 
@@ -46,16 +50,34 @@ class OverflowRepeats:
         bounded layer: nothing is saved)."""
         return rng_state(self.device) if self.buffers else None
 
-    def take(self, step: int) -> OverflowReport | None:
+    def take(self) -> OverflowReport | None:
         """After a step's backward: whether an exchange of any rank overflowed (one all-reduce
-        and one host read; none without a bounded layer). An overflow is counted and, on rank
-        0, warned about, naming the layers and the factor that would have held the step."""
+        and one host read; none without a bounded layer), and which layers; counted."""
         if not self.buffers:
             return None
         report = take_overflow_report(self.buffers, self.device)
-        if report is None:
-            return None
-        self.steps += 1
+        if report is not None:
+            self.steps += 1
+        return report
+
+    @contextmanager
+    def repeating(self, graphs, rng) -> Iterator[None]:
+        """The repeat of an overflowed step: the generators back at the step's start, every
+        exchange holding every copy and measuring what it needed, and the graph runner's
+        graphs out of the way (``graphs.eagerly()``)."""
+        set_rng_state(rng, self.device)
+        with (
+            holding_every_copy(self.buffers, measure=True),
+            graphs.eagerly() if graphs else nullcontext(),
+        ):
+            yield
+
+    def measured(self, report: OverflowReport, step: int) -> OverflowReport:
+        """After the repeat: ``report`` with the factor the repeat's exchanges needed, warned
+        about on rank 0. The overflowed pass cannot say it: the layers after the first that
+        dropped rows saw inputs without them, and routed them otherwise; the repeat routes
+        every layer's tokens as the model does (one all-reduce and one host read)."""
+        report = replace(report, factor=take_needed_factor(self.buffers, self.device))
         if self.rank == 0:
             warnings.warn(
                 f"step {step}: {report.describe()}. The step was repeated with a receive buffer "
@@ -64,15 +86,6 @@ class OverflowRepeats:
                 stacklevel=2,
             )
         return report
-
-    @contextmanager
-    def repeating(self, graphs, rng) -> Iterator[None]:
-        """The repeat of an overflowed step: the generators back at the step's start, every
-        exchange holding every copy, and the graph runner's graphs out of the way
-        (``graphs.eagerly()``)."""
-        set_rng_state(rng, self.device)
-        with holding_every_copy(self.buffers), graphs.eagerly() if graphs else nullcontext():
-            yield
 
     def evaluating(self):
         """Evaluation with every copy's buffer (nothing repeats an eval pass)."""

@@ -45,10 +45,12 @@ def _run(rank: int, world: int, factor: float | None) -> dict:
             rng = repeats.rng_state()
             x, y = _batch(step, rank, cfg)
             loss = eager_forward_backward(lm, x, y, 1).detach()
-            if repeats.take(step) is not None:
+            report = repeats.take()
+            if report is not None:
                 trainer.drop_grads()
                 with repeats.repeating(None, rng):
                     loss = eager_forward_backward(lm, x, y, 1).detach()
+                repeats.measured(report, step)
             trainer.grads_to_main()
             trainer.optimizer_step()
             dist.all_reduce(loss)
