@@ -67,6 +67,7 @@ from graph_fsdp.cli.train_options import (
     verification_lines,
     verify_option,
 )
+from graph_fsdp.fsdp.api import dtype_label
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations.megatron import (
     ATTENTION_BACKENDS,
@@ -492,7 +493,7 @@ def _summary(args, cfg, plan, out: dict) -> str:
     ]
     if out.get("stopped_at") is not None:
         lines.append(f"  stopped after iteration {out['stopped_at']} (a stop signal)")
-    return "\n".join(lines + checkpoint_lines(args, cfg, out))
+    return "\n".join(lines + checkpoint_lines(cfg, out))
 
 
 def _worker(rank: int, world_size: int, cfg) -> dict | None:
@@ -605,7 +606,7 @@ def build_bench_job(args: argparse.Namespace):
         f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
         f"{model.seq_length}, vocab {model.vocab_size}, {moe}{tp_label(model)}. Per GPU: micro batch "
         f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
-        f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
+        f"{dtype_label(base.compute_dtype)} compute, fp32 main weights; {base.strategy}, "
         f"allocator {base.buffers.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
         f"{'; ' if base.use_megatron_schedule else ''}"
         f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "

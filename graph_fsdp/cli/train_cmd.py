@@ -375,5 +375,5 @@ def format_summary(
             f"  stopped after iteration {out['stopped_at']} of {cfg.start_step + cfg.steps} "
             "(a stop signal)"
         )
-    lines += checkpoint_lines(args, cfg, out)
+    lines += checkpoint_lines(cfg, out)
     return "\n".join(lines)

@@ -2,8 +2,8 @@
 
 ``--save``/``--load``/``--save-interval``/``--save-keep-last`` and the resume flags
 (:func:`checkpoint_plan`: where --save may write, what --load holds and whether its optimizer
-settings match, checked before any rank starts; :func:`loop_fields`: the loop's checkpoint
-and NaN/Inf fields), ``--data-path`` (:func:`check_data_path`: the file's
+settings match, checked before any rank starts, as the config's ``checkpoint`` section;
+:func:`loop_fields`: the loop's steps, checkpoint and NaN/Inf fields), ``--data-path`` (:func:`check_data_path`: the file's
 shape and every token id the run will read), ``--cuda-graph-verify`` (:func:`verify_option`).
 ``graph-fsdp train`` uses them for graph_fsdp's GPT (train_cmd.py) and for Megatron-Core
 models (mcore.py) alike.
@@ -25,6 +25,7 @@ from graph_fsdp.cli.paths import check_output_file, check_save_dir
 from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
 from graph_fsdp.training import checkpoints as run_checkpoints
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
 from graph_fsdp.training.preflight import MemoryPlanError, check_fits
 
@@ -42,17 +43,18 @@ class CheckpointPlan:
 
     start: int
     """The iteration the run starts at (the --load checkpoint's, else 0)."""
-    load_path: str | None
-    """The checkpoint directory --load reads: the iteration a run directory's tracker names."""
+    checkpoint: CheckpointPolicy
+    """The config's ``checkpoint`` section; ``load_path``: the checkpoint directory --load
+    reads (the iteration a run directory's tracker names)."""
 
 
-def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> tuple[int, str]:
+def _load_start(args: argparse.Namespace, mode: str, shapes: dict | None = None) -> tuple[int, str]:
     """The iteration a --load checkpoint holds and its directory (a run directory's latest
     complete iteration: training/checkpoints.py). Refused with the fix, before any rank
     starts: a directory that is not one of ours, one written for another --model, metadata
     that is missing or corrupt, truncated files, (``shapes``: parameter name -> shape of this
     run's model) another model shape, and optimizer settings that differ from the command
-    line's (:func:`check_resume_settings`). Strategy and world size need no check: the format
+    line's (:func:`check_resume_settings`, ``mode``: :func:`resume_mode`). Strategy and world size need no check: the format
     loads onto any (checkpoint.py)."""
     given = args.load
     try:
@@ -94,7 +96,8 @@ def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> tuple[i
             f"--load {path} holds a --model {saved_model} checkpoint, but this run trains "
             f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
         )
-    check_resume_settings(args, path, meta.get("optimizer"))
+    wanted = {key: getattr(args, key) for key in RESUME_FLAGS}
+    check_resume_settings(wanted, mode, path, meta.get("optimizer"))
     try:
         checkpoint.check_checkpoint(path, shapes)
     except checkpoint.CheckpointError as err:
@@ -114,17 +117,20 @@ def resume_mode(args: argparse.Namespace) -> str:
     return "config" if override else "checkpoint" if keep else "check"
 
 
-def check_resume_settings(args: argparse.Namespace, path: str, saved: dict | None) -> None:
-    """Refuse a resume whose --lr / --weight-decay differ from the checkpoint's, naming both,
-    unless a flag says which to take (training/checkpoints.py [Note: optimizer settings on
-    resume]; the ranks check again against what the checkpoint holds)."""
-    if resume_mode(args) != "check" or not isinstance(saved, dict):
+def check_resume_settings(
+    wanted: dict[str, float], mode: str, path: str, saved: dict | None
+) -> None:
+    """Refuse a resume whose --lr / --weight-decay (``wanted``, by :data:`RESUME_FLAGS`' keys)
+    differ from the checkpoint's, naming both, unless ``mode`` (:func:`resume_mode`) says
+    which to take (training/checkpoints.py [Note: optimizer settings on resume]; the ranks
+    check again against what the checkpoint holds)."""
+    if mode != "check" or not isinstance(saved, dict):
         return
     differ = [
-        f"{flag} {getattr(args, key):g} vs {float(saved[key]):g} in the checkpoint"
+        f"{flag} {wanted[key]:g} vs {float(saved[key]):g} in the checkpoint"
         for key, flag in RESUME_FLAGS.items()
         if isinstance(saved.get(key), int | float)
-        and not math.isclose(float(saved[key]), getattr(args, key), rel_tol=1e-6)
+        and not math.isclose(float(saved[key]), wanted[key], rel_tol=1e-6)
     ]
     if differ:
         raise CLIError(
@@ -266,7 +272,8 @@ def _check_data_length(
 
 
 def checkpoint_plan(args: argparse.Namespace, shapes: dict | None = None) -> CheckpointPlan:
-    """--save, --save-interval, --save-keep-last, --load and the resume flags, checked
+    """--save, --save-interval, --save-keep-last, --save-on-interrupt, --load and the resume
+    flags, checked, as the start iteration and the config's ``checkpoint`` section
     (``shapes``: see :func:`_load_start`)."""
     check_positive(args, "save_interval", "save_keep_last")
     for name, flag in (
@@ -286,51 +293,56 @@ def checkpoint_plan(args: argparse.Namespace, shapes: dict | None = None) -> Che
         raise CLIError(f"{flag}-opt_param-scheduler applies when resuming: add --load DIR")
     if args.save:
         check_save_dir("--save", args.save)
-    if not args.load:
-        return CheckpointPlan(start=0, load_path=None)
-    start, path = _load_start(args, shapes)
-    if start >= args.train_iters:
-        raise CLIError(
-            f"--load {path} holds iteration {start}, which already reaches --train-iters "
-            f"{args.train_iters}; raise --train-iters to train further"
-        )
-    return CheckpointPlan(start=start, load_path=os.path.abspath(path))
+    start, load_path = 0, None
+    if args.load:
+        start, path = _load_start(args, mode, shapes)
+        if start >= args.train_iters:
+            raise CLIError(
+                f"--load {path} holds iteration {start}, which already reaches --train-iters "
+                f"{args.train_iters}; raise --train-iters to train further"
+            )
+        load_path = os.path.abspath(path)
+    policy = CheckpointPolicy(
+        save_path=os.path.abspath(args.save) if args.save else None,
+        save_at=args.train_iters - start if args.save else 0,  # the end of the run
+        save_interval=args.save_interval or 0,
+        keep_last=args.save_keep_last,
+        save_on_interrupt=args.save_on_interrupt,
+        load_path=load_path,
+        resume_optimizer_settings=mode,
+    )
+    return CheckpointPlan(start=start, checkpoint=policy)
 
 
 def loop_fields(args: argparse.Namespace, plan: CheckpointPlan) -> dict:
-    """The LoopConfig fields of the checkpoint, resume and NaN/Inf flags (every --model)."""
-    steps = args.train_iters - plan.start
+    """The LoopConfig fields of the steps, checkpoint, resume and NaN/Inf flags (every
+    --model)."""
     return {
-        "steps": steps,
+        "steps": args.train_iters - plan.start,
         "start_step": plan.start,
-        "save_path": os.path.abspath(args.save) if args.save else None,
-        "save_at": steps if args.save else 0,  # the end of the run
-        "save_interval": args.save_interval or 0,
-        "save_keep_last": args.save_keep_last,
-        "save_on_interrupt": args.save_on_interrupt,
-        "load_path": plan.load_path,
-        "resume_optimizer_settings": resume_mode(args),
+        "checkpoint": plan.checkpoint,
         "check_for_nan_in_loss_and_grad": args.check_for_nan_in_loss_and_grad,
         "max_consecutive_skipped_steps": args.max_consecutive_skipped_steps,
     }
 
 
-def checkpoint_lines(args: argparse.Namespace, cfg, out: dict) -> list[str]:
+def checkpoint_lines(cfg, out: dict) -> list[str]:
     """Summary lines: where the run resumed, the last checkpoint it wrote, skipped steps."""
     lines = []
-    if cfg.load_path:
-        lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
+    policy = cfg.checkpoint
+    if policy.load_path:
+        lines.append(f"  resumed: {policy.load_path} (iteration {cfg.start_step})")
     saved = out.get("saved_at")
     if saved is not None:
         lines.append(
-            f"  checkpoint: {args.save} (iteration {saved}) - "
-            f"{run_checkpoints.iteration_dir(args.save, saved)}, named by "
+            f"  checkpoint: {policy.save_path} (iteration {saved}) - "
+            f"{run_checkpoints.iteration_dir(policy.save_path, saved)}, named by "
             f"{run_checkpoints.TRACKER_FILE}"
         )
-    elif args.save:
+    elif policy.save_path:
         lines.append(
             f"  checkpoint: none written by this run (it stopped before iteration "
-            f"{cfg.start_step + cfg.save_at}; --save-on-interrupt saves when stopped)"
+            f"{cfg.start_step + policy.save_at}; --save-on-interrupt saves when stopped)"
         )
     if out.get("skipped_steps"):
         lines.append(

@@ -23,9 +23,10 @@ from statistics import median
 
 import pytest
 import torch
+from graph_fsdp_testing import BF16_MP, megatron_stack_missing, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus
 
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.processes import spawn
 
 pytestmark = [
@@ -45,7 +46,7 @@ STATIC = dict(allocator="double_buffer", persist_on_alloc_fail=True)
 def _cfg(model, **kw):
     from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 
-    base = dict(model=model, steps=STEPS, eval_interval=EVAL, bf16=True, deterministic=True)
+    base = dict(model=model, steps=STEPS, eval_interval=EVAL, mp=BF16_MP, deterministic=True)
     base.update(kw)
     return MCoreTrainConfig(**base)
 
@@ -80,12 +81,25 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
     torch.distributed.broadcast_object_list(box, src=0)
     graphed = dict(cuda_graph_impl=impl, cuda_graph_scope=list(scopes), **STATIC)
     first = run(
-        rank, world, _cfg(model, steps=SAVE_AT, save_path=box[0], save_at=SAVE_AT, **graphed)
+        rank,
+        world,
+        _cfg(
+            model,
+            steps=SAVE_AT,
+            checkpoint=CheckpointPolicy(save_path=box[0], save_at=SAVE_AT),
+            **graphed,
+        ),
     )
     second = run(
         rank,
         world,
-        _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=box[0], **graphed),
+        _cfg(
+            model,
+            steps=STEPS - SAVE_AT,
+            start_step=SAVE_AT,
+            checkpoint=CheckpointPolicy(load_path=box[0]),
+            **graphed,
+        ),
     )
     out["resume"] = {
         "first": first["losses"],
@@ -455,7 +469,9 @@ def _whole_models() -> dict:
 
 def _saved(root: str, family: str, label: str) -> dict:
     """The run writes its final weights and optimizer state (graph_fsdp.fsdp.checkpoint) here."""
-    return dict(save_path=_ckpt_dir(root, family, label), save_at=STEPS)
+    return dict(
+        checkpoint=CheckpointPolicy(save_path=_ckpt_dir(root, family, label), save_at=STEPS)
+    )
 
 
 def _ckpt_dir(root: str, family: str, label: str) -> str:
@@ -483,11 +499,26 @@ def _whole_family(rank: int, world: int, root: str) -> dict:
     model = _whole_models()["dropless grouped_mm"]
     graphed = dict(cuda_graph_impl="te", cuda_graph_scope=[], **STATIC)
     path = _ckpt_dir(root, "dropless grouped_mm", "resume")
-    first = run(rank, world, _cfg(model, steps=SAVE_AT, save_path=path, save_at=SAVE_AT, **graphed))
+    first = run(
+        rank,
+        world,
+        _cfg(
+            model,
+            steps=SAVE_AT,
+            checkpoint=CheckpointPolicy(save_path=path, save_at=SAVE_AT),
+            **graphed,
+        ),
+    )
     second = run(
         rank,
         world,
-        _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=path, **graphed),
+        _cfg(
+            model,
+            steps=STEPS - SAVE_AT,
+            start_step=SAVE_AT,
+            checkpoint=CheckpointPolicy(load_path=path),
+            **graphed,
+        ),
     )
     out["dropless grouped_mm"]["resume"] = {
         "first": first["losses"],
