@@ -56,7 +56,7 @@ from graph_fsdp.cli.options import (
     loop_config_fields,
     run_graphs,
 )
-from graph_fsdp.cli.packing_options import check_packed_data, packing_of
+from graph_fsdp.cli.packing_options import packing_of
 from graph_fsdp.cli.train_options import (
     check_data_path,
     checkpoint_lines,
@@ -440,24 +440,16 @@ def train_main(args: argparse.Namespace) -> int:
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
     ckpt_plan = checkpoint_plan(args)
     start = ckpt_plan.start
-    data_path = None
-    packing = packing_of(args)
-    if args.data_path and packing is not None:
-        # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
-        packs = args.train_iters * grad_accum * data_world
-        data_path = check_packed_data(
-            args, packing, vocab_size=model.vocab_size, packs_needed=packs * args.micro_batch_size
-        )
-    elif args.data_path:
-        data_path = check_data_path(
-            args,
-            seq_length=model.seq_length,
-            vocab_size=model.vocab_size,
-            world_size=data_world,
-            grad_accum=grad_accum,
-            start=start,
-            steps=args.train_iters - start,
-        )
+    data_path = check_data_path(
+        args,
+        seq_length=model.seq_length,
+        vocab_size=model.vocab_size,
+        world_size=data_world,
+        grad_accum=grad_accum,
+        start=start,
+        steps=args.train_iters - start,
+        packing=packing_of(args),
+    )
     check_mcore_environment(args, model, impl, plan)
     cfg = base_train_config(
         args,

@@ -4,7 +4,7 @@
 (:func:`checkpoint_plan`: where --save may write, what --load holds and whether its optimizer
 settings match, checked before any rank starts, as the config's ``checkpoint`` section;
 :func:`loop_fields`: the loop's steps, checkpoint and NaN/Inf fields), ``--data-path`` (:func:`check_data_path`: the file's
-shape and every token id the run will read), ``--cuda-graph-verify`` (:func:`verify_option`).
+shape, its length and every token id the run will read, or the packs it makes), ``--cuda-graph-verify`` (:func:`verify_option`).
 ``graph-fsdp train`` uses them for graph_fsdp's GPT (train_cmd.py) and for Megatron-Core
 models (mcore.py) alike.
 """
@@ -26,7 +26,8 @@ from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
 from graph_fsdp.training import checkpoints as run_checkpoints
 from graph_fsdp.training.checkpoints import CheckpointPolicy
-from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.training.data import check_run_data
+from graph_fsdp.training.packing import PackedData, PackingPolicy
 from graph_fsdp.training.preflight import MemoryPlanError, check_fits
 
 CHECKPOINT_META = checkpoint.META_FILE
@@ -202,73 +203,44 @@ def check_data_path(
     grad_accum: int,
     start: int,
     steps: int,
-) -> str:
-    """--data-path: the file's shape, that it holds every training sample the run reads
-    (else refused, or with --allow-data-reuse a note: :func:`_check_data_length`), and the token
-    ids of every sample the run will read (training and eval) against --vocab-size; returns
-    the absolute path."""
-    path = args.data_path
+    packing: PackingPolicy | None = None,
+) -> str | None:
+    """--data-path against the run, before any rank starts; the absolute path (None without
+    --data-path). Packed documents (``packing``): the file's documents (ids below
+    --vocab-size) make every pack the run reads. Fixed rows (training/data.py
+    :func:`check_run_data`): the file's shape, the token ids of every sample the run reads,
+    a file shorter than the run refused or, with --allow-data-reuse, a note on stderr.
+    ``world_size``: the ranks that read different batches."""
+    if not args.data_path:
+        return None
+    path = os.path.abspath(args.data_path)
+    per_step = grad_accum * world_size * args.micro_batch_size
     try:
-        num_tokens = check_token_file(path, seq_length, vocab_size)
-        first, count = training_samples(
-            start,
-            steps,
+        if packing is not None:
+            # Packs are read from (step * grad_accum + micro) * world * micro_batch_size on.
+            data = PackedData(
+                packing, vocab_size=vocab_size, data_path=path, eod_token_id=args.eod_token_id
+            )
+            data.rows((start + steps) * per_step - 1, 1)
+            return path
+        note = check_run_data(
+            args.data_path,
+            seq_length=seq_length,
+            vocab_size=vocab_size,
+            start_step=start,
+            steps=steps,
             grad_accum=grad_accum,
             world_size=world_size,
             micro_batch_size=args.micro_batch_size,
+            eval_interval=args.eval_interval,
+            allow_reuse=getattr(args, "allow_data_reuse", False),
         )
-        runs = [(first, count)]
-        if args.eval_interval:
-            per_eval = world_size * args.micro_batch_size
-            offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
-            for step in range(start, start + steps):
-                if (step + 1) % args.eval_interval == 0:
-                    runs.append((offset + step * per_eval, per_eval))
-        check_token_ids(path, seq_length, vocab_size, runs)
     except ValueError as err:
-        raise CLIError(str(err)) from err
-    _check_data_length(
-        path,
-        train_iters=args.train_iters,
-        allow_reuse=getattr(args, "allow_data_reuse", False),
-        seq_length=seq_length,
-        num_tokens=num_tokens,
-        needed=first + count,
-        per_step=count // max(steps, 1),
-    )
-    return os.path.abspath(path)
-
-
-def _check_data_length(
-    path: str,
-    *,
-    train_iters: int,
-    allow_reuse: bool,
-    seq_length: int,
-    num_tokens: int,
-    needed: int,
-    per_step: int,
-) -> None:
-    """A token file holds fewer samples than the run reads up to its last iteration: refused
-    (the stream would wrap around and train on the same samples again), or with
-    --allow-data-reuse (``allow_reuse``) said once on stderr."""
-    num_samples = (num_tokens - 1) // seq_length
-    if needed <= num_samples:
-        return
-    held = (
-        f"--data-path {path} holds {num_samples} sample{'s' * (num_samples != 1)} "
-        f"of --seq-length {seq_length} ({num_tokens} tokens), but the run reads {needed} "
-        f"({per_step} per iteration up to --train-iters {train_iters})"
-    )
-    if allow_reuse:
-        times = needed / num_samples
-        print(f"note: {held}: each sample is read {times:.3g} times on average", file=sys.stderr)
-        return
-    raise CLIError(
-        f"{held}, so it would train on the same samples again; pass a file of at least "
-        f"{needed * seq_length + 1} tokens, fewer --train-iters, or --allow-data-reuse to "
-        "read it again on purpose"
-    )
+        prefix = f"--data-path {args.data_path}: " if packing is not None else ""
+        raise CLIError(f"{prefix}{err}") from err
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
+    return path
 
 
 def checkpoint_plan(args: argparse.Namespace, shapes: dict | None = None) -> CheckpointPlan:
