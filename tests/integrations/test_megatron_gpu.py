@@ -80,32 +80,7 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
     box = [path]
     torch.distributed.broadcast_object_list(box, src=0)
     graphed = dict(cuda_graph_impl=impl, cuda_graph_scope=list(scopes), **STATIC)
-    first = run(
-        rank,
-        world,
-        _cfg(
-            model,
-            steps=SAVE_AT,
-            checkpoint=CheckpointPolicy(save_path=box[0], save_at=SAVE_AT),
-            **graphed,
-        ),
-    )
-    second = run(
-        rank,
-        world,
-        _cfg(
-            model,
-            steps=STEPS - SAVE_AT,
-            start_step=SAVE_AT,
-            checkpoint=CheckpointPolicy(load_path=box[0]),
-            **graphed,
-        ),
-    )
-    out["resume"] = {
-        "first": first["losses"],
-        "second": second["losses"],
-        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
-    }
+    out["resume"] = _save_and_resume(rank, world, model, box[0], graphed)
     try:  # isolated: a failure here must not hide the bit-exactness results above
         out["megatron_fsdp"] = run(
             rank, world, _cfg(model, engine="megatron_fsdp", eval_interval=0)
@@ -467,6 +442,23 @@ def _whole_models() -> dict:
     }
 
 
+def _save_and_resume(rank: int, world: int, model, path: str, graphed: dict) -> dict:
+    """``SAVE_AT`` graphed steps saved to ``path``, then the rest resumed from it: both runs'
+    losses and graph reports."""
+    from graph_fsdp.integrations.megatron.train import run
+
+    save = CheckpointPolicy(save_path=path, save_at=SAVE_AT)
+    first = run(rank, world, _cfg(model, steps=SAVE_AT, checkpoint=save, **graphed))
+    load = CheckpointPolicy(load_path=path)
+    rest = dict(steps=STEPS - SAVE_AT, start_step=SAVE_AT, checkpoint=load)
+    second = run(rank, world, _cfg(model, **rest, **graphed))
+    return {
+        "first": first["losses"],
+        "second": second["losses"],
+        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
+    }
+
+
 def _saved(root: str, family: str, label: str) -> dict:
     """The run writes its final weights and optimizer state (graph_fsdp.fsdp.checkpoint) here."""
     return dict(
@@ -499,32 +491,7 @@ def _whole_family(rank: int, world: int, root: str) -> dict:
     model = _whole_models()["dropless grouped_mm"]
     graphed = dict(cuda_graph_impl="te", cuda_graph_scope=[], **STATIC)
     path = _ckpt_dir(root, "dropless grouped_mm", "resume")
-    first = run(
-        rank,
-        world,
-        _cfg(
-            model,
-            steps=SAVE_AT,
-            checkpoint=CheckpointPolicy(save_path=path, save_at=SAVE_AT),
-            **graphed,
-        ),
-    )
-    second = run(
-        rank,
-        world,
-        _cfg(
-            model,
-            steps=STEPS - SAVE_AT,
-            start_step=SAVE_AT,
-            checkpoint=CheckpointPolicy(load_path=path),
-            **graphed,
-        ),
-    )
-    out["dropless grouped_mm"]["resume"] = {
-        "first": first["losses"],
-        "second": second["losses"],
-        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
-    }
+    out["dropless grouped_mm"]["resume"] = _save_and_resume(rank, world, model, path, graphed)
     return out
 
 
