@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from graph_fsdp.fsdp.api import MixedPrecisionPolicy, dtype_label
 from graph_fsdp.models import GPTConfig, build_model
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
@@ -50,14 +51,18 @@ def main(argv: list[str] | tuple[str, ...] = ()) -> None:
         )
         world = 2
     cfg = TrainConfig(
-        model=model, steps=10, bf16=cuda, device="cuda" if cuda else "cpu", return_params=False
+        model=model,
+        steps=10,
+        mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cuda else None),
+        device="cuda" if cuda else "cpu",
+        return_params=False,
     )
     backend = "nccl" if cuda else "gloo"
     params = sum(p.numel() for p in build_model(model, device="meta").parameters())
     print(
         f"graph_fsdp demo: reference GPT ({model.num_layers} layers, hidden {model.hidden_size}, "
         f"{params / 1e6:.1f}M parameters), {world} ranks, {backend} on {cfg.device}, "
-        f"{ZERO.get(cfg.strategy, cfg.strategy)} ({cfg.strategy}), {'bf16' if cfg.bf16 else 'fp32'}, {cfg.steps} steps",
+        f"{ZERO.get(cfg.strategy, cfg.strategy)} ({cfg.strategy}), {dtype_label(cfg.compute_dtype)}, {cfg.steps} steps",
         flush=True,
     )
     start = time.perf_counter()

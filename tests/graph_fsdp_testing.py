@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from graph_fsdp.cli.main import main
 from graph_fsdp.fsdp import checkpoint as ckpt
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.integrations import megatron as gm
 from graph_fsdp.models import GPTConfig, transformer_layers
@@ -61,12 +62,14 @@ def gpu_gpt(**overrides) -> GPTConfig:
     return GPTConfig(**{**GPU_SHAPE, **overrides})
 
 
+BF16_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+"""bf16 compute weights, fp32 main weights and gradients: a loop config's ``mp``."""
+
 GPU_RUN = dict(
-    bf16=True,
+    mp=BF16_MP,
     device="cuda",
     deterministic=True,
-    allocator="double_buffer",
-    persist_on_alloc_fail=True,
+    buffers=BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True),
 )
 """The GPU bit-exactness tests' run settings (any family's loop config): bf16 on CUDA, static
 buffers (double buffer, persistent on a failed allocation) and deterministic kernels - eager

@@ -240,6 +240,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from graph_fsdp.capture.layerwise import LayerwiseGraphs  # noqa: PLC0415
+    from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy  # noqa: PLC0415
     from graph_fsdp.models import GPTConfig, build_model  # noqa: PLC0415
     from graph_fsdp.training.train import TrainConfig, make_optimizer, shard_model  # noqa: PLC0415
 
@@ -252,9 +253,8 @@ def main() -> None:
     )
     cfg = TrainConfig(
         model=mcfg,
-        allocator="double_buffer",
-        persist_on_alloc_fail=True,
-        bf16=args.bf16,
+        buffers=BufferPolicy(allocator="double_buffer", persist_on_alloc_fail=True),
+        mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.bf16 else None),
         fused_optimizer=args.real,
     )
     model = build_model(mcfg, device=device)

@@ -205,7 +205,12 @@ def _unsharded(cfg: TrainConfig, device: torch.device):
 def _autocast(cfg: TrainConfig, device: torch.device):
     # cache off: every weight is cast once per forward anyway, and a captured graph must not
     # keep casts cached from outside the capture.
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16, cache_enabled=False)
+    return torch.autocast(
+        device.type,
+        dtype=torch.bfloat16,
+        enabled=cfg.mp.param_dtype is not None,
+        cache_enabled=False,
+    )
 
 
 def _on_rank0(rank: int, world_size: int, fn: Callable[[], dict]) -> dict | None:
@@ -390,7 +395,7 @@ def run_megatron_fsdp(rank: int, world_size: int, spec: BenchSpec) -> dict:
         import megatron_fsdp  # noqa: F401, PLC0415 - availability check (optional package)
     except ImportError as err:
         raise Skip(f"megatron_fsdp is not importable ({err.__class__.__name__}: {err})") from None
-    if not cfg.bf16:
+    if cfg.mp.param_dtype is None:
         raise Skip("megatron_fsdp runs a bf16 model: pass --bf16 for a like-for-like row")
     if cfg.grad_accum != 1:
         raise Skip(

@@ -43,6 +43,7 @@ from graph_fsdp.cli.graph_options import (
 from graph_fsdp.cli.options import add_fused_adamw_arg, add_output_dir_arg, resolve
 from graph_fsdp.cli.paths import check_output_dir
 from graph_fsdp.distributed import GRAPH_REGISTER_ENV
+from graph_fsdp.fsdp.api import dtype_label
 from graph_fsdp.training.processes import launch
 from graph_fsdp.training.train import placement_label
 
@@ -110,13 +111,13 @@ def _setup_line(args: argparse.Namespace, job: BenchJob) -> str:
         f"Model: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_attention_heads}, "
         f"ffn {m.ffn_hidden_size}, seq {m.seq_length}, vocab {m.vocab_size}, {moe}. "
         f"Per GPU: micro batch {cfg.micro_batch_size} x grad accumulation {cfg.grad_accum}; "
-        f"{'bf16' if cfg.bf16 else 'fp32'} compute, fp32 main weights, "
+        f"{dtype_label(cfg.compute_dtype)} compute, fp32 main weights, "
         f"{reduction_label(cfg)}; strategy "
         f"{placement_label(cfg)}{embedding_label(cfg)}, allocator {cfg.buffers.allocator}, "
         f"{'fused' if cfg.fused_optimizer else 'foreach'} AdamW; {graphs}. "
         f"{job.spec.warmup} warmup + {job.spec.steps} timed steps per row, seed {m.seed}. "
         "Unsharded rows: "
-        f"{UNSHARDED_SCHEME if cfg.bf16 else 'fp32 weights and compute, fused AdamW'}."
+        f"{UNSHARDED_SCHEME if cfg.mp.param_dtype else 'fp32 weights and compute, fused AdamW'}."
         f"{environment_label()}{packing_label(cfg)}"
     )
 
@@ -148,10 +149,10 @@ def environment_label() -> str:
 
 def reduction_label(cfg) -> str:
     """How graph_fsdp's rows reduce gradients (FSDP2 and megatron_fsdp reduce in fp32)."""
-    if cfg.reduce_scatter_fp32_accumulation:
+    if cfg.mp.reduce_scatter_fp32_accumulation:
         return "gradients reduced as bf16 all-to-all + fp32 sums (graph_fsdp rows)"
-    if cfg.grad_comm_dtype == "bf16":
-        return "gradients reduced in bf16 (graph_fsdp rows)"
+    if cfg.mp.grad_comm_dtype is not None:
+        return f"gradients reduced in {dtype_label(cfg.mp.grad_comm_dtype)} (graph_fsdp rows)"
     return "fp32 gradient reduction"
 
 

@@ -56,7 +56,7 @@ from graph_fsdp.cli.options import (
     loop_config_fields,
     run_graphs,
 )
-from graph_fsdp.cli.packing_options import check_packed_data, packing_of
+from graph_fsdp.cli.packing_options import packing_of
 from graph_fsdp.cli.train_options import (
     check_data_path,
     checkpoint_lines,
@@ -67,6 +67,7 @@ from graph_fsdp.cli.train_options import (
     verification_lines,
     verify_option,
 )
+from graph_fsdp.fsdp.api import dtype_label
 from graph_fsdp.integrations.bridge_config import FSDPConfigError, validate_fsdp_config
 from graph_fsdp.integrations.megatron import (
     ATTENTION_BACKENDS,
@@ -439,24 +440,16 @@ def train_main(args: argparse.Namespace) -> int:
     # --save / --load / --save-interval / --data-path: the same rules and files as --model gpt.
     ckpt_plan = checkpoint_plan(args)
     start = ckpt_plan.start
-    data_path = None
-    packing = packing_of(args)
-    if args.data_path and packing is not None:
-        # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
-        packs = args.train_iters * grad_accum * data_world
-        data_path = check_packed_data(
-            args, packing, vocab_size=model.vocab_size, packs_needed=packs * args.micro_batch_size
-        )
-    elif args.data_path:
-        data_path = check_data_path(
-            args,
-            seq_length=model.seq_length,
-            vocab_size=model.vocab_size,
-            world_size=data_world,
-            grad_accum=grad_accum,
-            start=start,
-            steps=args.train_iters - start,
-        )
+    data_path = check_data_path(
+        args,
+        seq_length=model.seq_length,
+        vocab_size=model.vocab_size,
+        world_size=data_world,
+        grad_accum=grad_accum,
+        start=start,
+        steps=args.train_iters - start,
+        packing=packing_of(args),
+    )
     check_mcore_environment(args, model, impl, plan)
     cfg = base_train_config(
         args,
@@ -492,7 +485,7 @@ def _summary(args, cfg, plan, out: dict) -> str:
     ]
     if out.get("stopped_at") is not None:
         lines.append(f"  stopped after iteration {out['stopped_at']} (a stop signal)")
-    return "\n".join(lines + checkpoint_lines(args, cfg, out))
+    return "\n".join(lines + checkpoint_lines(cfg, out))
 
 
 def _worker(rank: int, world_size: int, cfg) -> dict | None:
@@ -605,7 +598,7 @@ def build_bench_job(args: argparse.Namespace):
         f"hidden {model.hidden_size}, heads {model.num_attention_heads}, seq "
         f"{model.seq_length}, vocab {model.vocab_size}, {moe}{tp_label(model)}. Per GPU: micro batch "
         f"{base.micro_batch_size} x grad accumulation {base.grad_accum}; "
-        f"{'bf16' if base.bf16 else 'fp32'} compute, fp32 main weights; {base.strategy}, "
+        f"{dtype_label(base.compute_dtype)} compute, fp32 main weights; {base.strategy}, "
         f"allocator {base.buffers.allocator}; {'Megatron schedule' if base.use_megatron_schedule else ''}"
         f"{'; ' if base.use_megatron_schedule else ''}"
         f"{'deterministic' if base.deterministic else 'nondeterministic'} algorithms. "

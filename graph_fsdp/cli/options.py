@@ -16,6 +16,8 @@ import argparse
 from dataclasses import dataclass
 from typing import get_args
 
+import torch
+
 from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.cli.errors import CLIError
@@ -40,7 +42,7 @@ from graph_fsdp.cli.model_options import (
     model_config,
 )
 from graph_fsdp.cli.packing_options import add_packing_args, packing_of
-from graph_fsdp.fsdp.api import STRATEGIES, AllocatorKind
+from graph_fsdp.fsdp.api import STRATEGIES, AllocatorKind, MixedPrecisionPolicy
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.models.tp_plans import check_gpt_plan
 from graph_fsdp.training.processes import LaunchPlan
@@ -432,7 +434,6 @@ LOOP_FLAGS = {
     "lr": "lr",
     "weight_decay": "weight_decay",
     "clip_grad": "clip_grad",
-    "bf16": "bf16",
     "eval_interval": "eval_interval",
     "deterministic": "deterministic",
     "fused_optimizer": "cuda_graph_optimizer",  # the whole step's update is AdamW(fused)
@@ -440,16 +441,30 @@ LOOP_FLAGS = {
 """LoopConfig field -> the argparse ``dest`` it copies, for every ``--model``."""
 
 
-def loop_config_fields(args: argparse.Namespace, *, grad_accum: int, graphs: GraphPolicy) -> dict:
+def loop_config_fields(
+    args: argparse.Namespace, *, grad_accum: int, graphs: GraphPolicy, mesh_shape=None
+) -> dict:
     """The LoopConfig fields of the shared flags (graph_fsdp's GPT: :func:`resolve`;
     Megatron-Core models: mcore.py): :data:`LOOP_FLAGS`, the gradient accumulation, the
-    buffers and the validated graphs."""
+    buffers, the mixed precision (``mesh_shape``: the HSDP mesh, for its rules) and the
+    validated graphs."""
     return {
         **{name: getattr(args, dest) for name, dest in LOOP_FLAGS.items()},
         "grad_accum": grad_accum,
         "buffers": buffer_policy_of(args),
+        "mp": mixed_precision_of(args, mesh_shape),
         "graphs": graphs,
     }
+
+
+def mixed_precision_of(args: argparse.Namespace, mesh_shape=None) -> MixedPrecisionPolicy:
+    """The config's ``mp`` section: --bf16, --grad-comm-dtype and
+    --ddp-reduce-scatter-with-fp32-accumulation (:func:`check_fp32_accumulation`)."""
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if args.bf16 else None,
+        grad_comm_dtype=torch.bfloat16 if args.grad_comm_dtype == "bf16" else None,
+        reduce_scatter_fp32_accumulation=check_fp32_accumulation(args, mesh_shape),
+    )
 
 
 def run_graphs(
@@ -591,15 +606,19 @@ def resolve(
     for policy in policies:
         check_graph_buffers(args, list(policy.scopes), flag=scope_flag)
     check_transformer_environment(args.transformer_impl, plan)
-    fp32_accumulation = check_fp32_accumulation(args, mesh_shape)
+    loop = loop_config_fields(
+        args,
+        grad_accum=grad_accum,
+        graphs=run_graphs(policies, args, scope_modules),
+        mesh_shape=mesh_shape,
+    )
     registration_off_for_all_to_alls(
-        fp32_accumulation or args.expert_model_parallel_size > 1, [p.scopes for p in policies]
+        loop["mp"].reduce_scatter_fp32_accumulation or args.expert_model_parallel_size > 1,
+        [p.scopes for p in policies],
     )
     check_vocab_parallel(args, model, plan.world_size)
     cfg = TrainConfig(
-        **loop_config_fields(
-            args, grad_accum=grad_accum, graphs=run_graphs(policies, args, scope_modules)
-        ),
+        **loop,
         model=model,
         packing=packing,
         eod_token_id=args.eod_token_id,
@@ -610,8 +629,6 @@ def resolve(
         else None,
         tensor_parallel=tp if tp > 1 else None,
         sequence_parallel=args.sequence_parallel,
-        grad_comm_dtype="bf16" if args.grad_comm_dtype == "bf16" else None,
-        reduce_scatter_fp32_accumulation=fp32_accumulation,
         recompute=args.recompute_activations,
         device=plan.device,
         return_params=False,

@@ -11,10 +11,9 @@ attention at document ends and carry no loss across them).
 from __future__ import annotations
 
 import argparse
-import os
 
 from graph_fsdp.cli.errors import CLIError
-from graph_fsdp.training.packing import PackedData, PackingPolicy
+from graph_fsdp.training.packing import PackingPolicy
 
 MEGATRON_TRIO = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
@@ -115,19 +114,3 @@ def packing_of(args: argparse.Namespace) -> PackingPolicy | None:
     except ValueError as err:
         flag = str(err).split("=")[0].replace("PackingPolicy.", "--packed-").replace("_", "-")
         raise CLIError(f"{err} ({flag})") from err
-
-
-def check_packed_data(
-    args: argparse.Namespace, policy: PackingPolicy, *, vocab_size: int, packs_needed: int
-) -> str:
-    """--data-path with --packed-sequences: the file's documents (ids below --vocab-size) make
-    at least the ``packs_needed`` packs the run reads; returns the absolute path."""
-    path = os.path.abspath(args.data_path)
-    try:
-        data = PackedData(
-            policy, vocab_size=vocab_size, data_path=path, eod_token_id=args.eod_token_id
-        )
-        data.rows(packs_needed - 1, 1)
-    except ValueError as err:
-        raise CLIError(f"--data-path {args.data_path}: {err}") from err
-    return path

@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from graph_fsdp.cli import mcore
 from graph_fsdp.cli.options import resolve
-from graph_fsdp.cli.packing_options import check_packed_data
 from graph_fsdp.cli.train_options import (
     check_data_path,
     check_memory,
@@ -301,29 +300,19 @@ def main(args: argparse.Namespace) -> int:
     check_memory(res)  # before --load's shape check builds the model on the meta device
     shapes = model_shapes(res.cfg.model) if args.load else None
     plan = checkpoint_plan(args, shapes)
-    start = plan.start
     cfg = replace(res.cfg.with_graphs(verify=verify_option(args)), **loop_fields(args, plan))
-    if args.data_path and cfg.packing is not None:
-        # Packs are read from (step * grad_accum + micro) * world * micro_batch_size onwards.
-        packs = (start + cfg.steps) * cfg.grad_accum * res.data_parallel_size
-        path = check_packed_data(
-            args,
-            cfg.packing,
-            vocab_size=cfg.model.vocab_size,
-            packs_needed=packs * args.micro_batch_size,
-        )
-        cfg = replace(cfg, data_path=path)
-    elif args.data_path:
-        path = check_data_path(
-            args,
-            seq_length=cfg.model.seq_length,
-            vocab_size=cfg.model.vocab_size,
-            world_size=res.data_parallel_size,
-            grad_accum=cfg.grad_accum,
-            start=start,
-            steps=cfg.steps,
-        )
-        cfg = replace(cfg, data_path=path)
+    data_path = check_data_path(
+        args,
+        seq_length=cfg.model.seq_length,
+        vocab_size=cfg.model.vocab_size,
+        world_size=res.data_parallel_size,
+        grad_accum=cfg.grad_accum,
+        start=plan.start,
+        steps=cfg.steps,
+        packing=cfg.packing,
+    )
+    if data_path:
+        cfg = replace(cfg, data_path=data_path)
     if args.optimizer_cpu_offload:
         cfg = replace(cfg, optimizer_offload_fraction=args.optimizer_offload_fraction)
     if args.log_json:
@@ -376,5 +365,5 @@ def format_summary(
             f"  stopped after iteration {out['stopped_at']} of {cfg.start_step + cfg.steps} "
             "(a stop signal)"
         )
-    lines += checkpoint_lines(args, cfg, out)
+    lines += checkpoint_lines(cfg, out)
     return "\n".join(lines)

@@ -2,9 +2,9 @@
 
 ``--save``/``--load``/``--save-interval``/``--save-keep-last`` and the resume flags
 (:func:`checkpoint_plan`: where --save may write, what --load holds and whether its optimizer
-settings match, checked before any rank starts; :func:`loop_fields`: the loop's checkpoint
-and NaN/Inf fields), ``--data-path`` (:func:`check_data_path`: the file's
-shape and every token id the run will read), ``--cuda-graph-verify`` (:func:`verify_option`).
+settings match, checked before any rank starts, as the config's ``checkpoint`` section;
+:func:`loop_fields`: the loop's steps, checkpoint and NaN/Inf fields), ``--data-path`` (:func:`check_data_path`: the file's
+shape, its length and every token id the run will read, or the packs it makes), ``--cuda-graph-verify`` (:func:`verify_option`).
 ``graph-fsdp train`` uses them for graph_fsdp's GPT (train_cmd.py) and for Megatron-Core
 models (mcore.py) alike.
 """
@@ -25,7 +25,9 @@ from graph_fsdp.cli.paths import check_output_file, check_save_dir
 from graph_fsdp.fsdp import checkpoint
 from graph_fsdp.models import build_model
 from graph_fsdp.training import checkpoints as run_checkpoints
-from graph_fsdp.training.data import check_token_file, check_token_ids, training_samples
+from graph_fsdp.training.checkpoints import CheckpointPolicy
+from graph_fsdp.training.data import check_run_data
+from graph_fsdp.training.packing import PackedData, PackingPolicy
 from graph_fsdp.training.preflight import MemoryPlanError, check_fits
 
 CHECKPOINT_META = checkpoint.META_FILE
@@ -42,17 +44,18 @@ class CheckpointPlan:
 
     start: int
     """The iteration the run starts at (the --load checkpoint's, else 0)."""
-    load_path: str | None
-    """The checkpoint directory --load reads: the iteration a run directory's tracker names."""
+    checkpoint: CheckpointPolicy
+    """The config's ``checkpoint`` section; ``load_path``: the checkpoint directory --load
+    reads (the iteration a run directory's tracker names)."""
 
 
-def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> tuple[int, str]:
+def _load_start(args: argparse.Namespace, mode: str, shapes: dict | None = None) -> tuple[int, str]:
     """The iteration a --load checkpoint holds and its directory (a run directory's latest
     complete iteration: training/checkpoints.py). Refused with the fix, before any rank
     starts: a directory that is not one of ours, one written for another --model, metadata
     that is missing or corrupt, truncated files, (``shapes``: parameter name -> shape of this
     run's model) another model shape, and optimizer settings that differ from the command
-    line's (:func:`check_resume_settings`). Strategy and world size need no check: the format
+    line's (:func:`check_resume_settings`, ``mode``: :func:`resume_mode`). Strategy and world size need no check: the format
     loads onto any (checkpoint.py)."""
     given = args.load
     try:
@@ -94,7 +97,8 @@ def _load_start(args: argparse.Namespace, shapes: dict | None = None) -> tuple[i
             f"--load {path} holds a --model {saved_model} checkpoint, but this run trains "
             f"--model {model}; use --model {saved_model} (and its shape flags) or another --load"
         )
-    check_resume_settings(args, path, meta.get("optimizer"))
+    wanted = {key: getattr(args, key) for key in RESUME_FLAGS}
+    check_resume_settings(wanted, mode, path, meta.get("optimizer"))
     try:
         checkpoint.check_checkpoint(path, shapes)
     except checkpoint.CheckpointError as err:
@@ -114,17 +118,20 @@ def resume_mode(args: argparse.Namespace) -> str:
     return "config" if override else "checkpoint" if keep else "check"
 
 
-def check_resume_settings(args: argparse.Namespace, path: str, saved: dict | None) -> None:
-    """Refuse a resume whose --lr / --weight-decay differ from the checkpoint's, naming both,
-    unless a flag says which to take (training/checkpoints.py [Note: optimizer settings on
-    resume]; the ranks check again against what the checkpoint holds)."""
-    if resume_mode(args) != "check" or not isinstance(saved, dict):
+def check_resume_settings(
+    wanted: dict[str, float], mode: str, path: str, saved: dict | None
+) -> None:
+    """Refuse a resume whose --lr / --weight-decay (``wanted``, by :data:`RESUME_FLAGS`' keys)
+    differ from the checkpoint's, naming both, unless ``mode`` (:func:`resume_mode`) says
+    which to take (training/checkpoints.py [Note: optimizer settings on resume]; the ranks
+    check again against what the checkpoint holds)."""
+    if mode != "check" or not isinstance(saved, dict):
         return
     differ = [
-        f"{flag} {getattr(args, key):g} vs {float(saved[key]):g} in the checkpoint"
+        f"{flag} {wanted[key]:g} vs {float(saved[key]):g} in the checkpoint"
         for key, flag in RESUME_FLAGS.items()
         if isinstance(saved.get(key), int | float)
-        and not math.isclose(float(saved[key]), getattr(args, key), rel_tol=1e-6)
+        and not math.isclose(float(saved[key]), wanted[key], rel_tol=1e-6)
     ]
     if differ:
         raise CLIError(
@@ -196,77 +203,49 @@ def check_data_path(
     grad_accum: int,
     start: int,
     steps: int,
-) -> str:
-    """--data-path: the file's shape, that it holds every training sample the run reads
-    (else refused, or with --allow-data-reuse a note: :func:`_check_data_length`), and the token
-    ids of every sample the run will read (training and eval) against --vocab-size; returns
-    the absolute path."""
-    path = args.data_path
+    packing: PackingPolicy | None = None,
+) -> str | None:
+    """--data-path against the run, before any rank starts; the absolute path (None without
+    --data-path). Packed documents (``packing``): the file's documents (ids below
+    --vocab-size) make every pack the run reads. Fixed rows (training/data.py
+    :func:`check_run_data`): the file's shape, the token ids of every sample the run reads,
+    a file shorter than the run refused or, with --allow-data-reuse, a note on stderr.
+    ``world_size``: the ranks that read different batches."""
+    if not args.data_path:
+        return None
+    path = os.path.abspath(args.data_path)
+    per_step = grad_accum * world_size * args.micro_batch_size
     try:
-        num_tokens = check_token_file(path, seq_length, vocab_size)
-        first, count = training_samples(
-            start,
-            steps,
+        if packing is not None:
+            # Packs are read from (step * grad_accum + micro) * world * micro_batch_size on.
+            data = PackedData(
+                packing, vocab_size=vocab_size, data_path=path, eod_token_id=args.eod_token_id
+            )
+            data.rows((start + steps) * per_step - 1, 1)
+            return path
+        note = check_run_data(
+            args.data_path,
+            seq_length=seq_length,
+            vocab_size=vocab_size,
+            start_step=start,
+            steps=steps,
             grad_accum=grad_accum,
             world_size=world_size,
             micro_batch_size=args.micro_batch_size,
+            eval_interval=args.eval_interval,
+            allow_reuse=getattr(args, "allow_data_reuse", False),
         )
-        runs = [(first, count)]
-        if args.eval_interval:
-            per_eval = world_size * args.micro_batch_size
-            offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
-            for step in range(start, start + steps):
-                if (step + 1) % args.eval_interval == 0:
-                    runs.append((offset + step * per_eval, per_eval))
-        check_token_ids(path, seq_length, vocab_size, runs)
     except ValueError as err:
-        raise CLIError(str(err)) from err
-    _check_data_length(
-        path,
-        train_iters=args.train_iters,
-        allow_reuse=getattr(args, "allow_data_reuse", False),
-        seq_length=seq_length,
-        num_tokens=num_tokens,
-        needed=first + count,
-        per_step=count // max(steps, 1),
-    )
-    return os.path.abspath(path)
-
-
-def _check_data_length(
-    path: str,
-    *,
-    train_iters: int,
-    allow_reuse: bool,
-    seq_length: int,
-    num_tokens: int,
-    needed: int,
-    per_step: int,
-) -> None:
-    """A token file holds fewer samples than the run reads up to its last iteration: refused
-    (the stream would wrap around and train on the same samples again), or with
-    --allow-data-reuse (``allow_reuse``) said once on stderr."""
-    num_samples = (num_tokens - 1) // seq_length
-    if needed <= num_samples:
-        return
-    held = (
-        f"--data-path {path} holds {num_samples} sample{'s' * (num_samples != 1)} "
-        f"of --seq-length {seq_length} ({num_tokens} tokens), but the run reads {needed} "
-        f"({per_step} per iteration up to --train-iters {train_iters})"
-    )
-    if allow_reuse:
-        times = needed / num_samples
-        print(f"note: {held}: each sample is read {times:.3g} times on average", file=sys.stderr)
-        return
-    raise CLIError(
-        f"{held}, so it would train on the same samples again; pass a file of at least "
-        f"{needed * seq_length + 1} tokens, fewer --train-iters, or --allow-data-reuse to "
-        "read it again on purpose"
-    )
+        prefix = f"--data-path {args.data_path}: " if packing is not None else ""
+        raise CLIError(f"{prefix}{err}") from err
+    if note is not None:
+        print(f"note: {note}", file=sys.stderr)
+    return path
 
 
 def checkpoint_plan(args: argparse.Namespace, shapes: dict | None = None) -> CheckpointPlan:
-    """--save, --save-interval, --save-keep-last, --load and the resume flags, checked
+    """--save, --save-interval, --save-keep-last, --save-on-interrupt, --load and the resume
+    flags, checked, as the start iteration and the config's ``checkpoint`` section
     (``shapes``: see :func:`_load_start`)."""
     check_positive(args, "save_interval", "save_keep_last")
     for name, flag in (
@@ -286,51 +265,56 @@ def checkpoint_plan(args: argparse.Namespace, shapes: dict | None = None) -> Che
         raise CLIError(f"{flag}-opt_param-scheduler applies when resuming: add --load DIR")
     if args.save:
         check_save_dir("--save", args.save)
-    if not args.load:
-        return CheckpointPlan(start=0, load_path=None)
-    start, path = _load_start(args, shapes)
-    if start >= args.train_iters:
-        raise CLIError(
-            f"--load {path} holds iteration {start}, which already reaches --train-iters "
-            f"{args.train_iters}; raise --train-iters to train further"
-        )
-    return CheckpointPlan(start=start, load_path=os.path.abspath(path))
+    start, load_path = 0, None
+    if args.load:
+        start, path = _load_start(args, mode, shapes)
+        if start >= args.train_iters:
+            raise CLIError(
+                f"--load {path} holds iteration {start}, which already reaches --train-iters "
+                f"{args.train_iters}; raise --train-iters to train further"
+            )
+        load_path = os.path.abspath(path)
+    policy = CheckpointPolicy(
+        save_path=os.path.abspath(args.save) if args.save else None,
+        save_at=args.train_iters - start if args.save else 0,  # the end of the run
+        save_interval=args.save_interval or 0,
+        keep_last=args.save_keep_last,
+        save_on_interrupt=args.save_on_interrupt,
+        load_path=load_path,
+        resume_optimizer_settings=mode,
+    )
+    return CheckpointPlan(start=start, checkpoint=policy)
 
 
 def loop_fields(args: argparse.Namespace, plan: CheckpointPlan) -> dict:
-    """The LoopConfig fields of the checkpoint, resume and NaN/Inf flags (every --model)."""
-    steps = args.train_iters - plan.start
+    """The LoopConfig fields of the steps, checkpoint, resume and NaN/Inf flags (every
+    --model)."""
     return {
-        "steps": steps,
+        "steps": args.train_iters - plan.start,
         "start_step": plan.start,
-        "save_path": os.path.abspath(args.save) if args.save else None,
-        "save_at": steps if args.save else 0,  # the end of the run
-        "save_interval": args.save_interval or 0,
-        "save_keep_last": args.save_keep_last,
-        "save_on_interrupt": args.save_on_interrupt,
-        "load_path": plan.load_path,
-        "resume_optimizer_settings": resume_mode(args),
+        "checkpoint": plan.checkpoint,
         "check_for_nan_in_loss_and_grad": args.check_for_nan_in_loss_and_grad,
         "max_consecutive_skipped_steps": args.max_consecutive_skipped_steps,
     }
 
 
-def checkpoint_lines(args: argparse.Namespace, cfg, out: dict) -> list[str]:
+def checkpoint_lines(cfg, out: dict) -> list[str]:
     """Summary lines: where the run resumed, the last checkpoint it wrote, skipped steps."""
     lines = []
-    if cfg.load_path:
-        lines.append(f"  resumed: {cfg.load_path} (iteration {cfg.start_step})")
+    policy = cfg.checkpoint
+    if policy.load_path:
+        lines.append(f"  resumed: {policy.load_path} (iteration {cfg.start_step})")
     saved = out.get("saved_at")
     if saved is not None:
         lines.append(
-            f"  checkpoint: {args.save} (iteration {saved}) - "
-            f"{run_checkpoints.iteration_dir(args.save, saved)}, named by "
+            f"  checkpoint: {policy.save_path} (iteration {saved}) - "
+            f"{run_checkpoints.iteration_dir(policy.save_path, saved)}, named by "
             f"{run_checkpoints.TRACKER_FILE}"
         )
-    elif args.save:
+    elif policy.save_path:
         lines.append(
             f"  checkpoint: none written by this run (it stopped before iteration "
-            f"{cfg.start_step + cfg.save_at}; --save-on-interrupt saves when stopped)"
+            f"{cfg.start_step + policy.save_at}; --save-on-interrupt saves when stopped)"
         )
     if out.get("skipped_steps"):
         lines.append(

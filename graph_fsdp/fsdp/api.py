@@ -106,6 +106,12 @@ class MixedPrecisionPolicy:
         return self.grad_comm_dtype or self.main_grads_dtype
 
 
+def dtype_label(dtype: torch.dtype) -> str:
+    """``bf16``, ``fp16``, ``fp32`` (else the dtype's own name), for summaries and reports."""
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    return short.get(dtype, str(dtype).removeprefix("torch."))
+
+
 AllocatorKind = Literal["dynamic", "double_buffer", "trace_pool"]
 
 

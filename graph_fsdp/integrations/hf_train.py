@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers
 from graph_fsdp.models.packed import check_packed_inputs, document_mask, packed_loss_sum
@@ -142,8 +141,7 @@ class HFAdapter(DataParallelAdapter):
         model = CausalLM(lm)
         if self.reference:
             return MixedPrecisionReference(model, cfg, world_size)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
-        placement = dict(strategy=cfg.strategy, mp_policy=mp, buffer_policy=cfg.buffers)
+        placement = dict(strategy=cfg.strategy, mp_policy=cfg.mp, buffer_policy=cfg.buffers)
         for layer in hf_decoder_layers(lm):
             fully_shard(layer, **placement)
         if cfg.vocab_parallel_embedding:

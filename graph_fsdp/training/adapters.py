@@ -45,9 +45,9 @@ def sharded_trainer(
     model: nn.Module, cfg: LoopConfig, device: torch.device, world_size: int
 ) -> ShardedTrainer:
     """The sharded ``model`` under the loop: :func:`make_optimizer`'s optimizer over its
-    shards, restored from ``cfg.load_path`` when one is given."""
+    shards, restored from ``cfg.checkpoint.load_path`` when one is given."""
     optimizer = make_optimizer(model.parameters(), cfg)
-    if cfg.load_path:
+    if cfg.checkpoint.load_path:
         load_checkpoint(cfg, model, optimizer)
     return ShardedTrainer(model, optimizer, loss_world=world_size, device=device)
 

@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,65 @@ OPTIMIZER_SETTINGS = ("lr", "weight_decay")
 """The optimizer hyperparameters a run sets and a checkpoint records, compared on resume."""
 
 RESUME_MODES = ("check", "config", "checkpoint")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPolicy:
+    """A run's checkpoints (``LoopConfig.checkpoint``): where and when it saves, what it resumes
+    from. Nothing is saved without ``save_path``."""
+
+    save_path: str | None = None
+    """The run's checkpoint directory: one ``iter_NNNNNNN`` DCP checkpoint per save and
+    ``latest_checkpointed_iteration.txt`` naming the latest complete one ([Note: the latest
+    complete checkpoint])."""
+    save_at: int = 0
+    """Save after this many steps of this run (the CLI: its last step); 0: not."""
+    save_interval: int = 0
+    """Also save after every iteration that is a multiple of this (Megatron's
+    ``--save-interval``); 0: not."""
+    keep_last: int | None = None
+    """Keep only the newest this many checkpoints in ``save_path`` (None: all)."""
+    save_on_interrupt: bool = False
+    """Save to ``save_path`` when a stop request (SIGINT/SIGTERM, interrupt.py) ends the run
+    early, at the step boundary where it stops."""
+    load_path: str | None = None
+    """Checkpoint to resume from before training (steps continue at the config's
+    ``start_step``): a run's checkpoint directory (the iteration its tracker names) or one
+    checkpoint directory."""
+    resume_optimizer_settings: str = "check"
+    """On resume, when ``lr`` or ``weight_decay`` differ from the checkpoint's: "check"
+    refuses, "config" takes the run's, "checkpoint" the checkpoint's ([Note: optimizer
+    settings on resume])."""
+
+    def __post_init__(self) -> None:
+        if self.resume_optimizer_settings not in RESUME_MODES:
+            raise ValueError(
+                f"CheckpointPolicy.resume_optimizer_settings={self.resume_optimizer_settings!r} "
+                f"must be one of {RESUME_MODES}"
+            )
+        for name in ("save_at", "save_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"CheckpointPolicy.{name}={value!r} must be an int >= 0 (0: not)")
+        if self.keep_last is not None and (
+            isinstance(self.keep_last, bool)
+            or not isinstance(self.keep_last, int)
+            or self.keep_last < 1
+        ):
+            raise ValueError(
+                f"CheckpointPolicy.keep_last={self.keep_last!r} must be an int >= 1, or None "
+                "to keep every checkpoint"
+            )
+
+    def saves_after(self, iteration: int, *, start_step: int, stopping: bool) -> bool:
+        """A checkpoint after ``iteration`` of a run that started at ``start_step``: the
+        run's ``save_at``, a multiple of ``save_interval``, or a stop with
+        ``save_on_interrupt`` (never without ``save_path``)."""
+        return bool(self.save_path) and (
+            iteration == start_step + self.save_at
+            or bool(self.save_interval and iteration % self.save_interval == 0)
+            or (stopping and self.save_on_interrupt)
+        )
 
 
 def iteration_dir(root: str, iteration: int) -> str:

@@ -105,6 +105,60 @@ def check_token_ids(
                 )
 
 
+def check_run_data(
+    path: str | os.PathLike,
+    *,
+    seq_length: int,
+    vocab_size: int,
+    start_step: int,
+    steps: int,
+    grad_accum: int,
+    world_size: int,
+    micro_batch_size: int,
+    eval_interval: int = 0,
+    allow_reuse: bool = False,
+    flag: str = "--data-path",
+) -> str | None:
+    """The token file a run of steps ``[start_step, start_step + steps)`` reads, checked before
+    any rank starts: its shape (:func:`check_token_file`), the token ids of every training and
+    eval sample the run reads (:func:`check_token_ids`; eval batches read the second half of
+    the file: :func:`batch_for`), and that it holds every training sample up to the last step.
+    A shorter file is refused (the stream would wrap around and train on the same samples
+    again) or, with ``allow_reuse``, the note to show is returned; None: nothing to say."""
+    num_tokens = check_token_file(path, seq_length, vocab_size, flag=flag)
+    first, count = training_samples(
+        start_step,
+        steps,
+        grad_accum=grad_accum,
+        world_size=world_size,
+        micro_batch_size=micro_batch_size,
+    )
+    runs = [(first, count)]
+    if eval_interval:
+        per_eval = world_size * micro_batch_size
+        offset = (num_tokens - 1) // seq_length // 2  # batch_for's eval region
+        for step in range(start_step, start_step + steps):
+            if (step + 1) % eval_interval == 0:
+                runs.append((offset + step * per_eval, per_eval))
+    check_token_ids(path, seq_length, vocab_size, runs, flag=flag)
+    num_samples = (num_tokens - 1) // seq_length
+    needed = first + count
+    if needed <= num_samples:
+        return None
+    held = (
+        f"{flag} {os.fspath(path)} holds {num_samples} sample{'s' * (num_samples != 1)} "
+        f"of --seq-length {seq_length} ({num_tokens} tokens), but the run reads {needed} "
+        f"({count // max(steps, 1)} per iteration up to --train-iters {start_step + steps})"
+    )
+    if allow_reuse:
+        return f"{held}: each sample is read {needed / num_samples:.3g} times on average"
+    raise ValueError(
+        f"{held}, so it would train on the same samples again; pass a file of at least "
+        f"{needed * seq_length + 1} tokens, fewer --train-iters, or --allow-data-reuse to "
+        "read it again on purpose"
+    )
+
+
 class TokenFileDataset:
     """Deterministic ``(input_ids, labels)`` batches from a flat uint16 token file.
 

@@ -29,8 +29,9 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,11 +41,12 @@ from graph_fsdp.capture.policy import GraphPolicy
 from graph_fsdp.capture.step import HostClock, eager_forward_backward, timed_forward_backward
 from graph_fsdp.cuda_streams import step_range
 from graph_fsdp.fsdp import checkpoint as ckpt
-from graph_fsdp.fsdp.api import BufferPolicy
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
 from graph_fsdp.fsdp.grad_norm import clip_grad_norm_
 from graph_fsdp.fsdp.state import discard_gradients
 from graph_fsdp.models.packed import PackedBatch
 from graph_fsdp.training.checkpoints import (
+    CheckpointPolicy,
     optimizer_settings,
     resolve_checkpoint,
     resume_optimizer_settings,
@@ -69,7 +71,8 @@ class _TakesFlatFields(type):
 @dataclass(kw_only=True)
 class LoopConfig(metaclass=_TakesFlatFields):
     """The fields every family's training config has (``TrainConfig``, ``MCoreTrainConfig``),
-    the CUDA graphs and the buffers as sections (frozen policies)."""
+    the CUDA graphs, the buffers, the mixed precision and the checkpoints as sections (frozen
+    policies)."""
 
     strategy: str = "optim_grads_params"
     """Data-parallel sharding strategy."""
@@ -85,30 +88,8 @@ class LoopConfig(metaclass=_TakesFlatFields):
     """AdamW weight decay."""
     clip_grad: float = 0.0
     """Global gradient-norm clipping before each optimizer step (0: off)."""
-    bf16: bool = False
-    """bf16 compute weights with fp32 main weights and grads."""
     eval_interval: int = 0
     """Run a forward-only eval pass every N steps (0: never)."""
-    save_path: str | None = None
-    """The run's checkpoint directory: one ``iter_NNNNNNN`` DCP checkpoint per save and
-    ``latest_checkpointed_iteration.txt`` naming the latest complete one (checkpoints.py)."""
-    save_at: int = 0
-    """Save after this many steps of this run (the CLI: its last step); 0: not."""
-    save_interval: int = 0
-    """Also save after every iteration that is a multiple of this (Megatron's
-    ``--save-interval``); 0: not."""
-    save_keep_last: int | None = None
-    """Keep only the newest this many checkpoints in ``save_path`` (None: all)."""
-    save_on_interrupt: bool = False
-    """Save to ``save_path`` when a stop request (SIGINT/SIGTERM, interrupt.py) ends the run
-    early, at the step boundary where it stops."""
-    load_path: str | None = None
-    """Checkpoint to resume from before training (steps continue at ``start_step``): a run's
-    checkpoint directory (the iteration its tracker names) or one checkpoint directory."""
-    resume_optimizer_settings: str = "check"
-    """On resume, when ``lr`` or ``weight_decay`` differ from the checkpoint's: "check"
-    refuses, "config" takes this config's, "checkpoint" the checkpoint's (checkpoints.py
-    [Note: optimizer settings on resume])."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop at a NaN/Inf loss or gradient norm (nonfinite.py [Note: non-finite steps])."""
     max_consecutive_skipped_steps: int = 10
@@ -136,15 +117,33 @@ class LoopConfig(metaclass=_TakesFlatFields):
     verification, communication graphs, the whole step in one graph."""
     buffers: BufferPolicy = field(default_factory=BufferPolicy)
     """Where the units' unsharded weights and gradients live (fsdp/api.py)."""
+    mp: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    """Mixed precision (fsdp/api.py): ``param_dtype`` None (fp32 compute) or torch.bfloat16
+    (bf16 compute weights; the main weights and gradients stay in ``main_params_dtype`` /
+    ``main_grads_dtype``), and how gradients are reduced (``grad_comm_dtype``,
+    ``reduce_scatter_fp32_accumulation``)."""
+    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    """Where and when the run saves, what it resumes from (training/checkpoints.py)."""
 
     def __post_init__(self) -> None:
-        for name, kind in (("graphs", GraphPolicy), ("buffers", BufferPolicy)):
+        for name, kind in _SECTIONS.items():
             value = getattr(self, name)
             if not isinstance(value, kind):
                 raise TypeError(
                     f"{type(self).__name__}.{name}={value!r} must be a {kind.__name__} "
                     f"({name}={kind.__name__}(...))"
                 )
+        if self.mp.param_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"{type(self).__name__}.mp.param_dtype={self.mp.param_dtype} is not a compute "
+                "dtype the loop trains in (it has no loss scaling for fp16): use "
+                "torch.bfloat16, or None for fp32"
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the gathered weights compute in (``mp.param_dtype``; fp32 when None)."""
+        return self.mp.param_dtype or torch.float32
 
     def with_graphs(self, **changes) -> LoopConfig:
         """This config with ``changes`` to its :attr:`graphs` (e.g. ``impl="none",
@@ -163,25 +162,84 @@ class LoopConfig(metaclass=_TakesFlatFields):
         where = _FLAT_FIELDS.get(name)
         if where is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        _warn_flat(name, ".".join(where), stacklevel=2)
-        return getattr(object.__getattribute__(self, where[0]), where[1])
+        _warn_flat(name, where.spelling, stacklevel=2)
+        return where.read(getattr(object.__getattribute__(self, where.section), where.name))
 
 
-_FLAT_FIELDS: dict[str, tuple[str, str]] = {
-    "cuda_graph_impl": ("graphs", "impl"),
-    "cuda_graph_scope": ("graphs", "scopes"),
-    "cuda_graph_warmup_steps": ("graphs", "warmup_steps"),
-    "cuda_graph_scope_modules": ("graphs", "scope_modules"),
-    "cuda_graph_comm": ("graphs", "comm_graphs"),
-    "cuda_graph_verify": ("graphs", "verify"),
-    "cuda_graph_optimizer": ("graphs", "optimizer"),
-    "allocator": ("buffers", "allocator"),
-    "persist_on_alloc_fail": ("buffers", "persist_on_alloc_fail"),
-    "num_slots": ("buffers", "num_slots"),
+_SECTIONS: dict[str, type] = {
+    "graphs": GraphPolicy,
+    "buffers": BufferPolicy,
+    "mp": MixedPrecisionPolicy,
+    "checkpoint": CheckpointPolicy,
 }
-"""The flat fields a config had before its sections (old name -> (section, field)): still
+"""LoopConfig's sections, by field name."""
+
+
+def _same(value):
+    return value
+
+
+class _Flat(NamedTuple):
+    """Where a flat field lives in its section (``section.name``), and how its value is
+    written there (``write``) and read back (``read``) where the spellings differ."""
+
+    section: str
+    name: str
+    write: Callable = _same
+    read: Callable = _same
+
+    @property
+    def spelling(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+def _grad_comm_dtype(name: str | None) -> torch.dtype | None:
+    if name in (None, "fp32"):
+        return None
+    if name == "bf16":
+        return torch.bfloat16
+    raise ValueError(
+        f"LoopConfig.grad_comm_dtype={name!r} must be None, 'fp32' or 'bf16' (better: "
+        "mp=MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16))"
+    )
+
+
+_FLAT_FIELDS: dict[str, _Flat] = {
+    "cuda_graph_impl": _Flat("graphs", "impl"),
+    "cuda_graph_scope": _Flat("graphs", "scopes"),
+    "cuda_graph_warmup_steps": _Flat("graphs", "warmup_steps"),
+    "cuda_graph_scope_modules": _Flat("graphs", "scope_modules"),
+    "cuda_graph_comm": _Flat("graphs", "comm_graphs"),
+    "cuda_graph_verify": _Flat("graphs", "verify"),
+    "cuda_graph_optimizer": _Flat("graphs", "optimizer"),
+    "allocator": _Flat("buffers", "allocator"),
+    "persist_on_alloc_fail": _Flat("buffers", "persist_on_alloc_fail"),
+    "num_slots": _Flat("buffers", "num_slots"),
+    "bf16": _Flat(
+        "mp",
+        "param_dtype",
+        write=lambda on: torch.bfloat16 if on else None,
+        read=lambda dtype: dtype == torch.bfloat16,
+    ),
+    "grad_comm_dtype": _Flat(
+        "mp",
+        "grad_comm_dtype",
+        write=_grad_comm_dtype,
+        read=lambda dtype: "bf16" if dtype == torch.bfloat16 else None,
+    ),
+    "reduce_scatter_fp32_accumulation": _Flat("mp", "reduce_scatter_fp32_accumulation"),
+    "save_path": _Flat("checkpoint", "save_path"),
+    "save_at": _Flat("checkpoint", "save_at"),
+    "save_interval": _Flat("checkpoint", "save_interval"),
+    "save_keep_last": _Flat("checkpoint", "keep_last"),
+    "save_on_interrupt": _Flat("checkpoint", "save_on_interrupt"),
+    "load_path": _Flat("checkpoint", "load_path"),
+    "resume_optimizer_settings": _Flat("checkpoint", "resume_optimizer_settings"),
+}
+"""The flat fields a config had before its sections (old name -> where it lives now): still
 taken by the constructor and ``dataclasses.replace`` (folded into the section) and read as
-attributes, each with a DeprecationWarning."""
+attributes, each with a DeprecationWarning. ``bf16=True`` is ``mp.param_dtype=
+torch.bfloat16``; ``grad_comm_dtype="bf16"`` is ``mp.grad_comm_dtype=torch.bfloat16``."""
 
 
 def _warn_flat(old: str, new: str, *, stacklevel: int) -> None:
@@ -200,9 +258,9 @@ def fold_flat_fields(cls: type, kwargs: dict) -> dict:
         return kwargs
     changes: dict[str, dict] = {}
     for old, value in flat.items():
-        section, name = _FLAT_FIELDS[old]
-        changes.setdefault(section, {})[name] = value
-        _warn_flat(old, f"{section}.{name}", stacklevel=3)  # the caller of the class
+        where = _FLAT_FIELDS[old]
+        _warn_flat(old, where.spelling, stacklevel=3)  # the caller of the class
+        changes.setdefault(where.section, {})[where.name] = where.write(value)
     defaults = {f.name: f for f in fields(cls)}
     for section, values in changes.items():
         base = kwargs.get(section) or defaults[section].default_factory()
@@ -410,7 +468,7 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
             log.write(json.dumps(record, allow_nan=False) + "\n")
             log.flush()
         guard.after_step(step + 1, losses[-1], grad_norm, skipped)  # raises: nonfinite.py
-        if cfg.save_path and trainer.checkpoints and _saves_at(cfg, step + 1, stopping):
+        if trainer.checkpoints and _saves_at(cfg, step + 1, stopping):
             _save(adapter, trainer, step + 1)
             saved_at = step + 1
         if stopping:
@@ -442,20 +500,15 @@ def run_loop(adapter: ModelAdapter, rank: int, world_size: int) -> dict:
 
 
 def _saves_at(cfg: LoopConfig, iteration: int, stopping: bool) -> bool:
-    """A checkpoint after ``iteration``: the run's end (``save_at``), a multiple of
-    ``save_interval``, or a stop with ``save_on_interrupt``."""
-    return (
-        iteration == cfg.start_step + cfg.save_at
-        or bool(cfg.save_interval and iteration % cfg.save_interval == 0)
-        or (stopping and cfg.save_on_interrupt)
-    )
+    """A checkpoint after ``iteration`` (CheckpointPolicy.saves_after)."""
+    return cfg.checkpoint.saves_after(iteration, start_step=cfg.start_step, stopping=stopping)
 
 
 def _save(adapter: ModelAdapter, trainer: Trainer, iteration: int) -> None:
     """``save_path/iter_NNNNNNN`` and the tracker (checkpoints.py), never a non-finite model;
     the checkpoint records the iteration and the optimizer settings (for a resume's check)."""
-    cfg = adapter.cfg
-    check_finite_model(trainer.model, iteration, cfg.save_path)
+    policy = adapter.cfg.checkpoint
+    check_finite_model(trainer.model, iteration, policy.save_path)
     meta = {
         "iteration": iteration,
         **(adapter.checkpoint_meta(iteration) or {}),
@@ -463,19 +516,21 @@ def _save(adapter: ModelAdapter, trainer: Trainer, iteration: int) -> None:
     }
     save_iteration(
         lambda path: trainer.save(path, meta),
-        cfg.save_path,
+        policy.save_path,
         iteration,
-        keep_last=cfg.save_keep_last,
+        keep_last=policy.keep_last,
     )
 
 
 def load_checkpoint(cfg: LoopConfig, model: nn.Module, optimizer) -> str:
-    """Resume ``model`` and ``optimizer`` from ``cfg.load_path`` (a run's directory: its latest
-    complete checkpoint) with ``cfg.resume_optimizer_settings``; the directory read."""
-    path = resolve_checkpoint(cfg.load_path)
+    """Resume ``model`` and ``optimizer`` from ``cfg.checkpoint.load_path`` (a run's directory:
+    its latest complete checkpoint) with its ``resume_optimizer_settings``; the directory
+    read."""
+    policy = cfg.checkpoint
+    path = resolve_checkpoint(policy.load_path)
     ckpt.load(path, model, optimizer)
     wanted = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    resume_optimizer_settings(optimizer, wanted, mode=cfg.resume_optimizer_settings, path=path)
+    resume_optimizer_settings(optimizer, wanted, mode=policy.resume_optimizer_settings, path=path)
     return path
 
 

@@ -121,7 +121,7 @@ def estimate_memory(cfg: TrainConfig, *, world_size: int) -> MemoryEstimate:
             units[size] = units.get(size, 0) + count
     local = sum(size * count for size, count in units.items())
     num_params = local + (tp - 1) * (dense * (m.num_layers - moe_layers) + moe * moe_layers) // tp
-    cb = 2 if cfg.bf16 else 4
+    cb = cfg.compute_dtype.itemsize
     placements = placements_for(cfg.strategy)
     owned = math.ceil(local / optim_shard) if placements.optim else local
     if placements.params:  # ZeRO-3: gathered units live in num_slots slots per size class

@@ -57,6 +57,43 @@ def preload_te() -> None:
         pass
 
 
+@dataclass(frozen=True)
+class StartMethod:
+    """How :func:`spawn` starts its ranks (:func:`set_start_method`)."""
+
+    name: str = "spawn"
+    """``spawn``: a fresh interpreter per rank, as a launcher starts them. ``forkserver``:
+    each rank forked from one server process ([Note: forkserver ranks])."""
+    preload: tuple[str, ...] = ()
+    """forkserver: the modules the server imports once, before it forks any rank."""
+
+
+_START = [StartMethod()]
+"""The start method of this process's :func:`spawn` calls (one entry; set_start_method)."""
+
+START_METHODS = ("spawn", "forkserver")
+
+
+def set_start_method(name: str, *, preload: tuple[str, ...] = ()) -> None:
+    """Start the ranks of this process's later :func:`spawn` calls by ``name`` (one of
+    :data:`START_METHODS`; ``preload``: the forkserver's modules). The test suite's CPU runs
+    use ``forkserver`` with torch preloaded; commands keep ``spawn``.
+
+    [Note: forkserver ranks] Importing torch costs a rank seconds of CPU, more than a tiny
+    model's training; a suite that starts hundreds of gloo ranks on 2 cores spends most of its
+    time there. A forkserver imports ``preload`` once (no CUDA, no threads) and forks each
+    rank from it, so a rank starts in milliseconds. What differs from ``spawn`` is handled in
+    the rank's entry: the environment is this process's at the :func:`spawn` call (sent along
+    and restored, not the server's from when it started), and the rank dies with its parent,
+    the server, which exits when this process dies (lifeline.py [Note: ranks die with their
+    launcher], one link longer). A rank still runs in a process of its own, with module state
+    as imported and nothing of this process's (its tensors, its process groups).
+    """
+    if name not in START_METHODS:
+        raise ValueError(f"set_start_method({name!r}): one of {START_METHODS}")
+    _START[0] = StartMethod(name, tuple(preload))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +110,12 @@ def _entry(
     conn,
     pg_timeout_s: float | None,
     parent_pid: int,
+    env: dict[str, str] | None = None,
 ) -> None:
+    if env is not None:  # a forkserver's rank: [Note: forkserver ranks]
+        os.environ.clear()
+        os.environ.update(env)
+        parent_pid = os.getppid()  # the server, which dies with the caller of spawn
     die_with_parent(parent_pid)  # lifeline.py [Note: ranks die with their launcher]
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -129,7 +171,8 @@ def spawn(
     timeout: float | None = None,
     pg_timeout_s: float | None = None,
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; return results.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (started as
+    :func:`set_start_method` says); return results.
 
     ``fn`` must be importable (module level). The groups are made by
     :func:`graph_fsdp.init_distributed` with ``pg_timeout_s`` (None: its default, 60 s). Never hangs: a rank that exits
@@ -165,13 +208,29 @@ def _port_taken(outcome: dict) -> bool:
 
 
 def _launch(fn, world_size, args, backend, timeout, pg_timeout_s) -> dict:
-    ctx = mp.get_context("spawn")
+    start = _START[0]
+    ctx = mp.get_context(start.name)
+    env = None
+    if start.name == "forkserver":
+        ctx.set_forkserver_preload(list(start.preload))
+        env = dict(os.environ)
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(
             target=_entry,
-            args=(r, fn, world_size, port, backend, args, pipes[r][1], pg_timeout_s, os.getpid()),
+            args=(
+                r,
+                fn,
+                world_size,
+                port,
+                backend,
+                args,
+                pipes[r][1],
+                pg_timeout_s,
+                os.getpid(),
+                env,
+            ),
         )
         for r in range(world_size)
     ]

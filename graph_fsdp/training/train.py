@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from graph_fsdp.capture import te_backend
-from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.fsdp.experts import init_expert_mesh
 from graph_fsdp.fsdp.fully_shard import fully_shard
 from graph_fsdp.models import (
@@ -73,11 +72,6 @@ class TrainConfig(LoopConfig):
     sequence_parallel: bool = False
     """With tensor_parallel: the activations between the TP blocks (residual stream, norms)
     split over the sequence."""
-    grad_comm_dtype: str | None = None
-    """None (fp32) or bf16 reduction."""
-    reduce_scatter_fp32_accumulation: bool = False
-    """bf16 gradients over the wire (all-to-all), summed in fp32 by each rank
-    (MixedPrecisionPolicy.reduce_scatter_fp32_accumulation)."""
     recompute: bool = False
     """Activation checkpointing of every transformer layer."""
     device: str = "cpu"
@@ -106,18 +100,9 @@ class TrainConfig(LoopConfig):
                 "tensor parallelism take the document boundaries"
             )
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
-
 
 def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    mp = MixedPrecisionPolicy(
-        param_dtype=cfg.compute_dtype if cfg.bf16 else None,
-        grad_comm_dtype=torch.bfloat16 if cfg.grad_comm_dtype == "bf16" else None,
-        reduce_scatter_fp32_accumulation=cfg.reduce_scatter_fp32_accumulation,
-    )
-    bp = cfg.buffers
+    mp, bp = cfg.mp, cfg.buffers
     mesh = data_parallel_mesh(cfg)
     vocab_mesh = None
     if cfg.vocab_parallel_embedding:
@@ -275,8 +260,8 @@ class MixedPrecisionReference(Trainer):
         # MoE capacity is per microbatch, so concatenating the ranks' batches would route
         # tokens differently: each microbatch runs them one after another.
         self.batches_per_microbatch = world_size
-        if cfg.bf16:
-            model.to(torch.bfloat16)
+        if cfg.mp.param_dtype is not None:
+            model.to(cfg.mp.param_dtype)
 
     def grads_to_main(self) -> None:
         for m, p in zip(self.master, self.params):

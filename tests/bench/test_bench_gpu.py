@@ -16,8 +16,8 @@ import json
 import os
 
 import pytest
+from graph_fsdp_testing import BF16_MP, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.bench.memory import MemoryJob, memory_worker
 from graph_fsdp.bench.peers import BenchSpec, run_unsharded, run_unsharded_captured
@@ -44,7 +44,7 @@ MODEL = GPTConfig(
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(model=MODEL, bf16=True, device="cuda", micro_batch_size=2, **kw)
+    return TrainConfig(model=MODEL, mp=BF16_MP, device="cuda", micro_batch_size=2, **kw)
 
 
 def _deterministic() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import torch
+from graph_fsdp_testing import BF16_MP
 
 from graph_fsdp.bench.memory import MemoryJob, _known, memory_worker, merge, write_result
 from graph_fsdp.bench.memory_model import Shape, fsdp2_roles, graph_fsdp_roles, unit_numels
@@ -20,6 +21,7 @@ from graph_fsdp.bench.memory_trace import (
     reserved_at_peak,
     role_from_frames,
 )
+from graph_fsdp.fsdp.api import BufferPolicy
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig
@@ -360,7 +362,13 @@ def test_unit_numels_follow_the_model() -> None:
 
 def test_model_matches_a_real_run() -> None:
     """The bytes-per-role model equals what a 2-rank gloo run holds on rank 0."""
-    cfg = TrainConfig(model=TINY, bf16=True, allocator="double_buffer", steps=1, micro_batch_size=2)
+    cfg = TrainConfig(
+        model=TINY,
+        mp=BF16_MP,
+        buffers=BufferPolicy(allocator="double_buffer"),
+        steps=1,
+        micro_batch_size=2,
+    )
     job = MemoryJob(cfg=cfg, engine="graph_fsdp", warmup=1, output_dir="unused")
     result = spawn(memory_worker, 2, job)[0]
     roles = graph_fsdp_roles(Shape(model=TINY, world_size=2))

@@ -17,8 +17,8 @@ import os
 
 import pytest
 import torch
+from graph_fsdp_testing import BF16_MP, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.training.loop import use_deterministic_kernels
 from graph_fsdp.training.processes import spawn
@@ -45,7 +45,7 @@ def _train(rank: int, lend: bool, accumulate: bool) -> dict:
         model=GPTConfig(
             vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
         ),
-        bf16=True,
+        mp=BF16_MP,
         micro_batch_size=2,
         device="cuda",
         allocator="double_buffer",

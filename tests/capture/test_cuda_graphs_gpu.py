@@ -21,6 +21,7 @@ from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
 from graph_fsdp_testing import MOE_LAYERS, bit_exact_gpu_run, gpu_gpt, needs_gpus
 
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.loop import use_deterministic_kernels
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
@@ -84,14 +85,20 @@ def _train_family(rank: int, world: int, family: str, ckpt_root: str) -> dict:
         key = f"{impl}:{' '.join(scopes) or 'layer'}"
         path = os.path.join(ckpt_root, key.replace(":", "_").replace(" ", "_"))
         cfg = dataclasses.replace(
-            base, cuda_graph_impl=impl, cuda_graph_scope=scopes, save_path=path, save_at=SAVE_AT
+            base,
+            cuda_graph_impl=impl,
+            cuda_graph_scope=scopes,
+            checkpoint=CheckpointPolicy(save_path=path, save_at=SAVE_AT),
         )
         full = run(rank, world, cfg)
         resumed = run(
             rank,
             world,
             dataclasses.replace(
-                cfg, save_path=None, load_path=path, start_step=SAVE_AT, steps=STEPS - SAVE_AT
+                cfg,
+                checkpoint=CheckpointPolicy(load_path=path),
+                start_step=SAVE_AT,
+                steps=STEPS - SAVE_AT,
             ),
         )
         out[key] = {"full": full, "resumed": resumed}

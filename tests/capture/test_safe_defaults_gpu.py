@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from graph_fsdp_testing import needs_gpus
+from graph_fsdp_testing import BF16_MP, needs_gpus
 
 from graph_fsdp.models.hf import hf_decoder, hf_decoder_layers, hf_family_available
 from graph_fsdp.training.loop import use_deterministic_kernels
@@ -150,7 +150,7 @@ def _megatron_capture(rank: int, world: int, graph_safe: bool) -> dict:
         attention_backend="local",
     )
     cfg = MCoreTrainConfig(
-        model=model, bf16=True, allocator="double_buffer", persist_on_alloc_fail=True
+        model=model, mp=BF16_MP, allocator="double_buffer", persist_on_alloc_fail=True
     )
     gm.init_parallel_state()
     device = torch.device("cuda", torch.cuda.current_device())

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import SMALLEST_GPT
+from graph_fsdp_testing import BF16_MP, SMALLEST_GPT
 
 from graph_fsdp.capture import GraphConfigError
 from graph_fsdp.capture.step_optimizer import (
@@ -37,7 +37,7 @@ CPU = torch.device("cpu")
 VARIANTS = {
     # bf16 compute, 2 microbatches (no_sync accumulation), ZeRO-3, fused AdamW, clipping on
     "adamw_bf16_accum2_clip": (
-        TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, bf16=True, device="cpu"),
+        TrainConfig(model=TINY, micro_batch_size=2, grad_accum=2, mp=BF16_MP, device="cpu"),
         "adamw",
         0.05,
     ),

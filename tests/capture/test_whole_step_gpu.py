@@ -38,8 +38,8 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
+from graph_fsdp_testing import BF16_MP, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.loop import use_deterministic_kernels
@@ -59,8 +59,7 @@ def _exact_cfg(grad_accum: int, vocab_parallel: bool = False, fp32_accumulation:
     return TrainConfig(
         model=SMALL,
         vocab_parallel_embedding=vocab_parallel,
-        reduce_scatter_fp32_accumulation=fp32_accumulation,
-        bf16=True,
+        mp=dataclasses.replace(BF16_MP, reduce_scatter_fp32_accumulation=fp32_accumulation),
         micro_batch_size=2,
         grad_accum=grad_accum,
         device="cuda",
@@ -413,7 +412,7 @@ def _timed_spec(grad_accum: int = 1, **changes):
 
     cfg = TrainConfig(
         model=GPTConfig(),
-        bf16=True,
+        mp=BF16_MP,
         micro_batch_size=1,
         grad_accum=grad_accum,
         device="cuda",

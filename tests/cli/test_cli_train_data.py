@@ -10,6 +10,7 @@ import pytest
 from graph_fsdp_testing import spawn_cases
 
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.train import TrainConfig, run
 
 MODEL = GPTConfig(
@@ -37,9 +38,15 @@ def test_train_run_learns_the_token_file_and_resumes_on_the_same_batches(
     # One spawned group: the saving run, a synthetic-data run, the resume from the checkpoint.
     runs = spawn_cases(
         {
-            "full": (run, replace(cfg, steps=6, save_path=ckpt, save_at=3)),
+            "full": (
+                run,
+                replace(cfg, steps=6, checkpoint=CheckpointPolicy(save_path=ckpt, save_at=3)),
+            ),
             "synthetic": (run, replace(cfg, steps=6, data_path=None)),
-            "resumed": (run, replace(cfg, steps=3, load_path=ckpt, start_step=3)),
+            "resumed": (
+                run,
+                replace(cfg, steps=3, checkpoint=CheckpointPolicy(load_path=ckpt), start_step=3),
+            ),
         },
         2,
     )

@@ -437,6 +437,6 @@ def test_an_all_to_all_in_a_full_iteration_graph_sets_nccl_graph_register(
         ["compare", *TINY, "--bf16", *flags, "--cuda-graph-impl", "torch", *STATIC]
     )
     cfg = resolve(args, graph_scope_sets=[scopes], graphs_optional=True).cfg
-    assert cfg.reduce_scatter_fp32_accumulation == (flags == [FP32_ACCUM])
+    assert cfg.mp.reduce_scatter_fp32_accumulation == (flags == [FP32_ACCUM])
     assert cfg.expert_parallel == (2 if flags == EXPERT_PARALLEL else None)
     assert os.environ.get("NCCL_GRAPH_REGISTER") == expected

@@ -9,14 +9,14 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import TINY_GPT, shard_layers, spawn_cases
+from graph_fsdp_testing import BF16_MP, TINY_GPT, shard_layers, spawn_cases
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.training.train import TrainConfig, run
 
 TINY = TINY_GPT
-BASE = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True, lr=1e-2)
+BASE = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, mp=BF16_MP, lr=1e-2)
 
 
 TWO_RANK_CONFIGS = {
@@ -39,7 +39,9 @@ def _both(configs: dict[str, TrainConfig]) -> dict[str, tuple]:
     cases = {}
     for label, cfg in configs.items():
         cases[f"{label}:plain"] = (run, cfg)
-        accum = dataclasses.replace(cfg, reduce_scatter_fp32_accumulation=True)
+        accum = dataclasses.replace(
+            cfg, mp=dataclasses.replace(cfg.mp, reduce_scatter_fp32_accumulation=True)
+        )
         cases[f"{label}:fp32_accumulation"] = (run, accum)
     return cases
 

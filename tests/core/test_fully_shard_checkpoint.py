@@ -11,6 +11,7 @@ from graph_fsdp_testing import TINY_GPT, CaseResults, full_optimizer_state, spaw
 
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.models import build_model, synthetic_batch
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.train import TrainConfig, run, shard_model
 
 TINY = TINY_GPT
@@ -101,10 +102,17 @@ def spawned(tmp_path_factory) -> tuple[dict, CaseResults]:
         loads[load_world][f"load:{move}"] = (_load, load_cfg, paths[move], 2)
     first = spawn_cases(
         {
-            "resume:full": (run, TrainConfig(model=TINY, steps=4, save_path=resume, save_at=2)),
+            "resume:full": (
+                run,
+                TrainConfig(
+                    model=TINY, steps=4, checkpoint=CheckpointPolicy(save_path=resume, save_at=2)
+                ),
+            ),
             "resume:resumed": (
                 run,
-                TrainConfig(model=TINY, steps=2, load_path=resume, start_step=2),
+                TrainConfig(
+                    model=TINY, steps=2, checkpoint=CheckpointPolicy(load_path=resume), start_step=2
+                ),
             ),
             **saves[2],
         },

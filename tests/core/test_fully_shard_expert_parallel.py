@@ -36,6 +36,7 @@ from graph_fsdp import (
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.fsdp import reduce as reduction
 from graph_fsdp.models import build_model, partition_experts, synthetic_batch
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run, shard_model
 
@@ -72,7 +73,10 @@ def _resume_cases(root: str) -> dict[str, TrainConfig]:
     out: dict[str, TrainConfig] = {}
     for name, cfg in saved.items():
         out[f"save:{name}"] = dataclasses.replace(
-            cfg, steps=SAVE_AT, eval_interval=0, save_path=os.path.join(root, name), save_at=SAVE_AT
+            cfg,
+            steps=SAVE_AT,
+            eval_interval=0,
+            checkpoint=CheckpointPolicy(save_path=os.path.join(root, name), save_at=SAVE_AT),
         )
     for src, dst, ep, strategy in (
         ("ep2", "ep1", 1, "optim_grads_params"),
@@ -83,7 +87,7 @@ def _resume_cases(root: str) -> dict[str, TrainConfig]:
         out[f"resume:{src}->{dst}"] = dataclasses.replace(
             _case(ep, strategy),
             eval_interval=0,
-            load_path=os.path.join(root, src),
+            checkpoint=CheckpointPolicy(load_path=os.path.join(root, src)),
             start_step=SAVE_AT,
             steps=BASE.steps - SAVE_AT,
         )
@@ -98,7 +102,8 @@ def _load_on_two_ranks(rank: int, world: int, root: str) -> dict:
     """The EP = 2 checkpoint of 4 ranks loaded on 2: EP = 2 x EDP = 1, EP = 1, no EP."""
     out = {}
     for ep in (2, 1, None):
-        cfg = _case(ep, load_path=os.path.join(root, "ep2"), start_step=SAVE_AT, steps=0)
+        load = CheckpointPolicy(load_path=os.path.join(root, "ep2"))
+        cfg = _case(ep, checkpoint=load, start_step=SAVE_AT, steps=0)
         out[ep] = run(rank, world, cfg)["params"]
     return out
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from graph_fsdp_testing import BF16_MP, needs_gpus, profile_steps
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus, profile_steps
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -24,7 +24,7 @@ SMALL = GPTConfig(
 
 
 def test_bf16_parity_with_single_gpu_reference():
-    cfg = TrainConfig(model=SMALL, bf16=True, steps=5, device="cuda", micro_batch_size=2)
+    cfg = TrainConfig(model=SMALL, mp=BF16_MP, steps=5, device="cuda", micro_batch_size=2)
     ref = run(0, WORLD, dataclasses.replace(cfg, mode="reference"))
     res = spawn(run, WORLD, cfg, backend="nccl")
     # bf16 compute: the reference accumulates both microbatches' grads in bf16, FSDP
@@ -44,7 +44,7 @@ def _profile_overlap(rank: int, world: int) -> dict:
         model=dataclasses.replace(
             SMALL, hidden_size=2048, num_attention_heads=16, num_layers=4, seq_length=2048
         ),
-        bf16=True,
+        mp=BF16_MP,
     )
     model = build_model(cfg.model, device=torch.device("cuda", rank))
     shard_model(model, cfg)
@@ -88,7 +88,7 @@ def _addresses(rank: int, world: int, allocator: str, pin: bool) -> dict:
 
     cfg = TrainConfig(
         model=dataclasses.replace(SMALL, num_experts=4, moe_layer_freq=2),
-        bf16=True,
+        mp=BF16_MP,
         allocator=allocator,
         persist_on_alloc_fail=True,
     )

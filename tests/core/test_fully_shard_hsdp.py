@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from graph_fsdp import fully_shard
+from graph_fsdp.fsdp.api import MixedPrecisionPolicy
 from graph_fsdp.fsdp.checkpoint import full_state_dict
 from graph_fsdp.models import build_model
 from graph_fsdp.training.train import TrainConfig, run
@@ -65,7 +66,10 @@ EXTRA: dict[str, TrainConfig] = {
     # bf16 reduction: the reduced shards go through the comm-dtype buffers of both dims.
     **{
         f"{name}:optim_grads_params{'+optim_over_replicas' if over else ''}+bf16_comm": _case(
-            mesh, "optim_grads_params", over, grad_comm_dtype="bf16"
+            mesh,
+            "optim_grads_params",
+            over,
+            mp=MixedPrecisionPolicy(grad_comm_dtype=torch.bfloat16),
         )
         for name, mesh, over in (
             ("1d", None, False),

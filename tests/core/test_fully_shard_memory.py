@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from graph_fsdp_testing import TINY_GPT, shard_layers, spawn_cases
+from graph_fsdp_testing import BF16_MP, TINY_GPT, shard_layers, spawn_cases
 
 from graph_fsdp import BufferPolicy, MixedPrecisionPolicy, fully_shard
 from graph_fsdp.fsdp.state import collect_states
@@ -55,7 +55,7 @@ def _grad_lifecycle(rank: int, world: int, strategy: str) -> dict:
     return out
 
 
-BF16 = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, bf16=True)
+BF16 = TrainConfig(model=TINY, strategy="optim_grads_params", steps=3, mp=BF16_MP)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,10 @@ import tempfile
 
 import pytest
 import torch
-from graph_fsdp_testing import bit_exact_gpu_run, gpu_gpt, profile_steps
+from graph_fsdp_testing import BF16_MP, bit_exact_gpu_run, gpu_gpt, profile_steps
 
 from graph_fsdp.models import GPTConfig
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
 
@@ -58,13 +59,18 @@ def _graphed_vs_eager(rank: int, world: int, meshes: dict, ckpt_root: str) -> di
         res = {"eager": run(rank, world, _cfg(mesh, over))}
         for name, graph_kw in GRAPHED.items():
             path = os.path.join(ckpt_root, f"{label}_{name}".replace("+", "_"))
-            cfg = _cfg(mesh, over, save_path=path, save_at=SAVE_AT, **graph_kw)
+            cfg = _cfg(
+                mesh, over, checkpoint=CheckpointPolicy(save_path=path, save_at=SAVE_AT), **graph_kw
+            )
             res[name] = run(rank, world, cfg)
             res[f"{name}_resumed"] = run(
                 rank,
                 world,
                 dataclasses.replace(
-                    cfg, save_path=None, load_path=path, start_step=SAVE_AT, steps=STEPS - SAVE_AT
+                    cfg,
+                    checkpoint=CheckpointPolicy(load_path=path),
+                    start_step=SAVE_AT,
+                    steps=STEPS - SAVE_AT,
                 ),
             )
         out[label] = res
@@ -152,7 +158,7 @@ def _profile_replica_reduction(rank: int, world: int, over: bool) -> dict:
         SMALL, hidden_size=2048, num_attention_heads=16, num_layers=4, seq_length=2048
     )
     cfg = TrainConfig(
-        model=model_cfg, bf16=True, device="cuda", mesh_shape=(2, 1), optim_over_replicas=over
+        model=model_cfg, mp=BF16_MP, device="cuda", mesh_shape=(2, 1), optim_over_replicas=over
     )
     device = torch.device("cuda", rank)
     model = shard_model(build_model(cfg.model, device=device), cfg)
@@ -202,7 +208,7 @@ def test_2x2_graphed_bit_identical_to_eager():
 def _timed_runs(rank: int, world: int) -> dict:
     base = TrainConfig(
         model=TIMED,
-        bf16=True,
+        mp=BF16_MP,
         steps=15,
         micro_batch_size=1,
         device="cuda",

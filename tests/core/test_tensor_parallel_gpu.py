@@ -35,8 +35,9 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus, run_modes
+from graph_fsdp_testing import BF16_MP, megatron_stack_missing, needs_gpus, run_modes
 
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.loop import use_deterministic_kernels
 from graph_fsdp.training.processes import spawn
 
@@ -219,7 +220,7 @@ def _mcore_all(rank: int, world: int, tp: int) -> dict:
     static = dict(allocator="double_buffer", persist_on_alloc_fail=True)
 
     def cfg(**kw) -> MCoreTrainConfig:
-        base = dict(model=model, steps=STEPS, eval_interval=EVAL, bf16=True, deterministic=True)
+        base = dict(model=model, steps=STEPS, eval_interval=EVAL, mp=BF16_MP, deterministic=True)
         return MCoreTrainConfig(**{**base, "grad_accum": ACCUM, "clip_grad": 1.0, **kw})
 
     out = {"eager": run(rank, world, cfg())}
@@ -228,9 +229,24 @@ def _mcore_all(rank: int, world: int, tp: int) -> dict:
     path = [tempfile.mkdtemp(prefix="mcore_tp_") if rank == 0 else None]
     dist.broadcast_object_list(path, src=0)
     graphed = dict(cuda_graph_impl="te", cuda_graph_scope=[], **static)
-    first = run(rank, world, cfg(steps=SAVE_AT, save_path=path[0], save_at=SAVE_AT, **graphed))
+    first = run(
+        rank,
+        world,
+        cfg(
+            steps=SAVE_AT,
+            checkpoint=CheckpointPolicy(save_path=path[0], save_at=SAVE_AT),
+            **graphed,
+        ),
+    )
     second = run(
-        rank, world, cfg(steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=path[0], **graphed)
+        rank,
+        world,
+        cfg(
+            steps=STEPS - SAVE_AT,
+            start_step=SAVE_AT,
+            checkpoint=CheckpointPolicy(load_path=path[0]),
+            **graphed,
+        ),
     )
     out["resume"] = first["losses"] + second["losses"]
     out["resume reports"] = [first.get("cuda_graphs"), second.get("cuda_graphs")]
@@ -306,7 +322,7 @@ def _llama_all(rank: int, world: int) -> dict:
         eval_interval=EVAL,
         clip_grad=1.0,
         fused_optimizer=True,  # the one-graph step's optimizer; eager runs the same
-        bf16=True,
+        mp=BF16_MP,
         deterministic=True,
         allocator="double_buffer",
         persist_on_alloc_fail=True,

@@ -12,7 +12,8 @@ from graph_fsdp_testing import TINY_GPT
 
 from graph_fsdp.capture.policy import GraphPolicy, capture_impl
 from graph_fsdp.capture.scopes import GraphConfigError
-from graph_fsdp.fsdp.api import BufferPolicy
+from graph_fsdp.fsdp.api import BufferPolicy, MixedPrecisionPolicy
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
 
@@ -125,3 +126,74 @@ def test_train_config_holds_its_graph_policy() -> None:
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.impl = "te"
+
+
+FLAT = [
+    # (flat spelling, its value, the section's field, the value there)
+    ("bf16", True, "mp.param_dtype", torch.bfloat16),
+    ("grad_comm_dtype", "bf16", "mp.grad_comm_dtype", torch.bfloat16),
+    ("reduce_scatter_fp32_accumulation", True, "mp.reduce_scatter_fp32_accumulation", True),
+    ("save_path", "/ck", "checkpoint.save_path", "/ck"),
+    ("save_at", 3, "checkpoint.save_at", 3),
+    ("save_interval", 2, "checkpoint.save_interval", 2),
+    ("save_keep_last", 1, "checkpoint.keep_last", 1),
+    ("save_on_interrupt", True, "checkpoint.save_on_interrupt", True),
+    ("load_path", "/ck", "checkpoint.load_path", "/ck"),
+    ("resume_optimizer_settings", "config", "checkpoint.resume_optimizer_settings", "config"),
+]
+
+
+def _section_field(cfg: TrainConfig, spelling: str):
+    section, name = spelling.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+@pytest.mark.parametrize(("old", "value", "new", "stored"), FLAT, ids=[f[0] for f in FLAT])
+def test_flat_spellings_fold_into_their_section(old, value, new, stored) -> None:
+    """The mixed-precision and checkpoint fields moved into ``mp`` and ``checkpoint``: the
+    flat spelling still works in the constructor, ``dataclasses.replace`` and as an
+    attribute, each time with a DeprecationWarning naming the section's field."""
+    message = f"LoopConfig.{old} is deprecated: use LoopConfig.{new}"
+    extra = {"mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if old != "bf16" else {}
+    with pytest.warns(DeprecationWarning, match=message):
+        made = TrainConfig(**extra, **{old: value})
+    with pytest.warns(DeprecationWarning, match=message):
+        replaced = dataclasses.replace(TrainConfig(**extra), **{old: value})
+    for cfg in (made, replaced):
+        assert _section_field(cfg, new) == stored
+        with pytest.warns(DeprecationWarning, match=message):
+            assert getattr(cfg, old) == value
+    # The other fields of the section it folds into are kept.
+    if extra:
+        assert made.mp.param_dtype == replaced.mp.param_dtype == torch.bfloat16
+
+
+def test_sections_refuse_what_they_cannot_train() -> None:
+    with pytest.raises(ValueError, match=r"mp.param_dtype=torch.float16 .* torch.bfloat16"):
+        TrainConfig(mp=MixedPrecisionPolicy(param_dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"checkpoint=.* must be a CheckpointPolicy"):
+        TrainConfig(checkpoint={"save_path": "/ck"})
+    with pytest.raises(ValueError, match="resume_optimizer_settings='keep'"):
+        CheckpointPolicy(resume_optimizer_settings="keep")
+    with pytest.raises(ValueError, match=r"save_interval=-1 must be an int >= 0"):
+        CheckpointPolicy(save_interval=-1)
+    with pytest.raises(ValueError, match=r"keep_last=0 must be an int >= 1"):
+        CheckpointPolicy(keep_last=0)
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ValueError, match="grad_comm_dtype='fp16'"),
+    ):
+        TrainConfig(grad_comm_dtype="fp16")
+
+
+def test_checkpoint_policy_says_when_to_save() -> None:
+    """After this run's ``save_at`` steps, every ``save_interval`` iterations, at a stop with
+    ``save_on_interrupt`` - and never without ``save_path``."""
+    policy = CheckpointPolicy(save_path="/ck", save_at=4, save_interval=3)
+    saved = [i for i in range(11, 17) if policy.saves_after(i, start_step=10, stopping=False)]
+    assert saved == [12, 14, 15]
+    assert not policy.saves_after(13, start_step=10, stopping=True)
+    stop = dataclasses.replace(policy, save_on_interrupt=True)
+    assert stop.saves_after(13, start_step=10, stopping=True)
+    nowhere = dataclasses.replace(stop, save_path=None)
+    assert not any(nowhere.saves_after(i, start_step=10, stopping=True) for i in range(11, 17))

@@ -25,6 +25,7 @@ from graph_fsdp import fully_shard, init_expert_mesh
 from graph_fsdp.fsdp import param_group, reduce
 from graph_fsdp.models import build_model, synthetic_batch
 from graph_fsdp.parallel.vocab_parallel import VocabParallelEmbedding, shard_embedding_by_vocab
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.processes import spawn
 from graph_fsdp.training.train import TrainConfig, run
 
@@ -160,8 +161,7 @@ def _all(rank: int, world: int, root: str) -> dict:
                 vocab_parallel_embedding=vp,
                 steps=SAVE_AT,
                 eval_interval=0,
-                save_path=os.path.join(root, name),
-                save_at=SAVE_AT,
+                checkpoint=CheckpointPolicy(save_path=os.path.join(root, name), save_at=SAVE_AT),
             ),
         )
         out[f"resume:{name}"] = run(
@@ -170,7 +170,7 @@ def _all(rank: int, world: int, root: str) -> dict:
             _case(
                 vocab_parallel_embedding=not vp,
                 eval_interval=0,
-                load_path=os.path.join(root, name),
+                checkpoint=CheckpointPolicy(load_path=os.path.join(root, name)),
                 start_step=SAVE_AT,
                 steps=BASE.steps - SAVE_AT,
             ),
@@ -178,9 +178,13 @@ def _all(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def _load(root: str, name: str) -> CheckpointPolicy:
+    return CheckpointPolicy(load_path=os.path.join(root, name))
+
+
 def _load_on_four(rank: int, world: int, root: str) -> dict:
     """The 2-rank vocab-parallel checkpoint loaded on 4 ranks, vocab-parallel (32 rows each)."""
-    cfg = _case(eval_interval=0, load_path=os.path.join(root, "with"), start_step=SAVE_AT, steps=0)
+    cfg = _case(eval_interval=0, checkpoint=_load(root, "with"), start_step=SAVE_AT, steps=0)
     return run(rank, world, cfg)["params"]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from graph_fsdp_testing import cli_error
 
 from graph_fsdp.bench import megatron as mb
@@ -87,7 +88,7 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
     ]
     base = job.base
     assert (base.steps, job.warmup, base.eval_interval, base.cuda_graph_impl) == (25, 5, 0, "none")
-    assert base.fused_optimizer and base.deterministic and base.bf16
+    assert base.fused_optimizer and base.deterministic and base.mp.param_dtype == torch.bfloat16
     m = base.model
     assert (m.num_layers, m.hidden_size, m.num_experts, m.moe_router_topk) == (4, 256, 4, 2)
     assert m.moe_shared_expert_intermediate_size == 512 and m.seq_length == 128

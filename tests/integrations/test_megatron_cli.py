@@ -162,12 +162,13 @@ def test_flags_reach_the_mcore_train_config(tmp_path, monkeypatch, capsys) -> No
     assert main([*argv, "--save-on-interrupt"]) == 0
     cfg = seen["cfg"]
     # Saves at iteration 4 (the interval) and 8 (the end), one iter_NNNNNNN directory each.
-    assert (cfg.start_step, cfg.steps, cfg.save_at, cfg.save_interval) == (3, 5, 5, 4)
-    assert cfg.save_on_interrupt  # the loop saves where a stop signal ends the run
-    assert cfg.load_path == str(ckpt) and cfg.save_path == str(tmp_path / "out")
+    policy = cfg.checkpoint
+    assert (cfg.start_step, cfg.steps, policy.save_at, policy.save_interval) == (3, 5, 5, 4)
+    assert policy.save_on_interrupt  # the loop saves where a stop signal ends the run
+    assert policy.load_path == str(ckpt) and policy.save_path == str(tmp_path / "out")
     assert cfg.data_path == path and cfg.optimizer_offload_fraction == 0.25
     assert cfg.model_name == "mcore-gpt" and seen["fn"] is megatron_cli._worker
-    assert cfg.resume_optimizer_settings == "check" and cfg.check_for_nan_in_loss_and_grad
+    assert policy.resume_optimizer_settings == "check" and cfg.check_for_nan_in_loss_and_grad
 
 
 GRAPHED = ["--cuda-graph-impl", "te", "--cuda-graph-scope", "attn", "--fsdp-double-buffer"]

@@ -23,9 +23,10 @@ from statistics import median
 
 import pytest
 import torch
+from graph_fsdp_testing import BF16_MP, megatron_stack_missing, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import megatron_stack_missing, needs_gpus
 
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.processes import spawn
 
 pytestmark = [
@@ -45,7 +46,7 @@ STATIC = dict(allocator="double_buffer", persist_on_alloc_fail=True)
 def _cfg(model, **kw):
     from graph_fsdp.integrations.megatron.train import MCoreTrainConfig
 
-    base = dict(model=model, steps=STEPS, eval_interval=EVAL, bf16=True, deterministic=True)
+    base = dict(model=model, steps=STEPS, eval_interval=EVAL, mp=BF16_MP, deterministic=True)
     base.update(kw)
     return MCoreTrainConfig(**base)
 
@@ -79,19 +80,7 @@ def _family(rank: int, world: int, model, variants: dict, ckpt_scope: tuple | No
     box = [path]
     torch.distributed.broadcast_object_list(box, src=0)
     graphed = dict(cuda_graph_impl=impl, cuda_graph_scope=list(scopes), **STATIC)
-    first = run(
-        rank, world, _cfg(model, steps=SAVE_AT, save_path=box[0], save_at=SAVE_AT, **graphed)
-    )
-    second = run(
-        rank,
-        world,
-        _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=box[0], **graphed),
-    )
-    out["resume"] = {
-        "first": first["losses"],
-        "second": second["losses"],
-        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
-    }
+    out["resume"] = _save_and_resume(rank, world, model, box[0], graphed)
     try:  # isolated: a failure here must not hide the bit-exactness results above
         out["megatron_fsdp"] = run(
             rank, world, _cfg(model, engine="megatron_fsdp", eval_interval=0)
@@ -453,9 +442,28 @@ def _whole_models() -> dict:
     }
 
 
+def _save_and_resume(rank: int, world: int, model, path: str, graphed: dict) -> dict:
+    """``SAVE_AT`` graphed steps saved to ``path``, then the rest resumed from it: both runs'
+    losses and graph reports."""
+    from graph_fsdp.integrations.megatron.train import run
+
+    save = CheckpointPolicy(save_path=path, save_at=SAVE_AT)
+    first = run(rank, world, _cfg(model, steps=SAVE_AT, checkpoint=save, **graphed))
+    load = CheckpointPolicy(load_path=path)
+    rest = dict(steps=STEPS - SAVE_AT, start_step=SAVE_AT, checkpoint=load)
+    second = run(rank, world, _cfg(model, **rest, **graphed))
+    return {
+        "first": first["losses"],
+        "second": second["losses"],
+        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
+    }
+
+
 def _saved(root: str, family: str, label: str) -> dict:
     """The run writes its final weights and optimizer state (graph_fsdp.fsdp.checkpoint) here."""
-    return dict(save_path=_ckpt_dir(root, family, label), save_at=STEPS)
+    return dict(
+        checkpoint=CheckpointPolicy(save_path=_ckpt_dir(root, family, label), save_at=STEPS)
+    )
 
 
 def _ckpt_dir(root: str, family: str, label: str) -> str:
@@ -483,17 +491,7 @@ def _whole_family(rank: int, world: int, root: str) -> dict:
     model = _whole_models()["dropless grouped_mm"]
     graphed = dict(cuda_graph_impl="te", cuda_graph_scope=[], **STATIC)
     path = _ckpt_dir(root, "dropless grouped_mm", "resume")
-    first = run(rank, world, _cfg(model, steps=SAVE_AT, save_path=path, save_at=SAVE_AT, **graphed))
-    second = run(
-        rank,
-        world,
-        _cfg(model, steps=STEPS - SAVE_AT, start_step=SAVE_AT, load_path=path, **graphed),
-    )
-    out["dropless grouped_mm"]["resume"] = {
-        "first": first["losses"],
-        "second": second["losses"],
-        "reports": [first.get("cuda_graphs"), second.get("cuda_graphs")],
-    }
+    out["dropless grouped_mm"]["resume"] = _save_and_resume(rank, world, model, path, graphed)
     return out
 
 

@@ -206,3 +206,26 @@ def test_case_results_of_two_groups_join_and_keep_their_world_sizes():
     assert both["solo"] == [1] and both["pair"] == [2, 3]
     with pytest.raises(AssertionError, match="rank 0 did not run it: no failure reported"):
         both["late"]
+
+
+def _env_and_parent(rank: int, world_size: int, name: str) -> tuple[str | None, int]:
+    return os.environ.get(name), os.getppid()
+
+
+def test_ranks_see_the_environment_of_the_spawn_call(monkeypatch):
+    """Under the suite's forkserver ([Note: forkserver ranks]) the ranks' environment is the
+    caller's at the call, not the server's from when it started."""
+    name = "GRAPH_FSDP_TEST_SPAWN_MARK"
+    for value in ("first", "second"):  # the second call reuses the server
+        monkeypatch.setenv(name, value)
+        results = spawn(_env_and_parent, 2, name)
+        assert [env for env, _ in results] == [value, value]
+    monkeypatch.delenv(name)
+    assert [env for env, _ in spawn(_env_and_parent, 2, name)] == [None, None]
+
+
+def test_start_method_is_one_of_the_known():
+    from graph_fsdp.training.processes import set_start_method
+
+    with pytest.raises(ValueError, match=r"set_start_method\('fork'\): one of"):
+        set_start_method("fork")

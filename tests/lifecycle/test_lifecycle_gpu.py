@@ -23,8 +23,8 @@ import weakref
 
 import pytest
 import torch
+from graph_fsdp_testing import BF16_MP, needs_gpus
 from graph_fsdp_testing import GPU_TEST_WORLD as WORLD
-from graph_fsdp_testing import needs_gpus
 
 from graph_fsdp.models import GPTConfig
 
@@ -53,7 +53,7 @@ def _build(rank: int, model_cfg: GPTConfig = SMALL):
     from graph_fsdp.training.train import TrainConfig, shard_model
 
     cfg = TrainConfig(
-        model=model_cfg, bf16=True, allocator="double_buffer", persist_on_alloc_fail=True
+        model=model_cfg, mp=BF16_MP, allocator="double_buffer", persist_on_alloc_fail=True
     )
     torch.manual_seed(0)
     model = shard_model(build_model(model_cfg, device=torch.device("cuda", rank)), cfg)

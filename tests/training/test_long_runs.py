@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training import checkpoints
+from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.nonfinite import NonFiniteGuard, json_number
 from graph_fsdp.training.train import TrainConfig, run
 
@@ -30,18 +31,27 @@ def _losses_or_error(rank: int, world: int, cfg: TrainConfig):
     return out.get("losses"), message, out.get("skipped_steps")
 
 
+def _resume(path: str, mode: str) -> CheckpointPolicy:
+    return CheckpointPolicy(load_path=path, resume_optimizer_settings=mode)
+
+
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("long_runs"))
     base = os.path.join(root, "base")
-    resume = dataclasses.replace(BASE, load_path=base, start_step=2, steps=2)
+    resume = dataclasses.replace(
+        BASE, checkpoint=CheckpointPolicy(load_path=base), start_step=2, steps=2
+    )
     cases = {
-        "save": (run, dataclasses.replace(BASE, save_path=base, save_at=2)),
+        "save": (
+            run,
+            dataclasses.replace(BASE, checkpoint=CheckpointPolicy(save_path=base, save_at=2)),
+        ),
         "same lr": (_losses_or_error, resume),
         "lr 1e6 refused": (_losses_or_error, dataclasses.replace(resume, lr=1e6)),
         "lr 1e6 of the checkpoint": (
             _losses_or_error,
-            dataclasses.replace(resume, lr=1e6, resume_optimizer_settings="checkpoint"),
+            dataclasses.replace(resume, lr=1e6, checkpoint=_resume(base, "checkpoint")),
         ),
         "lr 1e6 of the config": (
             _losses_or_error,
@@ -49,7 +59,7 @@ def spawned(tmp_path_factory):
                 resume,
                 lr=1e6,
                 weight_decay=0.5,
-                resume_optimizer_settings="config",
+                checkpoint=_resume(base, "config"),
                 check_for_nan_in_loss_and_grad=False,
             ),
         ),
@@ -61,8 +71,9 @@ def spawned(tmp_path_factory):
                 lr=1e6,
                 steps=30,
                 max_consecutive_skipped_steps=2,
-                save_path=os.path.join(root, "skipped"),
-                save_interval=1,
+                checkpoint=CheckpointPolicy(
+                    save_path=os.path.join(root, "skipped"), save_interval=1
+                ),
             ),
         ),
     }

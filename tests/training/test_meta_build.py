@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import error_of, spawn_cases
+from graph_fsdp_testing import BF16_MP, error_of, spawn_cases
 
 from graph_fsdp.fsdp import checkpoint as ckpt
 from graph_fsdp.models import GPTConfig, build_model, synthetic_batch
@@ -35,7 +35,7 @@ MOE = dataclasses.replace(DENSE, num_experts=4, moe_layer_freq=2, ffn_hidden_siz
 CONFIGS = {
     "dense zero-3 fp32": TrainConfig(model=DENSE),
     "dense zero-2 bf16 recompute": TrainConfig(
-        model=DENSE, strategy="optim_grads", bf16=True, recompute=True
+        model=DENSE, strategy="optim_grads", mp=BF16_MP, recompute=True
     ),
     "dense no_shard": TrainConfig(model=DENSE, strategy="no_shard"),
     "dense hsdp 2 x 1": TrainConfig(model=DENSE, mesh_shape=(2, 1)),

@@ -52,8 +52,10 @@ class MCoreTrainConfig(LoopConfig):
     """graph_fsdp, or megatron_fsdp (comparison runs; eager only)."""
     micro_batch_size: int = 2
     """Sequences per rank per microbatch."""
-    bf16: bool = True
-    """bf16 compute weights, fp32 main weights and grads."""
+    mp: MixedPrecisionPolicy = field(
+        default_factory=lambda: MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    )
+    """Mixed precision: bf16 compute weights, fp32 main weights and grads by default."""
     return_params: bool = False
     """Gather full parameters at the end (for parity tests)."""
     use_megatron_schedule: bool = False
@@ -123,7 +125,7 @@ def _setup(cfg: MCoreTrainConfig) -> torch.device:
 def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     """The sharded model, its optimizer and step function (``step(i, rank) -> loss``)."""
     # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
-    model = dataclasses.replace(cfg.model, bf16=cfg.bf16)
+    model = dataclasses.replace(cfg.model, bf16=cfg.compute_dtype == torch.bfloat16)
     lm = gm.build_gpt(model if cfg.packing is None else gm.packed_model_config(model), device)
     if cfg.engine == "megatron_fsdp":
         if cfg.model.tensor_model_parallel_size != 1:
@@ -137,12 +139,10 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
                 "norm over its shards); the megatron_fsdp row trains unclipped: set clip_grad=0"
             )
         return _build_megatron_fsdp(cfg, lm, device)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None)
-    bp = cfg.buffers
-    gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=mp, buffer_policy=bp)
+    gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=cfg.mp, buffer_policy=cfg.buffers)
     # graph_fsdp.training.adapters' optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
-    if cfg.load_path:
+    if cfg.checkpoint.load_path:
         load_checkpoint(cfg, lm, opt)
     return lm, opt
 
@@ -152,8 +152,8 @@ def _build_megatron_fsdp(cfg: MCoreTrainConfig, lm, device):
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415 (optional dependency)
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
-    if cfg.bf16:
-        lm = lm.to(torch.bfloat16)
+    if cfg.mp.param_dtype is not None:
+        lm = lm.to(cfg.mp.param_dtype)
     # Expert params (EP = 1) are sharded over the data-parallel mesh too; megatron_fsdp needs
     # it named as the expert mesh or it has no group for them.
     return megatron_fsdp_shard(lm, mesh, "dp", TransformerLayer, cfg, expt_device_mesh=mesh)
