@@ -405,6 +405,11 @@ def first_difference(a: list, b: list) -> str:
     return "none"
 
 
+def differing_params(got: dict, reference: dict) -> list[str]:
+    """The names of ``got["params"]`` (final weights) that are not ``reference``'s bit for bit."""
+    return [n for n, v in reference["params"].items() if not torch.equal(got["params"][n], v)]
+
+
 def graphed_run_failures(
     label: dict, mode: str, got: dict, eager: dict, *, steps: int, warmup: int, what: str = ""
 ) -> list[str]:
@@ -452,7 +457,7 @@ def graphed_run_failures(
             f"{what}: {bad}; report {report}; losses "
             f"{first_difference(eager['losses'], got['losses'])}"
         )
-    differing = [p for p, v in eager["params"].items() if not torch.equal(got["params"][p], v)]
+    differing = differing_params(got, eager)
     if differing:
         failures.append(f"{what}: final weights differ from eager's: {differing[:4]}")
     return failures
@@ -496,7 +501,7 @@ def overflow_problems(label: str, reference: dict, got: dict, *, steps: int, war
     for what in ("losses", "eval_losses"):
         if got[what] != reference[what]:
             problems.append(f"{label}: {what} differ from the run without a factor")
-    differ = [k for k, v in reference["params"].items() if not torch.equal(got["params"][k], v)]
+    differ = differing_params(got, reference)
     if differ:
         problems.append(f"{label}: final weights differ: {differ[:4]}")
     report = got.get("cuda_graphs")

@@ -345,7 +345,10 @@ class OverflowReport:
     layers: list[str]
     """The layers whose exchange dropped rows on some rank."""
     factor: float
-    """The smallest receive-buffer factor that holds the step, rounded up to hundredths."""
+    """The receive-buffer factor that holds the step, rounded up to hundredths: the
+    repeat's measure (:func:`take_needed_factor`); :func:`take_overflow_report` alone gives
+    the overflowed pass's, which can fall short for the layers after the first that dropped
+    rows (their inputs missed those rows)."""
 
     def describe(self) -> str:
         return (

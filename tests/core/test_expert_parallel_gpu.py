@@ -19,7 +19,7 @@ import dataclasses
 
 import pytest
 import torch
-from graph_fsdp_testing import MOE_LAYERS, bit_exact_gpu_run, gpu_gpt
+from graph_fsdp_testing import MOE_LAYERS, bit_exact_gpu_run, differing_params, gpu_gpt
 
 from graph_fsdp.models import GPTConfig
 from graph_fsdp.training.processes import spawn
@@ -100,7 +100,7 @@ def test_expert_parallel_graphs_are_bit_exact_with_eager(label, monkeypatch):
                 problems.append(f"losses differ from step {step}")
             if got["eval_losses"] != eager["eval_losses"]:
                 problems.append("eval losses differ")
-            differ = [n for n, v in eager["params"].items() if not torch.equal(got["params"][n], v)]
+            differ = differing_params(got, eager)
             if differ:
                 problems.append(f"final params differ: {differ[:4]}")
             if problems:

@@ -35,7 +35,13 @@ from statistics import median
 import pytest
 import torch
 import torch.distributed as dist
-from graph_fsdp_testing import BF16_MP, megatron_stack_missing, needs_gpus, run_modes
+from graph_fsdp_testing import (
+    BF16_MP,
+    differing_params,
+    megatron_stack_missing,
+    needs_gpus,
+    run_modes,
+)
 
 from graph_fsdp.training.checkpoints import CheckpointPolicy
 from graph_fsdp.training.loop import use_deterministic_kernels
@@ -370,7 +376,7 @@ def test_megatron_swiglu_gqa_tp_sp_every_capture_mode_bit_identical(world):
         for what in ("losses", "eval_losses"):
             if got[what] != eager[what]:
                 problems.append(f"{label} {what}: {got[what]} vs eager {eager[what]}")
-        differ = [n for n, v in eager["params"].items() if not torch.equal(got["params"][n], v)]
+        differ = differing_params(got, eager)
         if differ:
             problems.append(f"{label}: final weights differ from eager's: {differ[:4]}")
         report = got.get("cuda_graphs") or {}
