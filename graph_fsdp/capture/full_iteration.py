@@ -68,7 +68,9 @@ are theirs between replays. Pins are counted per holder (each runner pins a grou
 offload region pins for good): when the runner drops its graphs, or is collected without
 ``close()``, it takes its pins back, and once no holder is left the next forward releases the
 main gradients and the pool's bytes go back with the graphs. A second runner that captured
-while the first held them writes the same bytes and holds its own pin on them.
+while the first held them writes the same bytes and holds its own pin on them. The pins are a
+``MainGradPins`` (pools.py); the one-graph step holds its own the same way (whole_step.py
+[Note: main gradients in the step graph's pool]).
 
 [Note: eager steps on the capture stream] This runner runs the steps before its capture on
 its capture stream, not only the warmup step. cuBLAS keeps a workspace per handle and stream
@@ -93,7 +95,6 @@ the first of them would make among the capture stream's segments; not examined f
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -109,7 +110,12 @@ from graph_fsdp.capture.diagnosis import (
     new_cuda_graph,
     no_collection,
 )
-from graph_fsdp.capture.pools import pool_bytes, release_cached_blocks, release_for_capture
+from graph_fsdp.capture.pools import (
+    MainGradPins,
+    pool_bytes,
+    release_cached_blocks,
+    release_for_capture,
+)
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.step import (
     GraphedStep,
@@ -188,13 +194,6 @@ def _onoff(sync: tuple) -> str:
     return "on" if all(sync) else "off" if not any(sync) else f"mixed {sync}"
 
 
-def _unpin(groups: list) -> None:
-    """Take back the runner's pins of ``groups`` (emptied in place: a finalizer holds it)."""
-    for group in groups:
-        group.unpin_main_grad()
-    groups.clear()
-
-
 class FullIterationGraphs(RunnerLifecycle):
     """Forward+backward of a ``fully_shard``-ed model, one CUDA graph per microbatch position.
 
@@ -230,9 +229,8 @@ class FullIterationGraphs(RunnerLifecycle):
         self.capture_seconds = 0.0
         self.replays = 0
         self._pool = None
-        self._pinned_main_grads: list = []
+        self._main_grad_pins = MainGradPins(self)
         """The groups whose main gradients this runner's graphs write (one pin each)."""
-        weakref.finalize(self, _unpin, self._pinned_main_grads)  # collected without close()
         self._phase = "eager"
         self._calls = 0
         self._clock: HostClock | None = None
@@ -268,7 +266,7 @@ class FullIterationGraphs(RunnerLifecycle):
             pos.graph, pos.static_inputs, pos.static_flat = None, [], []
         self.captured_generation = None
         self._pool = None
-        _unpin(self._pinned_main_grads)  # [Note: main gradients in the step's pool]
+        self._main_grad_pins.unpin()  # [Note: main gradients in the step's pool]
 
     @contextmanager
     def eagerly(self) -> Iterator[None]:
@@ -483,10 +481,7 @@ class FullIterationGraphs(RunnerLifecycle):
         pos.graph = graph
         # The graph reduces into the main gradients: their address is fixed from now on, for
         # as long as the graphs live ([Note: main gradients in the step's pool]).
-        for group in self._groups:
-            if all(group is not p for p in self._pinned_main_grads):
-                group.pin_main_grad()
-                self._pinned_main_grads.append(group)
+        self._main_grad_pins.pin(self._groups)
         sig.samples_to_host()
         self.captured_generation = self._allocator.generation
         if self.captured_at_step is None or micro == 0:

@@ -1,7 +1,7 @@
 """Bytes of CUDA graphs' private memory pools, for memory reports.
 
 A graph's pool holds everything its capture allocated (activations, FSDP's slots made inside
-the capture, main gradients of a whole-step graph); a replay does not call the allocator, so
+the capture, the main gradients: :class:`MainGradPins`); a replay does not call the allocator, so
 these bytes never show as *allocated* while the graph runs, only as *reserved*. The caching
 allocator's snapshot names each segment's pool (``segment_pool_id``): summing the segments
 of a runner's pools gives the graph's memory as its own role (``fsdp_memory_report()``'s
@@ -10,6 +10,7 @@ of a runner's pools gives the graph's memory as its own role (``fsdp_memory_repo
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -77,3 +78,33 @@ def release_for_capture(groups: Iterable, allocator=None) -> None:
         allocator.release_idle()
     if cuda:
         torch.cuda.empty_cache()
+
+
+class MainGradPins:
+    """The parameter groups whose main gradients a runner's graphs write, one pin each
+    (full_iteration.py [Note: main gradients in the step's pool]): :meth:`pin` them after a
+    capture, :meth:`unpin` when the graphs go; a runner collected without ``close()`` takes
+    them back through a finalizer."""
+
+    def __init__(self, owner: object) -> None:
+        self.groups: list = []
+        weakref.finalize(owner, _unpin_all, self.groups)  # the list, never the owner
+
+    def pin(self, groups: Iterable) -> None:
+        """Pin each of ``groups`` this holder has not pinned yet (their main gradients get
+        bytes now if they have none)."""
+        for group in groups:
+            if all(group is not held for held in self.groups):
+                group.pin_main_grad()
+                self.groups.append(group)
+
+    def unpin(self) -> None:
+        """Take back every pin of this holder (the graphs that wrote the gradients are gone)."""
+        _unpin_all(self.groups)
+
+
+def _unpin_all(groups: list) -> None:
+    """Unpin ``groups`` and empty the list in place (a finalizer holds it)."""
+    for group in groups:
+        group.unpin_main_grad()
+    groups.clear()

@@ -47,16 +47,22 @@ graphs.) A ZeRO-3 gather always casts its shard ([Note: copy-in all-gather]). Wi
 left unmarked: the graph's own tail refreshes them after their update, for the next replay
 (next_gather.py [Note: the next step's gathers in the step graph]).
 
-[Note: main gradients in the step graph's pool] ``FullIterationGraphs`` pins the main
-gradients (its graphs write them, the eager optimizer reads them after the replay). Here
-their whole life - allocated at the step's first reduction, read by the optimizer, dropped
-- is inside the one graph, so they stay releasable ([Note: releasable main grads]): they are
-released before the capture and re-made inside it, from the graph's pool, after the
-backward began, where the eager step makes them too - they share the pool's bytes with the
-activations instead of adding to them. The graph writes them at those addresses on every
-replay; nothing reads them between steps (the next reduction overwrites them), so an eager
-forward that releases them again (an eval pass) only hands the bytes back to the pool, which
-no allocation outside a capture into it uses.
+[Note: main gradients in the step graph's pool] Their whole life - made at the step's first
+reduction, read by the norm and the optimizer, dropped - is inside the one graph. The capture
+starts with them released (pools.py ``release_for_capture``; param_group.py [Note: releasable
+main grads]) and re-makes them from the graph's pool after the backward began, where the
+eager step makes them too, so they share the pool's bytes with the activations freed by then
+- as ``FullIterationGraphs`` does (full_iteration.py [Note: main gradients in the step's
+pool]), and like it the runner then pins them while its graph lives (``MainGradPins``).
+Nothing reads them between replays (the next reduction overwrites them), but eager steps
+write them. Unpinned (as they first were), an eager forward (an eval, an overflowed step's
+repeat) released them into the graph's pool, whose bytes stay reserved while it lives, and
+the repeat's backward made a second set from the default pool, kept until the next eager
+forward; and a
+capture that could not release them (another runner's pin, a ``.grad`` still attached) left
+the graph writing bytes it did not own, which a later forward released for anyone to reuse.
+Pinned, eager steps between replays use the graph's bytes; ``drop()`` (and ``close()``,
+``suspend()``) takes the pin back. The step's own peak is the same either way.
 
 [Note: main gradients before the warmup step] The warmup step on the capture stream starts
 from an emptied cache (pools.py [Note: capture memory]). Its forward's activations took 20
@@ -65,9 +71,10 @@ whole-step timing test) then found none large enough: 0.3 GiB more reserved than
 Made on the capture stream just before that step, the main gradients reserve their segments
 first; the forward releases them ([Note: releasable main grads]), its activations are carved
 from those segments, and the backward's main gradients fit there again as the activations
-go. Measured on 2 H200s: peak reserved 3.293 GiB, was 3.578 (each row paying for its cuBLAS
-workspaces). This runner's eager steps stay on the caller's stream (full_iteration.py [Note:
-eager steps on the capture stream] says why).
+go (the capture releases them once more and makes them in its pool: [Note: main gradients in
+the step graph's pool]). Measured on 2 H200s: peak reserved 3.293 GiB, was 3.578 (each row
+paying for its cuBLAS workspaces). This runner's eager steps stay on the caller's stream
+(full_iteration.py [Note: eager steps on the capture stream] says why).
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ from graph_fsdp.capture.diagnosis import (
 )
 from graph_fsdp.capture.full_iteration import same_step_fn
 from graph_fsdp.capture.next_gather import NextGather
-from graph_fsdp.capture.pools import pool_bytes, release_for_capture
+from graph_fsdp.capture.pools import MainGradPins, pool_bytes, release_for_capture
 from graph_fsdp.capture.scopes import GraphConfigError
 from graph_fsdp.capture.step import (
     StepFn,
@@ -249,6 +256,9 @@ class WholeStepGraph(RunnerLifecycle):
         self._tracker = ModuleTracker.for_model(model)
         self._recorded: _Recorded | None = None
         self._pool = None
+        self._main_grad_pins = MainGradPins(self)
+        """The groups whose main gradients the graph writes ([Note: main gradients in the step
+        graph's pool])."""
         self.captured_generation: int | None = None
         self.steps_seen = 0
         self.captured_at_step: int | None = None
@@ -338,6 +348,7 @@ class WholeStepGraph(RunnerLifecycle):
             self.next_gather.forget()
         self.captured_generation = None
         self._pool = None
+        self._main_grad_pins.unpin()  # [Note: main gradients in the step graph's pool]
 
     def suspend(self) -> None:
         """Free the graph and its pool now; warm up and capture again (offload)."""
@@ -509,6 +520,9 @@ class WholeStepGraph(RunnerLifecycle):
         rec.hyperparameters = hyperparameters(self.optimizer)
         rec.optimizer_state = _state_tensors(self.optimizer)
         rec.graph = graph
+        # The graph writes the main gradients where its capture made them: pinned there while
+        # it lives ([Note: main gradients in the step graph's pool]).
+        self._main_grad_pins.pin(groups)
         self.states[0].root.capture.forget_events()
         self.captured_generation = self._allocator.generation
         self.captured_at_step = self.steps_seen - 1

@@ -570,9 +570,9 @@ class FlatParamGroup(StorageMoves):
     # re-allocated - on the main stream, so the caching allocator hands the freed bytes to
     # activations - just before the next reduction, which overwrites all of it. The tensor
     # object and its ``grad_view``s stay; only their storage comes and goes. A full-iteration
-    # graph writes ``main_grad`` at a fixed address, so its capture re-makes it inside the
-    # graph's pool and pins it while the graphs live (full_iteration.py [Note: main gradients
-    # in the step's pool]).
+    # or whole-step graph writes ``main_grad`` at a fixed address, so its capture re-makes it
+    # inside the graph's pool and pins it while the graphs live (full_iteration.py [Note: main
+    # gradients in the step's pool]).
     def release_main_grad(self) -> None:
         storage = self.main_grad.untyped_storage()
         if self._main_grad_pins or storage.nbytes() == 0 or self.grads_defined():

@@ -15,6 +15,7 @@ warmup on its stream replays its matmuls into the cuBLAS workspace that warmup m
 from __future__ import annotations
 
 import functools
+import gc
 import json
 
 import pytest
@@ -206,6 +207,7 @@ def test_release_for_capture_frees_nothing_a_live_graph_addresses():
 
 
 def _pins(rank: int, world: int) -> dict:
+    from graph_fsdp.capture.pools import MainGradPins
     from graph_fsdp.fsdp.state import collect_states
     from graph_fsdp.models import synthetic_batch
 
@@ -221,17 +223,24 @@ def _pins(rank: int, world: int) -> dict:
             model(x, y)  # the forward that releases unpinned main gradients
         return [g.main_grad.untyped_storage().nbytes() for g in groups]
 
+    class Runner:  # what holds the pins: a runner, collected or closed
+        pass
+
     out = {"unpinned": step_then_forward()}
-    for g in groups:  # two holders (two runners' graphs)
-        g.pin_main_grad()
-        g.pin_main_grad()
+    runners = [Runner(), Runner()]
+    pins = [MainGradPins(r) for r in runners]  # two holders (two runners' graphs)
+    for holder in pins:
+        holder.pin(groups)
+        holder.pin(groups[:1])  # a later capture of the same runner: no second pin
+    out["counts"] = [g._main_grad_pins for g in groups]
     out["two_pins"] = step_then_forward()
-    for g in groups:
-        g.unpin_main_grad()
+    pins[0].unpin()  # the first runner dropped its graphs
+    pins[0].unpin()  # again: nothing left to take back
     out["one_pin"] = step_then_forward()
-    for g in groups:
-        g.unpin_main_grad()
+    del runners[1]  # the second one collected without close(): its finalizer unpins
+    gc.collect()
     out["no_pin"] = step_then_forward()
+    out["holders_emptied"] = [len(holder.groups) for holder in pins]
     try:
         groups[0].unpin_main_grad()
         out["extra_unpin"] = None
@@ -241,9 +250,13 @@ def _pins(rank: int, world: int) -> dict:
 
 
 def test_main_grad_pins_are_counted_per_holder():
-    """A runner that drops its graphs takes back only its own pin: main gradients another
-    holder's graphs still write keep their bytes through the forward that releases them."""
+    """A runner that drops its graphs takes back only its own pin (``MainGradPins``, which
+    both graph runners hold): main gradients another holder's graphs still write keep their
+    bytes through the forward that releases them; a holder pins a group once however often
+    it captures, and a runner collected without ``close()`` takes its pins back."""
     (res,) = spawn(_pins, 1)
+    assert res["counts"] == [2] * len(res["counts"]), res
     assert not any(res["unpinned"]) and not any(res["no_pin"]), res
     assert all(res["two_pins"]) and all(res["one_pin"]), res
+    assert res["holders_emptied"] == [0, 0], res
     assert "without a pin_main_grad()" in res["extra_unpin"]

@@ -2,12 +2,17 @@
 
 Bit-exactness: 30 steps of the graphed step equal the eager step (``eager=True``, the same
 code without graphs) bit for bit - per-step loss, gradient norm and skip flag, an eval loss
-between replays, the final weights and the whole optimizer state - with 1 and 4
+between replays, one step run eagerly between replays (``step.eagerly``, an overflowed
+step's repeat), the final weights and the whole optimizer state - with 1 and 4
 microbatches, fused AdamW with clipping and fused SGD without, an LR schedule (the learning
 rate a device tensor the scheduler fills), and an Inf injected into one microbatch of rank
 0 at one step (the update is skipped on every rank, the optimizer state left as it was), and
 a checkpoint-style ``load_state_dict`` mid-run (new state tensors: the step captures again).
-Every graphed step after the warmup is exactly one replay. The 2-rank variants (the skip
+Every graphed step after the warmup but the eager one is exactly one replay. The main
+gradients live in the graph's pool, pinned while it lives (whole_step.py [Note: main
+gradients in the step graph's pool]): an eval forward and an eager step between replays keep
+their address, as does a capture while another holder pinned them once that holder lets go;
+``close()`` takes the pin back. The 2-rank variants (the skip
 decided from an all-reduced norm inside the graph; the reduce-scatter with fp32
 accumulation, its all-to-all inside the graph) and the refusal of that all-to-all while NCCL
 registers graph buffers skip below 2 GPUs.
@@ -50,7 +55,7 @@ pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 SMALL = GPTConfig(
     vocab_size=1024, num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128
 )
-STEPS, WARMUP, INF_STEP, LOAD_STEP, EVAL_STEP = 30, 2, 12, 16, 20
+STEPS, WARMUP, INF_STEP, LOAD_STEP, EVAL_STEP, EAGER_STEP = 30, 2, 12, 16, 20, 22
 
 
 def _exact_cfg(grad_accum: int, vocab_parallel: bool = False, fp32_accumulation: bool = False):
@@ -143,12 +148,15 @@ def _train(
     step = runner.capture(step_fn)
     rows, snaps, eval_loss = [], {}, None
     for i in range(STEPS):
-        rows.append(_poisoned_step(step, sched, cfg, i, rank, device))
+        # EAGER_STEP: run eagerly between replays (an overflowed step's repeat), writing the
+        # main gradients the graph pinned
+        run = step.eagerly if i == EAGER_STEP else step
+        rows.append(_poisoned_step(run, sched, cfg, i, rank, device))
         if i in (INF_STEP - 1, INF_STEP):
             snaps[i] = _snapshot(model, opt)
         if i == LOAD_STEP:  # new state tensors, same values (a checkpoint load): recapture
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        if i == EVAL_STEP:  # an eager forward between replays (releases the main grads)
+        if i == EVAL_STEP:  # an eager forward between replays (the main grads stay: pinned)
             with torch.no_grad():
                 eval_loss = model(*batch_for(cfg, i, rank, device, eval=True)).float().cpu()
     out = {
@@ -226,11 +234,12 @@ def _check_exact(results: list[dict], variants: list[tuple]) -> None:
             assert _differing(before["opt"], after["opt"]) == [], f"{what}: state changed"
             assert eager["lr"] == graphed["lr"], what
             report = graphed["report"]
-            # One replay per graphed step, none eager after the warmup; captured after the
-            # warmup and again after the optimizer's state tensors were replaced.
+            # One replay per graphed step, none eager after the warmup but EAGER_STEP's;
+            # captured after the warmup and again after the optimizer's state tensors were
+            # replaced.
             assert report["captures"] == 2, report
             assert report["captured_at_step"] == LOAD_STEP + 1, report
-            assert report["replays"] == STEPS - WARMUP, report
+            assert report["replays"] == STEPS - WARMUP - 1, report
             assert report["eager_fallbacks"] == 0 and report["impl"] == "torch", report
             assert eager["report"]["replays"] == 0 and eager["report"]["impl"] == "eager"
             print(
@@ -244,6 +253,96 @@ def _check_exact(results: list[dict], variants: list[tuple]) -> None:
                     }
                 )
             )
+
+
+def _pins_worker(rank: int, world: int) -> dict:
+    """Main-gradient addresses and pins of two graphed runs of the small GPT: ``alone``, and
+    ``after_other`` - every group pinned by another holder (another runner's graphs) before
+    the runner exists, that holder letting go after the capture."""
+    from graph_fsdp.capture.pools import MainGradPins
+    from graph_fsdp.capture.whole_step import WholeStepGraph
+    from graph_fsdp.fsdp.state import collect_states
+    from graph_fsdp.training.data import batch_for
+    from graph_fsdp.training.train import build_for, device_of, shard_model
+
+    use_deterministic_kernels()
+    cfg = _exact_cfg(1)
+    device = device_of(cfg)
+
+    def run(other_holder: bool) -> dict:
+        model = shard_model(build_for(cfg, device), cfg)
+        runner = WholeStepGraph(model, _optimizer("adamw", model), warmup_steps=WARMUP)
+        groups = [g for s in collect_states(model) for g in s.groups]
+
+        class Holder:  # stands for another runner
+            pass
+
+        holder = Holder()
+        other = MainGradPins(holder)
+        if other_holder:
+            other.pin(groups)
+
+        def step_fn(x, y):
+            loss = model(x, y)
+            loss.backward()
+            return loss.detach()
+
+        step = runner.capture(step_fn)
+        for i in range(WARMUP + 2):  # the warmup steps, the capture's step, one replay
+            step([batch_for(cfg, i, rank, device)])
+        other.unpin()  # no-op without the other holder
+        torch.cuda.synchronize()
+        segments = [
+            s
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == tuple(runner._pool)
+        ]
+
+        def addresses() -> list[int]:
+            return [g.main_grad.data_ptr() for g in groups]
+
+        captured = addresses()
+        out = {
+            "in_pool": [
+                any(s["address"] <= p < s["address"] + s["total_size"] for s in segments)
+                for p in captured
+            ],
+            "pinned": [g.main_grad_pinned for g in groups],
+        }
+        with torch.no_grad():  # an eval forward: releases main gradients nobody pins
+            model(*batch_for(cfg, 0, rank, device, eval=True))
+        out["kept_through_eval"] = addresses() == captured and all(
+            g.main_grad.untyped_storage().nbytes() for g in groups
+        )
+        step.eagerly([batch_for(cfg, WARMUP + 2, rank, device)])
+        out["kept_through_eager_step"] = addresses() == captured
+        replays = runner.replays
+        step([batch_for(cfg, WARMUP + 3, rank, device)])
+        out["replayed_after"] = runner.replays == replays + 1
+        runner.close()
+        out["pinned_after_close"] = [g.main_grad_pinned for g in groups]
+        with torch.no_grad():
+            model(*batch_for(cfg, 0, rank, device, eval=True))
+        out["bytes_after_close"] = [g.main_grad.untyped_storage().nbytes() for g in groups]
+        return out
+
+    return {"alone": run(False), "after_other": run(True)}
+
+
+def test_whole_step_main_grads_are_pinned_in_its_pool():
+    """whole_step.py [Note: main gradients in the step graph's pool]: made in the graph's pool
+    (after another holder's pin: where that holder kept them), pinned by the runner while its
+    graph lives - an eval forward and an eager step between replays keep their bytes and
+    address -, released by the first forward after ``close()``."""
+    (res,) = spawn(_pins_worker, 1, backend="nccl")
+    alone, after_other = res["alone"], res["after_other"]
+    assert all(alone["in_pool"]), alone
+    for out in (alone, after_other):
+        assert all(out["pinned"]), out
+        assert out["kept_through_eval"] and out["kept_through_eager_step"], out
+        assert out["replayed_after"], out
+        assert not any(out["pinned_after_close"]), out
+        assert not any(out["bytes_after_close"]), out
 
 
 def test_whole_step_graph_is_bit_identical_to_eager():
