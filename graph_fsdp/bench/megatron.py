@@ -42,42 +42,81 @@ MCORE_ROWS = ("graph_fsdp", "graph_fsdp_graphed", "megatron_fsdp")
 """The bench rows a Megatron-Core model has (the others need graph_fsdp's own GPT)."""
 
 
+@dataclass(frozen=True)
+class PlannedRow:
+    """One row of a launch: its name, ``kind`` (``none`` for eager, a graph impl, or
+    ``megatron_fsdp``), the scopes, whether the full_iteration graph holds the optimizer step
+    (the one graph) and the variant (model and routing) it trains."""
+
+    name: str
+    kind: str
+    scopes: tuple[str, ...] = ()
+    one_graph: bool = False
+    variant: str = ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MCoreBenchJob:
     base: object
     """The eager row's MCoreTrainConfig (``steps`` = warmup + timed)."""
     warmup: int
     """Untimed steps per row (graph capture included)."""
-    rows: tuple[tuple[str, str, tuple[str, ...]], ...]
-    """``(name, engine or graph impl, scopes)`` per row, in report order."""
+    rows: tuple[PlannedRow, ...]
+    """The rows in report order."""
+    variants: tuple[tuple[str, object], ...] = ()
+    """``(label, MCoreTrainConfig)`` of each variant the rows name; none: every row trains
+    ``base`` ([Note: bench variants])."""
+
+    def config_of(self, row: PlannedRow):
+        """The MCoreTrainConfig ``row`` trains."""
+        base = dict(self.variants).get(row.variant, self.base)
+        if row.kind == "megatron_fsdp":
+            return replace(base, engine="megatron_fsdp")
+        return base.with_graphs(impl=row.kind, scopes=row.scopes, optimizer=row.one_graph)
 
 
 def plan_rows(
     rows: list[str], impls: list[str], scope_sets: list[list[str]], *, optimizer: bool = False
-) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """``(name, kind, scopes)``: kind is ``none`` (eager), a graph impl, or ``megatron_fsdp``;
-    ``optimizer``: the full_iteration rows hold the optimizer step (--cuda-graph-optimizer)."""
+) -> tuple[PlannedRow, ...]:
+    """The rows of one model: graph_fsdp eager, a graphed row per impl x scope set, and
+    megatron_fsdp. ``optimizer`` (--cuda-graph-optimizer): each full_iteration row runs twice,
+    with the eager optimizer and as the one graph, side by side (as graph_fsdp's own GPT's
+    bench pairs them: bench/runner.py)."""
     out = []
     if "graph_fsdp" in rows:
-        out.append(("graph_fsdp eager", "none", ()))
+        out.append(PlannedRow("graph_fsdp eager", "none"))
     if "graph_fsdp_graphed" in rows:
         for impl in impls:
             if impl == "none":
                 continue
             for scopes in scope_sets:
                 row_impl = capture_impl(impl, scopes)
-                name = f"graph_fsdp {row_impl} [{scope_label(scopes, optimizer)}]"
-                if all(name != r[0] for r in out):
-                    out.append((name, row_impl, tuple(scopes)))
+                twins = (False, True) if optimizer and "full_iteration" in scopes else (False,)
+                for one in twins:
+                    name = f"graph_fsdp {row_impl} [{scope_label(scopes, one)}]"
+                    if all(name != r.name for r in out):
+                        out.append(PlannedRow(name, row_impl, tuple(scopes), one))
     if "megatron_fsdp" in rows:
-        out.append(("megatron_fsdp eager", "megatron_fsdp", ()))
+        out.append(PlannedRow("megatron_fsdp eager", "megatron_fsdp"))
     return tuple(out)
 
 
-def _row_config(job: MCoreBenchJob, kind: str, scopes: tuple[str, ...]):
-    if kind == "megatron_fsdp":
-        return replace(job.base, engine="megatron_fsdp")
-    return job.base.with_graphs(impl=kind, scopes=scopes)
+# [Note: bench variants] ``--moe-router-skew B [B ...]`` and
+# ``--moe-drop-padding-capacity-factor F`` run the rows of one model once per variant in the
+# same launch: per skew value (0: the model's own routing, "balanced"; B: B added to expert
+# 0's gating logit in every MoE layer, integrations/megatron skew_router), the model as given
+# ("dropless": graph_fsdp's grouped_mm experts) and, with F, the same model with Megatron's
+# experts at capacity factor F padded to capacity ("drop-padding F"), same seed and data.
+# Each row is named "<variant>: <row>" and compared (time, memory, losses) with its own
+# variant's eager row; :func:`ep_summary` puts the dropless rows against the drop-padding
+# ones.
+
+
+def variant_rows(rows: tuple[PlannedRow, ...], labels: list[str]) -> tuple[PlannedRow, ...]:
+    """``rows`` once per variant label, named "<label>: <row>" ([Note: bench variants])."""
+    return tuple(
+        replace(row, name=f"{label}: {row.name}", variant=label) for label in labels for row in rows
+    )
 
 
 def _row_verdict(kind: str, raw: dict | None, timed_steps: int) -> tuple[dict, str | None]:
@@ -94,16 +133,17 @@ def bench_worker(rank: int, world_size: int, job: MCoreBenchJob) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rows = [
         RowRun(
-            name=name,
-            call=lambda kind=kind, scopes=scopes: run(
-                rank, world_size, _row_config(job, kind, scopes)
-            ),
-            verdict=lambda raw, kind=kind: _row_verdict(kind, raw, job.base.steps - job.warmup),
-            numbers=lambda measured: _measured_row(job, measured),
-            skip=_skip_reason(kind, cuda),
+            name=row.name,
+            call=lambda row=row: run(rank, world_size, job.config_of(row)),
+            verdict=lambda raw, row=row: _row_verdict(row.kind, raw, job.base.steps - job.warmup),
+            numbers=lambda measured, row=row: {
+                **_measured_row(job, measured),
+                "variant": row.variant,
+            },
+            skip=_skip_reason(row.kind, cuda),
             skips=(ImportError,),  # megatron_fsdp not installed
         )
-        for name, kind, scopes in job.rows
+        for row in job.rows
     ]
     return run_rows(
         rank, world_size, device, rows, torch.cuda.get_device_name(device) if cuda else "CPU"
@@ -128,6 +168,7 @@ def _measured_row(job: MCoreBenchJob, measured: Measured) -> dict:
         "losses": raw["losses"],
         "final_loss": raw["losses"][-1],
         "step_times_ms": [t * 1e3 for t in timed],
+        "overflow_steps": raw.get("overflow_steps", 0),
     }
 
 
@@ -135,10 +176,15 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     """Rows with ``step_time_vs_eager``, ``peak_memory_vs_eager`` (own allocated),
     ``peak_reserved_vs_eager`` (own reserved) and ``losses_equal_eager`` (None where the
     eager row or the value is missing)."""
-    eager = next((r for r in rows if r["name"] == "graph_fsdp eager" and r["status"] == "ok"), None)
+    eagers = {
+        r.get("variant", ""): r
+        for r in rows
+        if r["name"].endswith("graph_fsdp eager") and r["status"] == "ok"
+    }
     out = []
     for r in rows:
         r = dict(r)
+        eager = eagers.get(r.get("variant", ""))
         if eager is not None and r["status"] == "ok":
             r["step_time_vs_eager"] = r["median_step_ms"] / eager["median_step_ms"]
             for key, ratio in (
@@ -159,6 +205,64 @@ def with_ratios(rows: list[dict]) -> list[dict]:
                 )
             r["losses_equal_eager"] = same
         out.append(r)
+    return out
+
+
+DROPLESS = "dropless"
+"""The variant label of the model as given when drop-padding rows sit beside it."""
+
+
+def ep_summary(rows: list[dict]) -> list[dict]:
+    """Per routing of a launch with drop-padding rows ([Note: bench variants]): the dropless
+    rows against the drop-padding ``full_iteration`` row - step time and own peak reserved
+    ratios - and the overflow repeats of each dropless row; None where a row did not run."""
+    ok = {r["name"]: r for r in with_ratios(rows) if r["status"] == "ok"}
+    variants = list(dict.fromkeys(r.get("variant", "") for r in rows if r.get("variant")))
+    out = []
+    for dropless in (v for v in variants if v.split(", ")[0] == DROPLESS):
+        routing = dropless.partition(", ")[2]
+        padded = next((v for v in variants if v != dropless and v.endswith(f", {routing}")), None)
+        if padded is None:
+            continue
+
+        def row(variant: str, suffix: str, ok=ok) -> dict | None:
+            return next(
+                (r for n, r in ok.items() if n.startswith(f"{variant}: ") and n.endswith(suffix)),
+                None,
+            )
+
+        eager, fi = row(dropless, "graph_fsdp eager"), row(dropless, "[full_iteration]")
+        one, pad_fi = row(dropless, "[full_iteration + optimizer]"), row(padded, "[full_iteration]")
+
+        def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+            return None if a is None or b is None or not b.get(key) else a[key] / b[key]
+
+        out.append(
+            {
+                "routing": routing,
+                "against": padded,
+                "dropless full_iteration / dropless eager, step": ratio(
+                    fi, eager, "median_step_ms"
+                ),
+                "dropless full_iteration / drop-padding full_iteration, step": ratio(
+                    fi, pad_fi, "median_step_ms"
+                ),
+                "dropless one graph / drop-padding full_iteration, step": ratio(
+                    one, pad_fi, "median_step_ms"
+                ),
+                "dropless full_iteration / drop-padding full_iteration, own peak reserved": ratio(
+                    fi, pad_fi, "own_peak_reserved_bytes"
+                ),
+                "dropless one graph / drop-padding full_iteration, own peak reserved": ratio(
+                    one, pad_fi, "own_peak_reserved_bytes"
+                ),
+                "overflow steps of the dropless rows": {
+                    n.partition(": ")[2]: r.get("overflow_steps")
+                    for n, r in ok.items()
+                    if r.get("variant") == dropless
+                },
+            }
+        )
     return out
 
 
@@ -198,7 +302,7 @@ def markdown(report: dict) -> str:
         same = r.get("losses_equal_eager")
         verdict = (
             "-"
-            if same is None or r["name"] == "graph_fsdp eager"
+            if same is None or r["name"].endswith("graph_fsdp eager")
             else "bit-identical"
             if same
             else f"differs from step {r['first_loss_difference_step']} "
@@ -222,6 +326,22 @@ def markdown(report: dict) -> str:
         "losses == eager: every per-step loss equal to the eager row's (bit for bit; run with "
         "--deterministic).",
     ]
+    summary = ep_summary(report["rows"])
+    if summary:
+        lines += ["", "Dropless against drop-padding ([Note: bench variants]):", ""]
+        for entry in summary:
+            parts = [
+                f"{key} {_ratio(value)}"
+                for key, value in entry.items()
+                if key not in ("routing", "against", "overflow steps of the dropless rows")
+            ]
+            repeats = ", ".join(
+                f"{name} {n}" for name, n in entry["overflow steps of the dropless rows"].items()
+            )
+            lines.append(
+                f"- {entry['routing']} (against {entry['against']}): {'; '.join(parts)}; "
+                f"overflow repeats: {repeats or '-'}"
+            )
     if notes:
         lines += ["", "Notes:", *notes]
     return "\n".join(lines) + "\n"
@@ -233,5 +353,6 @@ def write_report(report: dict, output_dir: str) -> dict[str, str]:
     with open(paths["md"], "w") as f:
         f.write(markdown(report))
     with open(paths["json"], "w") as f:
-        json.dump({**report, "rows": with_ratios(report["rows"])}, f, indent=2)
+        rows = with_ratios(report["rows"])
+        json.dump({**report, "rows": rows, "ep_summary": ep_summary(report["rows"])}, f, indent=2)
     return paths

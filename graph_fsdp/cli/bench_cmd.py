@@ -88,6 +88,25 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="ROW",
         help=f"Rows to run, any of: {', '.join(ROWS)} (default: all but reference).",
     )
+    g.add_argument(
+        "--moe-router-skew",
+        nargs="+",
+        type=float,
+        default=None,
+        metavar="B",
+        help="--model mcore-moe: run every row once per value, with B added to expert 0's "
+        "gating logit in every MoE layer (0: the model's own routing); a skewed load for the "
+        "expert-parallel exchange, e.g. --moe-router-skew 0 4.",
+    )
+    g.add_argument(
+        "--moe-drop-padding-capacity-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="--model mcore-moe --moe-experts-impl grouped_mm: run the rows again, in the same "
+        "launch, with Megatron's experts at capacity factor F padded to capacity (drop-padding), "
+        "and summarise dropless against drop-padding.",
+    )
     add_fused_adamw_arg(g, "the graph_fsdp, FSDP2 and megatron_fsdp rows")
     add_output_dir_arg(g, "results.{md,json,png}", "bench/results/<date>_<gpu-or-cpu>")
     mcore.add_megatron_model_args(p)  # --model mcore-gpt|mcore-moe: cli/mcore.py

@@ -19,17 +19,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import replace
 from statistics import median
 
 from graph_fsdp.bench.megatron import (
+    DROPLESS,
     MCORE_ROWS,
     MCoreBenchJob,
     bench_worker,
     markdown,
     plan_rows,
+    variant_rows,
     write_report,
 )
 from graph_fsdp.bench.provenance import code_version
@@ -147,6 +150,11 @@ def reject_mcore_only_flags(args: argparse.Namespace) -> None:
             ("--attention-backend", args.attention_backend != "auto"),
             ("--moe-experts-impl", args.moe_experts_impl != "megatron"),
             ("--hybrid-layer-pattern", args.hybrid_layer_pattern),
+            ("--moe-router-skew", getattr(args, "moe_router_skew", None)),
+            (
+                "--moe-drop-padding-capacity-factor",
+                getattr(args, "moe_drop_padding_capacity_factor", None) is not None,
+            ),
         )
         if value
     ]
@@ -582,15 +590,24 @@ def build_bench_job(args: argparse.Namespace):
             f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
             f"{args.cuda_graph_warmup_steps}, so that the capture step is not timed"
         )
-    for impl in impls if graphed and plan.device == "cuda" else ["none"]:
-        check_mcore_environment(args, model, impl, plan)
     base = base_train_config(
         args, model, plan, steps=steps, eval_interval=0, fused_optimizer=args.fused_adamw
     )
+    planned = plan_rows(rows, impls, scope_sets or [[]], optimizer=args.cuda_graph_optimizer)
+    variants = bench_variants(args, base)
+    for _, cfg in variants:  # the drop-padding model's graphs pass the same checks
+        for impl in impls if graphed else []:
+            for scopes in scope_sets or [[]]:
+                row_impl = capture_impl(impl, scopes)
+                check_graph_set(args, cfg.model, row_impl, scopes, flag=flag, steps=steps)
+    for impl in impls if graphed and plan.device == "cuda" else ["none"]:
+        for m in [model, *(cfg.model for _, cfg in variants)]:
+            check_mcore_environment(args, m, impl, plan)
     job = MCoreBenchJob(
         base=base,
         warmup=args.warmup_iters,
-        rows=plan_rows(rows, impls, scope_sets or [[]], optimizer=args.cuda_graph_optimizer),
+        rows=variant_rows(planned, [label for label, _ in variants]) if variants else planned,
+        variants=variants,
     )
     moe = moe_label(model)
     setup = (
@@ -605,6 +622,53 @@ def build_bench_job(args: argparse.Namespace):
         f"{args.warmup_iters} warmup + {args.train_iters} timed steps per row, seed {model.seed}."
     )
     return job, plan, setup
+
+
+def bench_variants(args: argparse.Namespace, base) -> tuple[tuple[str, object], ...]:
+    """--moe-router-skew / --moe-drop-padding-capacity-factor: ``(label, MCoreTrainConfig)``
+    per variant of the launch (bench/megatron.py [Note: bench variants]); () without them."""
+    skews = args.moe_router_skew
+    factor = args.moe_drop_padding_capacity_factor
+    if skews is None and factor is None:
+        return ()
+    model = base.model
+    if not model.is_moe:
+        raise CLIError(
+            "--moe-router-skew and --moe-drop-padding-capacity-factor vary an MoE model's "
+            "experts: add --num-experts N (--model mcore-moe) or drop them"
+        )
+    bad = [b for b in skews or [] if not math.isfinite(b)]
+    if bad:
+        raise CLIError(f"--moe-router-skew {' '.join(map(str, bad))}: give finite numbers")
+    skews = list(dict.fromkeys(skews or [0.0]))
+    routings = [("balanced" if b == 0 else f"skew {b:+g}", b) for b in skews]
+    experts = [("", model)]
+    if factor is not None:
+        if model.moe_experts_impl != "grouped_mm":
+            raise CLIError(
+                f"--moe-drop-padding-capacity-factor {factor} compares graph_fsdp's dropless "
+                "grouped_mm experts with Megatron's drop-padding ones: add --moe-experts-impl "
+                "grouped_mm"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise CLIError(
+                f"--moe-drop-padding-capacity-factor {factor} must be > 0 (e.g. 1.0: each "
+                "expert takes its balanced share of the tokens)"
+            )
+        padded = replace(
+            model,
+            moe_experts_impl="megatron",
+            moe_expert_capacity_factor=factor,
+            moe_pad_expert_input_to_capacity=True,
+            moe_receive_buffer_factor=None,
+        )
+        experts = [(DROPLESS, model), (f"drop-padding {factor:g}", padded)]
+    out = []
+    for routing, skew in routings:
+        for name, m in experts:
+            label = f"{name}, {routing}" if name else routing
+            out.append((label, replace(base, model=m, router_skew=skew)))
+    return tuple(out)
 
 
 def bench_main(args: argparse.Namespace) -> int:

@@ -211,7 +211,7 @@ def test_bench_plans_rows_for_dropless_and_drop_padding(monkeypatch, experts, sc
     job, _, setup = megatron_cli.build_bench_job(
         build_parser().parse_args([*argv, "--warmup-iters", "3", "--train-iters", "2"])
     )
-    names = [name for name, _, _ in job.rows]
+    names = [row.name for row in job.rows]
     assert names[0] == "graph_fsdp eager" and names[-1] == "megatron_fsdp eager"
     assert names[1:-1] == [f"graph_fsdp torch [{s or 'layer'}]" for s in scope_sets], names
     assert megatron_cli.moe_label(job.base.model) in setup

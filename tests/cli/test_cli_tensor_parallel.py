@@ -90,7 +90,7 @@ def test_tensor_parallel_flags_build_both_families_configs(monkeypatch) -> None:
     job, _, setup = megatron_cli.build_bench_job(args)
     model = job.base.model
     assert model.tensor_model_parallel_size == 2 and model.sequence_parallel
-    assert [name for name, _, _ in job.rows] == ["graph_fsdp eager"]  # no megatron_fsdp row
+    assert [row.name for row in job.rows] == ["graph_fsdp eager"]  # no megatron_fsdp row
     assert "tensor parallel 2 with sequence parallel" in setup
 
 

@@ -84,8 +84,9 @@ def test_cuda_graph_optimizer_builds_fused_whole_step_configs(monkeypatch) -> No
     )
     job, _, _ = megatron_cli.build_bench_job(args)
     assert job.base.cuda_graph_optimizer and job.base.fused_optimizer
-    names = [name for name, _, _ in job.rows]
+    names = [row.name for row in job.rows]
     assert "graph_fsdp torch [full_iteration + optimizer]" in names, names
+    assert "graph_fsdp torch [full_iteration]" in names, names  # its eager-optimizer twin
 
 
 def test_overlap_next_gather_reaches_the_runner_and_the_bench_rows() -> None:

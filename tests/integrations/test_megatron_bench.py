@@ -56,7 +56,7 @@ def test_rows_one_per_backend_and_scope_set() -> None:
         ["te", "torch"],
         [["attn"], ["attn", "moe_router"], ["full_iteration"]],
     )
-    assert [(name, kind) for name, kind, _ in rows] == [
+    assert [(r.name, r.kind) for r in rows] == [
         ("graph_fsdp eager", "none"),
         ("graph_fsdp te [attn]", "te"),
         ("graph_fsdp te [attn moe_router]", "te"),
@@ -65,7 +65,8 @@ def test_rows_one_per_backend_and_scope_set() -> None:
         ("graph_fsdp torch [attn moe_router]", "torch"),
         ("megatron_fsdp eager", "megatron_fsdp"),
     ]
-    assert rows[2][2] == ("attn", "moe_router")
+    assert rows[2].scopes == ("attn", "moe_router")
+    assert not any(r.one_graph for r in rows)
 
 
 def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
@@ -76,7 +77,7 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
     argv += ["--train-iters", "20", "--nproc", "2", "--fused-adamw"]
     args = build_parser().parse_args(argv)
     job, plan, setup = megatron_cli.build_bench_job(args)
-    assert [r[0] for r in job.rows] == [
+    assert [r.name for r in job.rows] == [
         "graph_fsdp eager",
         "graph_fsdp te [attn]",
         "graph_fsdp te [attn moe_router]",
@@ -95,11 +96,118 @@ def test_build_job_for_the_issue_measurement(monkeypatch) -> None:
     assert "4 experts top-2, shared expert 512" in setup and "5 warmup + 20 timed" in setup
 
 
+def test_cuda_graph_optimizer_adds_the_one_graph_beside_full_iteration() -> None:
+    rows = mb.plan_rows(["graph_fsdp_graphed"], ["torch"], [[], ["full_iteration"]], optimizer=True)
+    assert [(r.name, r.one_graph) for r in rows] == [
+        ("graph_fsdp torch [layer]", False),
+        ("graph_fsdp torch [full_iteration]", False),
+        ("graph_fsdp torch [full_iteration + optimizer]", True),
+    ]
+
+
+EP2 = [*MOE[:3], "--moe-experts-impl", "grouped_mm", "--expert-model-parallel-size", "2"]
+EP2 += ["--moe-receive-buffer-factor", "1.5", "--nproc", "2"]
+
+
+def test_skews_and_drop_padding_plan_one_set_of_rows_per_variant(monkeypatch) -> None:
+    monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
+    argv = [*EP2, *STATIC, "--graph-impls", "torch", "--scopes", "full_iteration"]
+    argv += ["--cuda-graph-optimizer", "--fused-adamw", "--warmup-iters", "5"]
+    argv += ["--moe-router-skew", "0", "4", "--moe-drop-padding-capacity-factor", "1.0"]
+    argv += ["--rows", "graph_fsdp", "graph_fsdp_graphed"]
+    job, _, _ = megatron_cli.build_bench_job(build_parser().parse_args(argv))
+    labels = ["dropless, balanced", "drop-padding 1, balanced", "dropless, skew +4"]
+    labels += ["drop-padding 1, skew +4"]
+    assert [label for label, _ in job.variants] == labels
+    each = ["graph_fsdp eager", "graph_fsdp torch [full_iteration]"]
+    each += ["graph_fsdp torch [full_iteration + optimizer]"]
+    assert [r.name for r in job.rows] == [f"{v}: {n}" for v in labels for n in each]
+    for row in job.rows:
+        cfg = job.config_of(row)
+        padded = row.variant.startswith("drop-padding")
+        assert cfg.router_skew == (4.0 if row.variant.endswith("+4") else 0.0)
+        assert cfg.model.moe_experts_impl == ("megatron" if padded else "grouped_mm")
+        assert cfg.model.moe_expert_capacity_factor == (1.0 if padded else None)
+        assert cfg.model.moe_receive_buffer_factor == (None if padded else 1.5)
+        assert cfg.graphs.optimizer == row.one_graph
+        assert cfg.graphs.impl == ("none" if row.kind == "none" else "torch")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["bench", "--moe-router-skew", "4"],
+            ["--moe-router-skew: Megatron-Core model flags, but --model is gpt"],
+        ),
+        (
+            ["bench", "--model", "mcore-gpt", "--moe-router-skew", "4"],
+            ["vary an MoE model's experts: add --num-experts N"],
+        ),
+        ([*EP2, "--moe-router-skew", "nan"], ["--moe-router-skew nan: give finite numbers"]),
+        (
+            [*MOE[:3], "--moe-drop-padding-capacity-factor", "1.0"],
+            ["compares graph_fsdp's dropless grouped_mm experts", "--moe-experts-impl grouped_mm"],
+        ),
+        ([*EP2, "--moe-drop-padding-capacity-factor", "0"], ["must be > 0"]),
+    ],
+)
+def test_variant_flags_refused(capsys, argv: list[str], expected: list[str]) -> None:
+    err = error_of(capsys, *argv)
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def test_each_variant_is_compared_with_its_own_eager_row_and_summarised() -> None:
+    def row(variant: str, name: str, ms: float, reserved: int, losses, overflow=0) -> dict:
+        return {
+            **_row(f"{variant}: {name}", ms, reserved // 2, losses),
+            "variant": variant,
+            "overflow_steps": overflow,
+        }
+
+    fi, one = "graph_fsdp torch [full_iteration]", "graph_fsdp torch [full_iteration + optimizer]"
+    rows = [
+        row("dropless, balanced", "graph_fsdp eager", 50.0, 400, [2.0, 1.5]),
+        row("dropless, balanced", fi, 5.0, 440, [2.0, 1.5]),
+        row("dropless, balanced", one, 4.5, 480, [2.0, 1.5]),
+        row("drop-padding 1, balanced", "graph_fsdp eager", 60.0, 500, [2.0, 1.6]),
+        row("drop-padding 1, balanced", fi, 4.0, 400, [2.0, 1.7]),
+        row("dropless, skew +4", "graph_fsdp eager", 52.0, 400, [2.1, 1.5], overflow=2),
+        row("dropless, skew +4", fi, 5.2, 440, [2.1, 1.5], overflow=2),
+        row("drop-padding 1, skew +4", fi, 4.0, 400, [2.1, 1.4]),
+    ]
+    out = {r["name"]: r for r in mb.with_ratios(rows)}
+    assert out[f"dropless, balanced: {fi}"]["step_time_vs_eager"] == 0.1
+    assert out[f"dropless, balanced: {fi}"]["losses_equal_eager"]
+    assert out[f"drop-padding 1, balanced: {fi}"]["step_time_vs_eager"] == 4.0 / 60.0
+    assert not out[f"drop-padding 1, balanced: {fi}"]["losses_equal_eager"]
+    assert "losses_equal_eager" not in out[f"drop-padding 1, skew +4: {fi}"]  # no eager twin
+    balanced, skewed = mb.ep_summary(rows)
+    assert balanced["routing"] == "balanced" and balanced["against"] == "drop-padding 1, balanced"
+    assert balanced["dropless full_iteration / dropless eager, step"] == 0.1
+    assert balanced["dropless full_iteration / drop-padding full_iteration, step"] == 1.25
+    assert balanced["dropless one graph / drop-padding full_iteration, step"] == 1.125
+    assert (
+        balanced["dropless full_iteration / drop-padding full_iteration, own peak reserved"] == 1.1
+    )
+    assert balanced["overflow steps of the dropless rows"] == {"graph_fsdp eager": 0, fi: 0, one: 0}
+    assert skewed["dropless one graph / drop-padding full_iteration, step"] is None
+    assert skewed["overflow steps of the dropless rows"] == {"graph_fsdp eager": 2, fi: 2}
+    report = {"model": "mcore-moe", "world_size": 2, "device_name": "CPU", "backend": "gloo"}
+    report |= {"created": "now", "setup": "setup", "rows": rows}
+    text = mb.markdown(report)
+    assert (
+        "- balanced (against drop-padding 1, balanced): dropless full_iteration / dropless " in text
+    )
+    assert "overflow repeats: graph_fsdp eager 2, graph_fsdp torch [full_iteration] 2" in text
+
+
 def test_only_rows_a_megatron_model_has(monkeypatch) -> None:
     monkeypatch.setattr(megatron_cli, "check_mcore_environment", lambda *a: None)
     args = build_parser().parse_args([*MOE, "--rows", "graph_fsdp", "megatron_fsdp"])
     job, _, _ = megatron_cli.build_bench_job(args)
-    assert [r[0] for r in job.rows] == ["graph_fsdp eager", "megatron_fsdp eager"]
+    assert [r.name for r in job.rows] == ["graph_fsdp eager", "megatron_fsdp eager"]
     with pytest.raises(CLIError, match="choose from graph_fsdp, graph_fsdp_graphed"):
         megatron_cli.build_bench_job(build_parser().parse_args([*MOE, "--rows", "reference"]))
 

@@ -46,16 +46,6 @@ VARIANTS = {"ep1": (1, None), "ep2": (2, None), "ep2 factor 1.75": (2, 1.75)}
 EXPERT_KEY = "module.decoder.layers.0.mlp.experts.linear_fc1.weight"
 
 
-def _skew_router(lm) -> None:
-    """Every MoE layer's router favours expert 0 (its logits, inside the router's forward)."""
-    for layer in lm.module.decoder.layers:
-        router = layer.mlp.router
-        bias = torch.zeros(router.config.num_moe_experts)
-        bias[0] = SKEW
-        gating = router.gating
-        router.gating = lambda x, gating=gating, bias=bias: gating(x) + bias.to(x.dtype)
-
-
 def _record_loads(lm) -> list[int]:
     """Rows each forward's experts receive on this rank (the first MoE layer)."""
     loads: list[int] = []
@@ -72,7 +62,9 @@ def _expert_group_sizes(lm) -> list[int]:
 def _build_dropless(cfg, ep: int, factor: float | None, seed: int | None = None):
     cfg = dataclasses.replace(cfg, expert_model_parallel_size=ep, moe_receive_buffer_factor=factor)
     lm, opt = _build(cfg, ep, None, seed)
-    _skew_router(lm)
+    from graph_fsdp.integrations.megatron import skew_router
+
+    assert skew_router(lm, SKEW) == len(lm.module.decoder.layers)  # every layer is MoE
     return lm, opt
 
 

@@ -50,6 +50,8 @@ What the integration maps (facts from megatron-core 0.19's source):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -252,6 +254,30 @@ def build_gpt(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> 
         share_embeddings_and_output_weights=False,
     )
     return _finish_build(gpt, cfg, device)
+
+
+def skew_router(model: nn.Module, bias: float, expert: int = 0) -> int:
+    """Add the constant ``bias`` to ``expert``'s gating logit in every router of ``model``
+    (Megatron-Core's ``TopKRouter``: its ``gating`` output, before the top-k and the aux
+    losses); returns how many routers. A routing load for tests and benchmarks of uneven
+    expert-parallel exchanges (``graph-fsdp bench --moe-router-skew``): with a large bias
+    nearly every token sends one of its top-k copies to ``expert``, so the EP rank holding it
+    receives more than the balanced load. Call before sharding; the bias lives on the device
+    of each router's weight."""
+    from megatron.core.transformer.moe.router import TopKRouter  # noqa: PLC0415 (optional dependency)
+
+    if not math.isfinite(bias):
+        raise ValueError(f"skew_router: bias={bias!r} must be a finite number")
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    for router in routers:
+        experts = router.config.num_moe_experts
+        if not 0 <= expert < experts:
+            raise ValueError(f"skew_router: expert={expert} is not one of the {experts} experts")
+        shift = torch.zeros(experts, device=router.weight.device)
+        shift[expert] = bias
+        gating = router.gating
+        router.gating = lambda x, gating=gating, shift=shift: gating(x) + shift.to(x.dtype)
+    return len(routers)
 
 
 def build_hybrid(cfg: MCoreGPTConfig, device: torch.device | str | None = None) -> MCoreLM:

@@ -69,8 +69,16 @@ class MCoreTrainConfig(LoopConfig):
     sequences]). Needs the TE layer spec and TP = 1. None: fixed rows."""
     eod_token_id: int | None = None
     """Packed documents from ``data_path``: the token that ends each document."""
+    router_skew: float = 0.0
+    """Added to expert 0's gating logit in every MoE layer (:func:`skew_router`): a skewed
+    routing load for benchmarks (``graph-fsdp bench --moe-router-skew``); 0: the model's own."""
 
     def __post_init__(self) -> None:
+        if self.router_skew and not self.model.is_moe:
+            raise ValueError(
+                f"router_skew={self.router_skew} skews MoE routers, but the model has no "
+                "experts: set num_moe_experts (--num-experts N) or drop it"
+            )
         if self.packing is None:
             return
         self.packing.check_budget(self.model.seq_length, "MCoreGPTConfig.seq_length")
@@ -127,6 +135,8 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
     # TransformerConfig.bf16 follows the compute dtype graph_fsdp's policy gives the weights.
     model = dataclasses.replace(cfg.model, bf16=cfg.compute_dtype == torch.bfloat16)
     lm = gm.build_gpt(model if cfg.packing is None else gm.packed_model_config(model), device)
+    if cfg.router_skew:
+        gm.skew_router(lm, cfg.router_skew)
     if cfg.engine == "megatron_fsdp":
         if cfg.model.tensor_model_parallel_size != 1:
             raise ValueError(
