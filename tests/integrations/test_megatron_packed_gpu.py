@@ -8,6 +8,9 @@ integrations/megatron/packed.py [Note: Megatron-Core packed sequences]) on NCCL.
   bit-identical to eager's; each run's JSON row gives its peak allocated and reserved memory.
 - Tensor parallelism: TP 2 with sequence parallelism on 2 GPUs, eager vs whole layers,
   ``full_iteration`` and the one graph, 200 steps, the same checks on both TP ranks.
+- MoE: drop-padding experts (capacity 1.0, the pack's tail kept out of the capacity) at world
+  1 and 2, and dropless grouped_mm experts at EP 2, every capture mode the experts allow, 200
+  steps each, the same checks.
 - Attention stays within documents: a pack's loss equals the sum of its documents' losses,
   each run alone as an unpacked sequence (fp32 to 1e-4 relative, bf16 to 2e-2 per document),
   and the same pack with its boundaries removed does not.
@@ -130,6 +133,59 @@ def test_packed_mcore_gpt_tensor_parallel_bit_identical() -> None:
         assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
         label = {"model": "mcore-gpt packed tp2 sp", "world": 2, "rank": rank}
         failures += graphed_modes_failures(label, result, TP_MODES, steps=STEPS, warmup=WARMUP)
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------ MoE
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2)
+MOE_CASES = {
+    # Megatron's experts, capacity 1.0 padded to it: the pack's tail is kept out of the
+    # capacity (packed_moe.py TailMaskedRouter, [Note: packed MoE routing]).
+    "drop_padding": (
+        dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+        {
+            **{k: MODES[k] for k in ("layerwise", "te_attn", "full_iteration", "one_graph")},
+            "attn_moe_router": {
+                "cuda_graph_impl": "torch",
+                "cuda_graph_scope": ["attn", "moe_router"],
+            },
+        },
+    ),
+    # graph_fsdp's dropless grouped_mm experts (device counts), split over 2 GPUs.
+    "grouped_mm_ep2": (
+        dict(moe_experts_impl="grouped_mm", expert_model_parallel_size=2),
+        {
+            **{k: MODES[k] for k in ("layerwise", "full_iteration", "one_graph")},
+            "moe": {"cuda_graph_impl": "torch", "cuda_graph_scope": ["moe"]},
+        },
+    ),
+}
+
+
+def _train_moe(rank: int, world: int, case: str) -> dict:
+    from graph_fsdp.integrations.megatron.train import run
+
+    experts, modes = MOE_CASES[case]
+    return run_modes(run, rank, world, _cfg(model=_model(**MOE, **experts)), modes)
+
+
+@pytest.mark.parametrize(
+    ("case", "world"), [("drop_padding", 1), ("drop_padding", 2), ("grouped_mm_ep2", 2)]
+)
+def test_packed_mcore_moe_every_capture_mode_bit_identical(case: str, world: int) -> None:
+    """Packed Megatron-Core MoE GPTs, 200 steps of changing packs: drop-padding experts
+    (whole layers, TE ``attn``, ``attn moe_router``, ``full_iteration``, one graph) at world 1
+    and 2, dropless grouped_mm experts at EP 2 (whole layers, ``moe``, ``full_iteration``, one
+    graph); every graphed mode bit-identical to eager, one capture, a replay per step."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    results = spawn(_train_moe, world, case, backend="nccl", timeout=1200)[0]
+    eager = results["eager"]
+    assert len(eager["losses"]) == STEPS
+    assert all(map(torch.isfinite, map(torch.tensor, eager["losses"]))), eager["losses"]
+    label = {"model": f"mcore-moe packed {case}", "world": world}
+    modes = MOE_CASES[case][1]
+    failures = graphed_modes_failures(label, results, modes, steps=STEPS, warmup=WARMUP)
     assert not failures, "\n".join(failures)
 
 
