@@ -204,3 +204,40 @@ def test_sequence_parallel_pack_must_split_over_tp() -> None:
     pack = pack_tensors([[torch.arange(4)]] * 3, PackingPolicy(budget=5, max_documents=1), "cpu")
     with pytest.raises(ValueError, match=r"3 x 5 = 15 tokens .* multiple of 2"):
         packed_loss(gpt, pack.input_ids, pack.labels, pack.position_ids, pack.cu_seqlens)
+
+
+@pytest.mark.parametrize(
+    "experts",
+    [
+        ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+        ["--moe-experts-impl", "grouped_mm", "--expert-model-parallel-size", "2"],
+    ],
+    ids=["drop-padding", "grouped_mm-ep2"],
+)
+def test_cli_packs_mcore_moe_with_both_expert_kinds(capsys, monkeypatch, experts: list) -> None:
+    """``--model mcore-moe --packed-sequences``: drop-padding with Megatron's experts and the
+    grouped_mm experts at EP 2 make packed configs (EP's full_iteration turns NCCL's graph
+    registration off); the run then stops at the environment only (TE and the alltoall
+    dispatcher need CUDA)."""
+    import os
+
+    from graph_fsdp.cli import mcore as megatron_cli
+    from graph_fsdp.cli.launch import resolve_plan
+    from graph_fsdp.cli.main import build_parser
+
+    argv = [*MCORE, *SHAPE, "--transformer-impl", "transformer_engine", *experts]
+    argv[argv.index("mcore-gpt")] = "mcore-moe"
+    argv += ["--num-experts", "8", "--cuda-graph-impl", "torch"]
+    argv += ["--cuda-graph-scope", "full_iteration", "--fsdp-double-buffer"]
+    argv += ["--fsdp-db-use-persist-buf-on-alloc-fail"]
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)  # the CLI sets it for EP
+    args = build_parser().parse_args(argv)
+    plan = resolve_plan("cpu", 2)
+    model = megatron_cli.mcore_config(args, plan.world_size)
+    cfg = megatron_cli.base_train_config(args, model, plan)
+    assert cfg.packing is not None and cfg.model.num_experts == 8
+    assert cfg.model.moe_experts_impl == ("grouped_mm" if "grouped_mm" in experts else "megatron")
+    err = cli_error(capsys, *argv)
+    assert "needs CUDA" in err and "packed" not in err, err
+    ep = "grouped_mm" in experts
+    assert os.environ.get("NCCL_GRAPH_REGISTER") == ("0" if ep else None)
