@@ -70,6 +70,7 @@ capture could not use all of them: on the packed 168M GPT (budget 2048, one H200
 graph's peak held 0.41 GiB unused in the default pool against `full_iteration`'s 0.04, which
 gives them back before its first eager step (full_iteration.py [Note: eager steps on the
 capture stream]); this runner now does too: its peak reserved went from 4.07 to 3.99 GiB
+(expandable segments on both times)
 (1.11x -> 1.09x the eager row's; bench/results/packed_bench_build_blocks_released_h200_2026-11-28_budget2048.md).
 
 [Note: main gradients before the warmup step] The warmup step on the capture stream starts

@@ -199,12 +199,6 @@ def _memory_saver() -> tuple[AddressBackend | None, str]:
             "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, which torch-memory-saver "
             "does not support (drop it)"
         )
-    if _PROCESS_WIDE:
-        return None, (
-            "graph_fsdp's launcher turned expandable segments on for this process, which "
-            "torch-memory-saver does not support: set PYTORCH_CUDA_ALLOC_CONF="
-            "expandable_segments:False before the command"
-        )
     preload = "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
     try:
         # Its default hook is the preload one: without LD_PRELOAD the torch hook (a pluggable
@@ -409,54 +403,27 @@ def static_memory(states: list) -> Callable[[], AbstractContextManager]:
 # Replays allocate nothing; only the pool's layout changes.
 
 
-def _expandable_choice() -> bool:
-    """Whether the process chose expandable_segments (either way), or a launcher chose them
-    for it (:func:`prefer_expandable_segments`)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    return (
-        _PROCESS_WIDE
-        or "expandable_segments" in conf
-        or "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
-    )
-
-
 # [Note: expandable segments for the whole run] Growing only the capture's segments leaves
 # the segments of the steps before it: the eager steps and the warmup cache their blocks in
-# ordinary segments, and those stay reserved beside the graph's pool. On the packed 168M GPT
-# at world size 1 (bench/results/packed_bench_expandable_h200x2_2026-11-28_budget*.json) the
-# peak reserved of `full_iteration` went from 1.12x to 1.00x of the eager row at budget 8192
-# tokens and from 1.06x to 1.01x at 2048, the one graph from 1.27x to 1.03x and 1.13x to
-# 1.11x, whole-layer graphs from 1.31x to 1.13x and 1.23x to 1.22x, with expandable segments
-# for the whole process; the eager rows' own peaks did not move (allocated peaks equal
-# throughout: only the holes went). So the command line's ranks on CUDA turn them on before
-# their first allocation, unless the process chose either way (PYTORCH_CUDA_ALLOC_CONF /
-# PYTORCH_ALLOC_CONF name expandable_segments: ``expandable_segments:False`` keeps them off)
-# or torch-memory-saver is preloaded (it does not support them); a library user sets
-# ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (docs/cuda_graphs.md). A model that
-# keeps its addresses through offload needs torch-memory-saver and refuses them.
-_PROCESS_WIDE = False
+# ordinary segments, whose holes stay reserved beside the graph's pool. With expandable
+# segments for the whole process (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before
+# the first CUDA allocation) the packed 168M GPT at world size 1
+# (bench/results/packed_bench_expandable_h200x2_2026-11-28_budget*.json) reserved at its peak
+# 1.00x of the eager row with `full_iteration` at budget 8192 tokens (1.12x without), 1.01x at
+# 2048 (1.06x), the one graph 1.03x and 1.11x (1.27x, 1.13x), whole-layer graphs 1.13x and
+# 1.22x (1.31x, 1.23x), step times unchanged. But they cost host time where a step allocates
+# and frees eagerly: on the 16-layer GPT at world size 1
+# (bench/results/expandable_segments_ab_h200_2026-11-28_world1.json) graph_fsdp's eager step
+# took 45.0 ms against 32.1 and whole-layer graphs 11.24 against 10.67 ms, while
+# `full_iteration` took the same 10.06 ms and reserved 4.75 against 5.27 GiB. So they are a
+# recommendation for `full_iteration` and one-graph runs (docs/cuda_graphs.md), not a default
+# this library or its command line sets; torch-memory-saver (kept addresses) refuses them.
 
 
-def prefer_expandable_segments() -> bool:
-    """Expandable segments for this whole process ([Note: expandable segments for the whole
-    run]); True when this call turned them on. Call before the first CUDA allocation."""
-    global _PROCESS_WIDE
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if _PROCESS_WIDE:
-        return False
-    if (
-        setter is None
-        or _expandable_choice()
-        or not torch.cuda.is_available()
-        or not _native_allocator()
-    ):
-        return False
-    try:
-        setter("expandable_segments:True")
-    except RuntimeError:  # a torch build or platform without them
-        return False
-    _PROCESS_WIDE = True
-    return True
+def _expandable_choice() -> bool:
+    """Whether the process set expandable_segments itself (either way)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments" in conf or "torch_memory_saver" in os.environ.get("LD_PRELOAD", "")
 
 
 def _native_allocator() -> bool:

@@ -30,7 +30,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from graph_fsdp.distributed import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, init_distributed
-from graph_fsdp.fsdp.address_keeping import prefer_expandable_segments
 from graph_fsdp.training.interrupt import (
     install_stop_handlers,
     request_stop,
@@ -388,9 +387,6 @@ def _rank_entry(
     if early is not None:
         request_stop(early)
     io.redirect(rank)  # supervision.py [Note: quiet ranks]
-    if device == "cuda":
-        # address_keeping.py [Note: expandable segments for the whole run]
-        prefer_expandable_segments()
     if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Local gloo ranks share the machine's cores; oversubscription makes steps erratic.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -440,9 +436,6 @@ def launch(plan: LaunchPlan, fn: Callable, *args: object) -> object | None:
         return supervise(plan.world_size, name, run)
     install_stop_handlers()  # this process is one rank: interrupt.py
     initialised_here = not dist.is_initialized()
-    if plan.device == "cuda":
-        # address_keeping.py [Note: expandable segments for the whole run]
-        prefer_expandable_segments()
     if initialised_here:
         if plan.device == "cuda":
             preload_te()

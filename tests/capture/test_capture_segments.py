@@ -1,8 +1,6 @@
 """Growing capture segments (address_keeping.py [Note: growing capture segments]): a capture
 turns expandable segments on for itself and off after, unless the process chose; a model
-whose addresses are kept is left to its library. The command line's CUDA ranks turn them on
-for the whole process ([Note: expandable segments for the whole run]), again unless the
-process chose; the captures then leave them on. The CUDA side (the pool's segments are
+whose addresses are kept is left to its library. The CUDA side (the pool's segments are
 expandable, later ones are not) runs in tests/capture/test_full_iteration_pool_gpu.py."""
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from graph_fsdp.fsdp import address_keeping as ak
 @pytest.fixture
 def settings(monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(ak, "_PROCESS_WIDE", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
@@ -106,34 +103,3 @@ def test_kept_addresses_capture_through_their_library() -> None:
     assert ak.graph_capture(_states(pools), keeper_pool=False) is torch.cuda.graph
     assert ak.graph_capture(_states(pools)) not in (torch.cuda.graph, ak._growing_graph)
     assert type(ak.capture_segments(_states(pools))).__name__ == "nullcontext"
-
-
-def test_a_launcher_turns_them_on_once_and_captures_leave_them_on(settings) -> None:
-    assert ak.prefer_expandable_segments()
-    assert not ak.prefer_expandable_segments()
-    with ak.growing_segments():
-        pass
-    assert settings == ["expandable_segments:True"]
-    backend, why = ak._memory_saver()
-    assert backend is None
-    assert "expandable_segments:False" in why or "not installed" in why
-
-
-@pytest.mark.parametrize(
-    ("var", "value"),
-    [
-        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),
-        ("PYTORCH_ALLOC_CONF", "expandable_segments:True"),
-        ("LD_PRELOAD", "/x/torch_memory_saver_hook_mode_preload_cu12.so"),
-    ],
-)
-def test_a_launcher_leaves_a_choice_of_the_process_alone(settings, monkeypatch, var, value):
-    monkeypatch.setenv(var, value)
-    assert not ak.prefer_expandable_segments()
-    assert settings == []
-
-
-def test_a_launcher_without_cuda_sets_nothing(settings, monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not ak.prefer_expandable_segments()
-    assert settings == []
