@@ -212,11 +212,22 @@ DROPLESS = "dropless"
 """The variant label of the model as given when drop-padding rows sit beside it."""
 
 
+def _variant_row(ok: dict, variant: str, suffix: str) -> dict | None:
+    """The ok row of ``variant`` whose name ends with ``suffix``."""
+    return next(
+        (r for n, r in ok.items() if n.startswith(f"{variant}: ") and n.endswith(suffix)), None
+    )
+
+
+def _over(a: dict | None, b: dict | None, key: str) -> float | None:
+    return None if a is None or b is None or not b.get(key) else a[key] / b[key]
+
+
 def ep_summary(rows: list[dict]) -> list[dict]:
     """Per routing of a launch with drop-padding rows ([Note: bench variants]): the dropless
     rows against the drop-padding ``full_iteration`` row - step time and own peak reserved
     ratios - and the overflow repeats of each dropless row; None where a row did not run."""
-    ok = {r["name"]: r for r in with_ratios(rows) if r["status"] == "ok"}
+    ok = {r["name"]: r for r in rows if r["status"] == "ok"}
     variants = list(dict.fromkeys(r.get("variant", "") for r in rows if r.get("variant")))
     out = []
     for dropless in (v for v in variants if v.split(", ")[0] == DROPLESS):
@@ -224,37 +235,25 @@ def ep_summary(rows: list[dict]) -> list[dict]:
         padded = next((v for v in variants if v != dropless and v.endswith(f", {routing}")), None)
         if padded is None:
             continue
-
-        def row(variant: str, suffix: str, ok=ok) -> dict | None:
-            return next(
-                (r for n, r in ok.items() if n.startswith(f"{variant}: ") and n.endswith(suffix)),
-                None,
-            )
-
-        eager, fi = row(dropless, "graph_fsdp eager"), row(dropless, "[full_iteration]")
-        one, pad_fi = row(dropless, "[full_iteration + optimizer]"), row(padded, "[full_iteration]")
-
-        def ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-            return None if a is None or b is None or not b.get(key) else a[key] / b[key]
-
+        eager = _variant_row(ok, dropless, "graph_fsdp eager")
+        fi = _variant_row(ok, dropless, "[full_iteration]")
+        one = _variant_row(ok, dropless, "[full_iteration + optimizer]")
+        pad_fi = _variant_row(ok, padded, "[full_iteration]")
+        step, reserved = "median_step_ms", "own_peak_reserved_bytes"
         out.append(
             {
                 "routing": routing,
                 "against": padded,
-                "dropless full_iteration / dropless eager, step": ratio(
-                    fi, eager, "median_step_ms"
+                "dropless full_iteration / dropless eager, step": _over(fi, eager, step),
+                "dropless full_iteration / drop-padding full_iteration, step": _over(
+                    fi, pad_fi, step
                 ),
-                "dropless full_iteration / drop-padding full_iteration, step": ratio(
-                    fi, pad_fi, "median_step_ms"
+                "dropless one graph / drop-padding full_iteration, step": _over(one, pad_fi, step),
+                "dropless full_iteration / drop-padding full_iteration, own peak reserved": _over(
+                    fi, pad_fi, reserved
                 ),
-                "dropless one graph / drop-padding full_iteration, step": ratio(
-                    one, pad_fi, "median_step_ms"
-                ),
-                "dropless full_iteration / drop-padding full_iteration, own peak reserved": ratio(
-                    fi, pad_fi, "own_peak_reserved_bytes"
-                ),
-                "dropless one graph / drop-padding full_iteration, own peak reserved": ratio(
-                    one, pad_fi, "own_peak_reserved_bytes"
+                "dropless one graph / drop-padding full_iteration, own peak reserved": _over(
+                    one, pad_fi, reserved
                 ),
                 "overflow steps of the dropless rows": {
                     n.partition(": ")[2]: r.get("overflow_steps")

@@ -58,9 +58,9 @@ Nothing reads them between replays (the next reduction overwrites them), but eag
 write them. Unpinned (as they first were), an eager forward (an eval, an overflowed step's
 repeat) released them into the graph's pool, whose bytes stay reserved while it lives, and
 the repeat's backward made a second set from the default pool, kept until the next eager
-forward; and a
-capture that could not release them (another runner's pin, a ``.grad`` still attached) left
-the graph writing bytes it did not own, which a later forward released for anyone to reuse.
+forward; and a capture that could not release them (another runner's pin, a ``.grad`` still
+attached) left the graph writing bytes it did not own, which a later forward released for
+anyone to reuse.
 Pinned, eager steps between replays use the graph's bytes; ``drop()`` (and ``close()``,
 ``suspend()``) takes the pin back. The step's own peak is the same either way.
 
@@ -69,9 +69,9 @@ copied, temporaries) stay cached on the caller's stream, and the eager steps bef
 capture could not use all of them: on the packed 168M GPT (budget 2048, one H200) the one
 graph's peak held 0.41 GiB unused in the default pool against `full_iteration`'s 0.04, which
 gives them back before its first eager step (full_iteration.py [Note: eager steps on the
-capture stream]); this runner now does too: its peak reserved went from 4.07 to 3.99 GiB
-(expandable segments on both times)
-(1.11x -> 1.09x the eager row's; bench/results/packed_bench_build_blocks_released_h200_2026-11-28_budget2048.md).
+capture stream]); this runner now does too: its peak reserved went from 4.07 to 3.99 GiB,
+1.11x -> 1.09x the eager row's, expandable segments on both times
+(bench/results/packed_bench_build_blocks_released_h200_2026-11-28_budget2048.md).
 
 [Note: main gradients before the warmup step] The warmup step on the capture stream starts
 from an emptied cache (pools.py [Note: capture memory]). Its forward's activations took 20

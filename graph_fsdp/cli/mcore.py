@@ -581,10 +581,14 @@ def build_bench_job(args: argparse.Namespace):
             f"{flag} is given but no graphed row runs: add --graph-impls te (or torch), or drop it"
         )
     steps = args.warmup_iters + args.train_iters
-    for impl in impls if graphed else []:
-        for scopes in scope_sets or [[]]:
-            row_impl = capture_impl(impl, scopes)
-            check_graph_set(args, model, row_impl, scopes, flag=flag, steps=steps)
+
+    def check_graph_sets(m) -> None:  # every graphed row's backend and scopes for model m
+        for impl in impls if graphed else []:
+            for scopes in scope_sets or [[]]:
+                row_impl = capture_impl(impl, scopes)
+                check_graph_set(args, m, row_impl, scopes, flag=flag, steps=steps)
+
+    check_graph_sets(model)
     if graphed and args.warmup_iters <= args.cuda_graph_warmup_steps:
         raise CLIError(
             f"--warmup-iters {args.warmup_iters} must exceed --cuda-graph-warmup-steps "
@@ -595,13 +599,13 @@ def build_bench_job(args: argparse.Namespace):
     )
     planned = plan_rows(rows, impls, scope_sets or [[]], optimizer=args.cuda_graph_optimizer)
     variants = bench_variants(args, base)
-    for _, cfg in variants:  # the drop-padding model's graphs pass the same checks
-        for impl in impls if graphed else []:
-            for scopes in scope_sets or [[]]:
-                row_impl = capture_impl(impl, scopes)
-                check_graph_set(args, cfg.model, row_impl, scopes, flag=flag, steps=steps)
+    models = [model]  # and the drop-padding model of the variants, checked the same way
+    for _, cfg in variants:
+        if cfg.model not in models:
+            check_graph_sets(cfg.model)
+            models.append(cfg.model)
     for impl in impls if graphed and plan.device == "cuda" else ["none"]:
-        for m in [model, *(cfg.model for _, cfg in variants)]:
+        for m in models:
             check_mcore_environment(args, m, impl, plan)
     job = MCoreBenchJob(
         base=base,
