@@ -185,14 +185,17 @@ def live_runners() -> list[RunnerLifecycle]:
 def _runner_groups(runner: RunnerLifecycle) -> list:
     """The process groups the runner's graphs may hold communicators of: the data-parallel
     group, and the expert-data-parallel and expert-parallel groups (the model's token
-    dispatch runs over the latter; experts.py [Note: expert groups])."""
+    dispatch runs over the latter; experts.py [Note: expert groups]), and the all-gathers'
+    own (comm.py [Note: a communicator for the all-gathers])."""
     states = getattr(runner, "states", None)
     if not states:
         return []
-    groups = {id(states[0].comm.group): states[0].comm.group}
+    groups = {}
+    for comm in [states[0].comm] + [group.comm for state in states for group in state.groups]:
+        for pg in (comm.group, comm.gather_group):
+            groups.setdefault(id(pg), pg)
     for state in states:
         for group in state.groups:
-            groups.setdefault(id(group.comm.group), group.comm.group)
             if group.expert is not None:
                 groups.setdefault(id(group.expert.ep), group.expert.ep)
     return list(groups.values())

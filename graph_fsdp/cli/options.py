@@ -201,6 +201,14 @@ def add_fsdp_args(parser: argparse.ArgumentParser) -> None:
         "buffer instead of an error (never the dynamic allocator).",
     )
     g.add_argument(
+        "--create-all-gather-group",
+        action="store_true",
+        help="The units' all-gathers on a process group of their own over the same ranks, so "
+        "they run beside the gradients' reduce-scatters instead of queueing behind them on one "
+        "NCCL communicator (ZeRO-3's backward has both per unit). Costs a second "
+        "communicator's buffers (NCCL's, outside torch's allocator).",
+    )
+    g.add_argument(
         "--grad-comm-dtype",
         choices=("fp32", "bf16"),
         default="fp32",
@@ -429,6 +437,7 @@ def check_clip_grad(args: argparse.Namespace) -> None:
 
 LOOP_FLAGS = {
     "strategy": "data_parallel_sharding_strategy",
+    "separate_all_gather_group": "create_all_gather_group",
     "micro_batch_size": "micro_batch_size",
     "steps": "train_iters",
     "lr": "lr",

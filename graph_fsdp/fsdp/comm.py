@@ -33,7 +33,9 @@ class CommContext:
     ``group`` is the shard group (the whole data-parallel group with a 1-D mesh);
     ``replicate_group`` the replicas of this rank's shard (HSDP), or None. A unit's expert
     parameters use a context over the expert-data-parallel group that shares these streams
-    (:meth:`over`, experts.py [Note: expert groups]).
+    (:meth:`over`, experts.py [Note: expert groups]). ``separate_all_gather_group``: the
+    units' all-gathers get a communicator of their own once the root opens it
+    (:meth:`open_gather_group`, [Note: a communicator for the all-gathers]).
     """
 
     def __init__(
@@ -41,9 +43,14 @@ class CommContext:
         device: torch.device,
         group: dist.ProcessGroup,
         replicate_group: dist.ProcessGroup | None = None,
+        *,
+        separate_all_gather_group: bool = False,
     ) -> None:
         self.device = device
         self.group = group
+        self.gather_group = group
+        """What the units' all-gathers over the shard group run on: ``group``, or its twin."""
+        self.separate_all_gather_group = separate_all_gather_group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.replicate_group = replicate_group
@@ -79,7 +86,7 @@ class CommContext:
         context's streams, dividing summed gradients by ``grad_divisor``
         (experts.py [Note: expert groups])."""
         other = copy.copy(self)  # the same stream objects
-        other.group = group
+        other.group = other.gather_group = group
         other.world_size = dist.get_world_size(group)
         other.rank = dist.get_rank(group)
         other.replicate_group, other.replicate_size, other.replicate_rank = None, 1, 0
@@ -87,6 +94,17 @@ class CommContext:
         other._wait_event = None
         other._grad_divisor = grad_divisor
         return other
+
+    def open_gather_group(self) -> None:
+        """With ``separate_all_gather_group``: the all-gathers move to a new group over the
+        same ranks ([Note: a communicator for the all-gathers]). Called once per context, by
+        the root's lazy init, on every rank of the group in the same order."""
+        if (
+            self.separate_all_gather_group
+            and self.world_size > 1
+            and self.gather_group is self.group
+        ):
+            self.gather_group = twin_group(self.group)
 
     def same_mesh(self, other: CommContext) -> bool:
         return self.group is other.group and self.replicate_group is other.replicate_group
@@ -194,13 +212,68 @@ class _OnStream:
         torch.cuda.set_stream(self.prev)
 
 
+# [Note: a communicator for the all-gathers] One NCCL communicator runs one collective at a
+# time: with the units' all-gathers and the gradients' reduce-scatters on one process group
+# they queue behind each other on the wire although they run on two streams. In a ZeRO-3
+# backward every unit has both (its weights gathered again, its gradients reduced), so the
+# next unit's gather waits for the previous unit's fp32 reduce-scatter and the backward
+# waits for the gather. ``fully_shard(..., separate_all_gather_group=True)`` (Megatron's
+# ``--create-all-gather-group``) gives the all-gathers of the units a process group of their
+# own over the same ranks, in the same rank order: two communicators, which NVLink or the
+# network run side by side. Each stream still issues its collectives in program order, the
+# same on every rank, so neither communicator can wait on the other in opposite orders
+# (experts.py [Note: expert groups]); the bits are the same (the same collective on the same
+# ranks). The cost is the second communicator's buffers (NCCL's, outside torch's caching
+# allocator). The root opens the twin at lazy init (``CommContext.open_gather_group``) - the
+# dense group's and, for experts, each expert-data-parallel group's - so every rank of a
+# group creates it at the same point; gathers over replicas (HSDP ``optim_over_replicas``)
+# and every other collective keep their groups. A group spanning the whole world is created
+# by every rank; a sub-group only by its members (``use_local_synchronization``), which
+# torch cannot do when the default group was created with a ``device_id`` (its sub-groups
+# are split from the world's communicator, a call every rank must make): refused there.
+
+
+def twin_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new process group over ``group``'s ranks in its rank order, on its backend ([Note:
+    a communicator for the all-gathers])."""
+    ranks = dist.get_process_group_ranks(group)
+    backend = dist.get_backend(group)
+    desc = "graph_fsdp_all_gather"
+    if len(ranks) == dist.get_world_size():
+        twin = dist.new_group(ranks, backend=backend, sort_ranks=False, group_desc=desc)
+    else:
+        if dist.distributed_c10d._get_default_group().bound_device_id is not None:
+            raise ValueError(
+                f"separate_all_gather_group=True over the sub-group of ranks {ranks}: the "
+                "default process group was created with a device_id, so torch splits every new "
+                "sub-group from the world's communicator - a call every rank of the world would "
+                "have to make, while only this group's ranks shard this model. Create the "
+                "default group without device_id, or leave separate_all_gather_group False"
+            )
+        twin = dist.new_group(
+            ranks,
+            backend=backend,
+            sort_ranks=False,
+            use_local_synchronization=True,
+            group_desc=desc,
+        )
+    if dist.get_rank(twin) != dist.get_rank(group):  # the gathers' layout follows the rank
+        raise RuntimeError(
+            f"the all-gather group's rank {dist.get_rank(twin)} differs from the shard group's "
+            f"{dist.get_rank(group)} over ranks {ranks}"
+        )
+    return twin
+
+
 def _collective(ctx: CommContext, op: str, fqn: str, over_replicas: bool):
-    """``op``'s group and its size - the shard group, or ``over_replicas`` the replicate
-    group - and its NVTX range, ``graph_fsdp/<op>/<fqn>`` (``<op>_replicas`` over replicas)."""
+    """``op``'s group and its size - the shard group (the units' all-gathers: its twin when
+    there is one), or ``over_replicas`` the replicate group - and its NVTX range,
+    ``graph_fsdp/<op>/<fqn>`` (``<op>_replicas`` over replicas)."""
     if over_replicas:
         group, size, op = ctx.replicate_group, ctx.replicate_size, f"{op}_replicas"
     else:
-        group, size = ctx.group, ctx.world_size
+        group = ctx.gather_group if op == "all_gather" else ctx.group
+        size = ctx.world_size
     return group, size, nvtx_range(f"graph_fsdp/{op}/{fqn}")
 
 

@@ -233,6 +233,7 @@ def fully_shard(
     buffer_policy: BufferPolicy | None = None,
     reshard_after_forward: bool = True,
     expert_mesh=None,
+    separate_all_gather_group: bool = False,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the data-parallel group (see module docstring).
 
@@ -252,6 +253,11 @@ def fully_shard(
             Megatron's ``allreduce=False``) are sharded and their gradients reduced over its
             ``edp`` dimension, the rest over ``mesh`` (experts.py [Note: expert groups]).
             Required for a unit holding marked expert parameters; ignored by one without.
+        separate_all_gather_group: the units' all-gathers run on a process group of their
+            own over the shard group's ranks, so they overlap the gradients' reduce-scatters
+            instead of queueing behind them on one NCCL communicator (Megatron's
+            ``--create-all-gather-group``; comm.py [Note: a communicator for the
+            all-gathers]); read from the root's call.
     """
     _install_step_hook()
     placements = placements_for(strategy, optim_over_replicas=optim_over_replicas)
@@ -272,7 +278,9 @@ def fully_shard(
     originals = {ref_fqn: p for ref_fqn, _, p in entries}
     entries, tp_specs = localize(entries, group, owner)
     refuse_tp_experts(tp_specs, layouts, owner)
-    comm = CommContext(device, group, replicate_group)
+    comm = CommContext(
+        device, group, replicate_group, separate_all_gather_group=separate_all_gather_group
+    )
     check_same_mesh(module, comm)
     experts = None
     if expert_mesh is not None:

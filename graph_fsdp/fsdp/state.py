@@ -86,6 +86,7 @@ class RootContext:
         shared = self.expert_comms.get(id(unit_comm.group))
         if shared is None:
             shared = self.comm.over(unit_comm.group, grad_divisor=unit_comm.grad_divisor)
+            shared.open_gather_group()  # comm.py [Note: a communicator for the all-gathers]
             self.expert_comms[id(unit_comm.group)] = shared
         return shared
 
@@ -333,6 +334,7 @@ class FSDPState:
                 )
         names = {id(m): name for name, m in self.module.named_modules()}
         ctx = RootContext(self.comm, make_allocator(self.buffer_policy), states)
+        self.comm.open_gather_group()  # comm.py [Note: a communicator for the all-gathers]
         for other in states:
             prefix = names[id(other.module)]
             other.fqn = prefix or "root"

@@ -141,7 +141,12 @@ class HFAdapter(DataParallelAdapter):
         model = CausalLM(lm)
         if self.reference:
             return MixedPrecisionReference(model, cfg, world_size)
-        placement = dict(strategy=cfg.strategy, mp_policy=cfg.mp, buffer_policy=cfg.buffers)
+        placement = dict(
+            strategy=cfg.strategy,
+            mp_policy=cfg.mp,
+            buffer_policy=cfg.buffers,
+            separate_all_gather_group=cfg.separate_all_gather_group,
+        )
         for layer in hf_decoder_layers(lm):
             fully_shard(layer, **placement)
         if cfg.vocab_parallel_embedding:

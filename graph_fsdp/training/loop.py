@@ -76,6 +76,10 @@ class LoopConfig(metaclass=_TakesFlatFields):
 
     strategy: str = "optim_grads_params"
     """Data-parallel sharding strategy."""
+    separate_all_gather_group: bool = False
+    """The units' all-gathers on a process group of their own, beside the reduce-scatters'
+    (``fully_shard(separate_all_gather_group=True)``; comm.py [Note: a communicator for the
+    all-gathers])."""
     micro_batch_size: int = 1
     """Sequences per rank per microbatch."""
     grad_accum: int = 1

@@ -122,6 +122,7 @@ def shard_model(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         "mesh": mesh,
         "strategy": cfg.strategy,
         "optim_over_replicas": cfg.optim_over_replicas,
+        "separate_all_gather_group": cfg.separate_all_gather_group,
     }
     if cfg.expert_parallel is not None:
         if cfg.model.num_experts is None:

@@ -363,6 +363,7 @@ def shard_gpt(
     mp_policy: MixedPrecisionPolicy | None = None,
     buffer_policy: BufferPolicy | None = None,
     expert_groups: bool | None = None,
+    separate_all_gather_group: bool = False,
 ) -> MCoreLM:
     """``fully_shard`` every TransformerLayer, then the root; install Megatron's schedule
     hooks (``config.no_sync_func`` / ``config.finalize_model_grads_func``).
@@ -372,7 +373,8 @@ def shard_gpt(
     every layer's ``fully_shard``). None (default): when expert_model_parallel_size > 1 (where
     it is required); at EP = 1 they stay in the layers' dense groups (the same ranks, one
     collective fewer). True at EP = 1 runs the EP path over one EP rank. [Note: Megatron-Core
-    expert parallelism] (megatron/ep.py)
+    expert parallelism] (megatron/ep.py). ``separate_all_gather_group``: ``fully_shard``'s
+    (Megatron's ``--create-all-gather-group``).
     """
     require_megatron()
     config = lm.module.config
@@ -399,6 +401,7 @@ def shard_gpt(
         strategy=strategy,
         mp_policy=mp_policy,
         buffer_policy=buffer_policy,
+        separate_all_gather_group=separate_all_gather_group,
     )
     for layer in layers:
         fully_shard(layer, expert_mesh=mesh, **placement)

@@ -149,7 +149,13 @@ def build_sharded(cfg: MCoreTrainConfig, device: torch.device):
                 "norm over its shards); the megatron_fsdp row trains unclipped: set clip_grad=0"
             )
         return _build_megatron_fsdp(cfg, lm, device)
-    gm.shard_gpt(lm, strategy=cfg.strategy, mp_policy=cfg.mp, buffer_policy=cfg.buffers)
+    gm.shard_gpt(
+        lm,
+        strategy=cfg.strategy,
+        mp_policy=cfg.mp,
+        buffer_policy=cfg.buffers,
+        separate_all_gather_group=cfg.separate_all_gather_group,
+    )
     # graph_fsdp.training.adapters' optimizer: AdamW, or CPUOffloadOptimizer(AdamW) with an offload fraction.
     opt = make_optimizer(lm.parameters(), cfg)
     if cfg.checkpoint.load_path:
