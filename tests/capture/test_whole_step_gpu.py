@@ -503,14 +503,25 @@ A2A_ROW = "graph_fsdp whole step, vocab-parallel embedding, bf16 all-to-all + fp
 FULL_ITERATION = {"cuda_graph_impl": "torch", "cuda_graph_scope": ["full_iteration"]}
 
 
+TIMED_SHAPES = {
+    "hidden1024": GPTConfig(),
+    "hidden2048": GPTConfig(hidden_size=2048, seq_length=2048),
+}
+"""The timing rows' GPT by ``$GRAPH_FSDP_TIMING_SHAPE`` (default hidden1024): 16 layers,
+vocab 32000, 16 heads; hidden 1024 at seq 1024, or hidden 2048 at seq 2048."""
+
+
 def _timed_spec(grad_accum: int = 1, **changes):
-    """A timing row's spec: the 16-layer GPT (hidden 1024, seq 1024, vocab 32000), micro batch
-    1, bf16 compute, fused AdamW, the double buffer; ``changes`` to the TrainConfig."""
+    """A timing row's spec: the 16-layer GPT of ``TIMED_SHAPES``, micro batch 1, bf16
+    compute, fused AdamW, the double buffer; ``changes`` to the TrainConfig."""
     from graph_fsdp.bench.peers import BenchSpec
     from graph_fsdp.training.train import TrainConfig
 
+    shape = os.environ.get("GRAPH_FSDP_TIMING_SHAPE", "hidden1024")
+    if shape not in TIMED_SHAPES:
+        raise ValueError(f"GRAPH_FSDP_TIMING_SHAPE={shape!r}: one of {sorted(TIMED_SHAPES)}")
     cfg = TrainConfig(
-        model=GPTConfig(),
+        model=TIMED_SHAPES[shape],
         mp=BF16_MP,
         micro_batch_size=1,
         grad_accum=grad_accum,
@@ -848,9 +859,14 @@ def test_overlapped_next_gathers_are_bit_identical_to_eager(tmp_path):
 
 
 def _overlap_rows(world: int) -> list[tuple]:
-    """full_iteration (eager fused AdamW) and the one graph with the overlap off and on, for
-    ZeRO-3 and ZeRO-2, on the timing test's 16-layer GPT, beside the captured reference."""
-    from graph_fsdp.bench.peers import run_graph_fsdp, run_unsharded_captured
+    """full_iteration (eager fused AdamW) and the one graph with the overlap off and on, and
+    with the all-gathers on a group of their own, for ZeRO-3 and ZeRO-2, on the timing test's
+    16-layer GPT, beside the captured reference and torch FSDP2 with its step captured."""
+    from graph_fsdp.bench.peers import (
+        run_fsdp2_cuda_graph,
+        run_graph_fsdp,
+        run_unsharded_captured,
+    )
 
     spec, full = _timed_spec, FULL_ITERATION
     rows = [
@@ -859,7 +875,8 @@ def _overlap_rows(world: int) -> list[tuple]:
             run_unsharded_captured,
             spec(),
             {},
-        )
+        ),
+        (FSDP2_GRAPH, run_fsdp2_cuda_graph, spec(), {}),
     ]
     for strategy in ("optim_grads_params", "optim_grads"):
         rows += [
@@ -914,7 +931,10 @@ def test_overlapped_next_gathers_timing_and_memory():
     for row in rows.values():
         row["x_reference"] = _ratio(rows, row["row"], ref)
         print(json.dumps(row))
-    summary = {"world_size": WORLD, "rows": list(rows.values())}
+    shape = os.environ.get("GRAPH_FSDP_TIMING_SHAPE", "hidden1024")
+    summary = {"world_size": WORLD, "shape": shape, "rows": list(rows.values())}
+    fsdp2 = rows[FSDP2_GRAPH]  # captured once, a replay every timed step
+    assert fsdp2["captures"] == 1 and fsdp2["replays"] >= TIMED_STEPS, fsdp2
     checked = []
     for strategy in ("optim_grads_params", "optim_grads"):
         off = f"{strategy} one graph"
