@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -132,7 +133,7 @@ from graph_fsdp.capture.teardown import RunnerLifecycle, reset_graphs
 from graph_fsdp.capture.torch_backend import CallSignature
 from graph_fsdp.cuda_streams import nvtx_range, on_side_stream
 from graph_fsdp.fsdp.address_keeping import graph_capture
-from graph_fsdp.fsdp.grad_norm import clip_grads_, global_grad_norm
+from graph_fsdp.fsdp.grad_norm import EarlyReductions, clip_grads_, global_grad_norm
 from graph_fsdp.fsdp.state import collect_states
 from graph_fsdp.fsdp.tensor_parallel import data_address
 from graph_fsdp.parallel.dropless_ep import bounded_buffers, overflow_in_step
@@ -159,6 +160,10 @@ class StepPolicy:
     """How many units of the forward order ``overlap_next_gather`` gathers for the next step:
     2 = the root and the unit its pre-forward prefetches (what the forward holds before its
     first computation). More need as many weight slots (``BufferPolicy.num_slots``)."""
+    norm_beside_last_reduction: bool = False
+    """The global norm's pass over the gradients reduced before the step's last reduction
+    runs beside it, on a side stream (grad_norm.py [Note: the norm beside the last
+    reduction]); CUDA only. The same bits either way."""
 
     def __post_init__(self) -> None:
         if self.clip_grad is not None and not self.clip_grad > 0:
@@ -267,6 +272,11 @@ class WholeStepGraph(RunnerLifecycle):
         )
         self.learning_rates = DeviceLearningRates(optimizer)
         self.stream = None if eager else torch.cuda.Stream(self.device)
+        self._norm_stream = (
+            torch.cuda.Stream(self.device)
+            if self.policy.norm_beside_last_reduction and self.device.type == "cuda"
+            else None
+        )
         self._tracker = ModuleTracker.for_model(model)
         self._recorded: _Recorded | None = None
         self._pool = None
@@ -445,15 +455,21 @@ class WholeStepGraph(RunnerLifecycle):
         where summary is ``[loss, grad norm, skipped]`` (float32)."""
         outputs = []
         last = len(calls) - 1
+        root = self.states[0].root if self._norm_stream is not None else None
+        # grad_norm.py [Note: the norm beside the last reduction] (the root exists from the
+        # first forward on: the first step records nothing and norms as before, same bits)
+        recording = root.capture.recording_reductions() if root is not None else nullcontext()
         try:
-            for m, (args, kwargs) in enumerate(calls):
-                self.model.set_requires_gradient_sync(m == last)
-                outputs.append(detached(fn(*args, **kwargs)))
+            with recording as reductions:
+                for m, (args, kwargs) in enumerate(calls):
+                    self.model.set_requires_gradient_sync(m == last)
+                    outputs.append(detached(fn(*args, **kwargs)))
         finally:
             self.model.set_requires_gradient_sync(True)
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        early = EarlyReductions.of(reductions or (), self._norm_stream)
         with nvtx_range("graph_fsdp/whole_step/grad_norm"):
-            norm, grads = global_grad_norm(params, self.policy.norm_type)
+            norm, grads = global_grad_norm(params, self.policy.norm_type, early=early)
             if self.policy.clip_grad is not None:
                 clip_grads_(grads, self.policy.clip_grad, norm)
             skipped = torch.isfinite(norm).logical_not().to(torch.float32)

@@ -72,6 +72,11 @@ class CaptureContext:
         """Every gather casts the main weights (a full-iteration capture records the copy)."""
         self.comm_graphs: CommGraphRunner | None = None
         """The communication graphs lent to every group; None: every collective eager."""
+        self.reductions: list | None = None
+        """While a whole-step body records them (:meth:`recording_reductions`): per gradient
+        reduction, ``(group, event)`` in the order they were queued - the event recorded
+        on the reduce-scatter stream after it, None where it ends on another stream
+        (grad_norm.py [Note: the norm beside the last reduction])."""
 
     def layerwise_capture(self) -> AbstractContextManager[None]:
         return self._switched_on("capturing_layers")
@@ -87,6 +92,15 @@ class CaptureContext:
             yield
         finally:
             setattr(self, switch, False)
+
+    @contextmanager
+    def recording_reductions(self) -> Iterator[list]:
+        """The block's gradient reductions, in order (:attr:`reductions`)."""
+        self.reductions = []
+        try:
+            yield self.reductions
+        finally:
+            self.reductions = None
 
     def lend_comm_graphs(self, graphs: CommGraphRunner) -> None:
         self.comm_graphs = graphs

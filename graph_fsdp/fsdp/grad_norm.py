@@ -26,7 +26,8 @@ import time) is not rerouted - call ``graph_fsdp.clip_grad_norm_`` or the model'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,20 +50,85 @@ def _reduction_groups(group) -> list:
     return out
 
 
+# [Note: the norm beside the last reduction] A step's global norm reads every reduced main
+# gradient, and the main stream joins the reductions at the end of the backward
+# (state.py ``root_final_callback``): so the last unit's reduce-scatter - in a ZeRO-3 GPT
+# the input embedding's, vocab x hidden in fp32, after the last backward kernel - runs with
+# nothing beside it, and the norm's pass over the main gradients (0.17 ms for 133M fp32
+# elements per rank at world 2 on an H200) only starts after it. The one-graph step
+# (whole_step.py, ``StepPolicy.norm_beside_last_reduction``) records its reductions in
+# order (capture_context.py ``recording_reductions``) and hands the norm an
+# :class:`EarlyReductions`: the per-tensor norms of the groups reduced before the last run on
+# a side stream that waits only for their reductions, beside the last one; the main stream
+# waits for that stream and adds the last groups' share. The per-tensor norms are the ones
+# one ``_foreach_norm`` over all of them gives (each tensor's norm is reduced from its own
+# chunks), combined in the same order: the same bits either way. Without CUDA, or where a
+# reduction ends on the replicas' stream (HSDP), it is not used.
+
+
+@dataclass(frozen=True)
+class EarlyReductions:
+    """The gradient groups whose reductions ended before the step's last one ([Note: the
+    norm beside the last reduction]): their ``id``s, the event recorded after the last of
+    them, and the stream their norms run on."""
+
+    groups: frozenset[int]
+    event: torch.cuda.Event
+    stream: torch.cuda.Stream
+
+    @classmethod
+    def of(
+        cls, reductions: Sequence[tuple[object, torch.cuda.Event | None]], stream
+    ) -> EarlyReductions | None:
+        """From ``(group, event)`` in reduction order (capture_context.py ``reductions``);
+        None when there is nothing to split (fewer than two, or one without an event)."""
+        if stream is None or len(reductions) < 2 or any(e is None for _, e in reductions):
+            return None
+        return cls(frozenset(id(g) for g, _ in reductions[:-1]), reductions[-2][1], stream)
+
+
+def _tensor_norms(
+    gs: list[torch.Tensor], owners: list[int | None], norm_type: float, early
+) -> list[torch.Tensor]:
+    """``torch._foreach_norm`` of ``gs`` (as float32); the ``early`` groups' on its stream
+    ([Note: the norm beside the last reduction])."""
+    first = [] if early is None else [i for i, o in enumerate(owners) if o in early.groups]
+    if not first:
+        return torch._foreach_norm([g.float() for g in gs], norm_type)
+    rest = [i for i, o in enumerate(owners) if o not in early.groups]
+    main = torch.cuda.current_stream(gs[0].device)
+    early.stream.wait_event(early.event)
+    with torch.cuda.stream(early.stream):
+        side = torch._foreach_norm([gs[i].float() for i in first], norm_type)
+    for n in side:
+        n.record_stream(main)  # made on the side stream, read (and freed) on the main one
+    main.wait_stream(early.stream)
+    late = torch._foreach_norm([gs[i].float() for i in rest], norm_type) if rest else []
+    out: list[torch.Tensor] = [None] * len(gs)  # type: ignore[list-item]
+    for i, n in zip(first + rest, [*side, *late], strict=True):
+        out[i] = n
+    return out
+
+
 def global_grad_norm(
-    parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    early: EarlyReductions | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(norm, grads)``: the norm of order ``norm_type`` of the whole (unsharded) gradient
     ([Note: global gradient norm]) as a 0-d float32 tensor on the device - no host sync, so
     it can be captured in a CUDA graph - and the gradients it covers. Every rank must call
-    it with the same parameters (one collective per set of reduction groups)."""
+    it with the same parameters (one collective per set of reduction groups). ``early``: the
+    groups reduced before the last one, normed beside it ([Note: the norm beside the last
+    reduction])."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     norm_type = float(norm_type)
     if math.isnan(norm_type) or norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     # Per set of reduction groups (keyed by identity): the groups and their gradients; one
     # collective per set, in first-seen order - the same on every rank.
-    buckets: dict[tuple, tuple[list, list[torch.Tensor]]] = {}
+    buckets: dict[tuple, tuple[list, list[torch.Tensor], list[int | None]]] = {}
     grads: list[torch.Tensor] = []
     unmanaged_dtensors: list[torch.Tensor] = []
     device = None
@@ -75,7 +141,7 @@ def global_grad_norm(
         elif group is None and is_dtensor(p):
             unmanaged_dtensors.append(p)
             continue
-        bucket = buckets.setdefault(tuple(id(g) for g in over), (over, []))
+        bucket = buckets.setdefault(tuple(id(g) for g in over), (over, [], []))
         if device is None:
             device = group.device if group is not None else p.device
         if p.grad is None:
@@ -83,6 +149,7 @@ def global_grad_norm(
         grads.append(p.grad)
         if p.grad.numel():
             bucket[1].append(p.grad)
+            bucket[2].append(id(group) if group is not None else None)
     inf = math.isinf(norm_type)
     dtensor_total = _dtensor_norm(unmanaged_dtensors, norm_type, inf)
     if dtensor_total is not None:
@@ -93,9 +160,9 @@ def global_grad_norm(
     total = torch.zeros((), dtype=torch.float32, device=device)
     if dtensor_total is not None:
         total = dtensor_total.to(device)
-    for over, gs in buckets.values():
+    for over, gs, owners in buckets.values():
         if gs:
-            norms = torch._foreach_norm([g.float() for g in gs], norm_type)
+            norms = _tensor_norms(gs, owners, norm_type, early)
             stacked = torch.stack([n.to(device) for n in norms])
             local = stacked.max() if inf else stacked.pow(norm_type).sum()
         else:

@@ -161,6 +161,8 @@ class FlatParamGroup(StorageMoves):
         self.ag_event = None
         self._ag_event_obj = None
         """The event ``unshard`` records on the AG stream, created once and reused."""
+        self._reduction_event = None
+        """The event a recorded reduction ends with (``_reduced_event``), created once."""
         self._nonempty_sharded = [ref.sharded for ref in self.params if ref.sharded.numel()]
         self.dirty = False
         """Set by an optimizer step over this group's parameters (see fully_shard.py)."""
@@ -654,6 +656,20 @@ class FlatParamGroup(StorageMoves):
                 graphs=self.capture.comm_graphs,
                 overwrite=overwrite,
             )
+            if self.capture.reductions is not None:  # grad_norm.py [Note: the norm beside
+                self.capture.reductions.append((self, self._reduced_event()))  # the last ...]
+
+    def _reduced_event(self) -> torch.cuda.Event | None:
+        """An event after this group's reduction on the reduce-scatter stream (one object,
+        recorded again each time); None on CPU or where the reduction continues on the
+        replicas' stream."""
+        comm = self.comm
+        if comm.rs_stream is None or comm.rep_stream is not None:
+            return None
+        if self._reduction_event is None:
+            self._reduction_event = torch.cuda.Event()
+        self._reduction_event.record(comm.rs_stream)
+        return self._reduction_event
 
     def reduce_spec(self) -> ReduceSpec:
         """What reduce.py needs to know of this group (fixed once it joined its root)."""

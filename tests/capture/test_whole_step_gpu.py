@@ -125,6 +125,8 @@ def _train(
     clip,
     vocab_parallel: bool,
     fp32_accumulation: bool,
+    beside: bool = False,
+    *,
     eager: bool,
 ) -> dict:
     from graph_fsdp.capture.whole_step import StepPolicy, WholeStepGraph
@@ -136,9 +138,8 @@ def _train(
     model = shard_model(build_for(cfg, device), cfg)
     opt = _optimizer(kind, model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor)
-    runner = WholeStepGraph(
-        model, opt, policy=StepPolicy(clip_grad=clip), warmup_steps=WARMUP, eager=eager
-    )
+    policy = StepPolicy(clip_grad=clip, norm_beside_last_reduction=beside)
+    runner = WholeStepGraph(model, opt, policy=policy, warmup_steps=WARMUP, eager=eager)
 
     def step_fn(x, y, poison, *, n):
         loss = (model(x, y) / n) * poison
@@ -177,19 +178,22 @@ def _exact_worker(rank: int, world: int, variants: list[tuple]) -> dict:
     out = {}
     for variant in variants:
         for eager in (True, False):
-            out[(*variant, "eager" if eager else "graphed")] = _train(rank, world, *variant, eager)
+            key = (*variant, "eager" if eager else "graphed")
+            out[key] = _train(rank, world, *variant, eager=eager)
             dist.barrier()
     return out
 
 
 # (microbatches, optimizer, clip, vocab-parallel embedding: vocab_parallel.py, reduce-scatter
-# with fp32 accumulation: an all-to-all inside the graph on 2 ranks, reduce.py)
+# with fp32 accumulation: an all-to-all inside the graph on 2 ranks, reduce.py[, the norm
+# beside the last reduction: grad_norm.py, the same bits as without])
 VARIANTS = [
     (1, "adamw", 0.5, False, False),
     (4, "adamw", 0.5, False, False),
     (1, "sgd", None, False, False),
     (4, "adamw", 0.5, True, False),
     (4, "adamw", 0.5, True, True),
+    (4, "adamw", 0.5, False, False, True),
 ]
 
 
@@ -210,11 +214,15 @@ def _check_exact(results: list[dict], variants: list[tuple]) -> None:
     expected_skips = torch.tensor([1.0 if i == INF_STEP else 0.0 for i in range(STEPS)])
     for rank, res in enumerate(results):
         for variant in variants:
-            grad_accum, kind, clip, vocab_parallel, fp32_accumulation = variant
+            grad_accum, kind, clip, vocab_parallel, fp32_accumulation, *beside = variant
             eager, graphed = res[(*variant, "eager")], res[(*variant, "graphed")]
             what = f"rank {rank}, {grad_accum} microbatch(es), {kind}, clip {clip}"
             what += ", vocab-parallel embedding" if vocab_parallel else ""
             what += ", reduce-scatter with fp32 accumulation" if fp32_accumulation else ""
+            if beside and beside[0]:  # the same bits as the same variant without it
+                what += ", norm beside the last reduction"
+                plain = res[(*variant[:5], "graphed")]
+                assert _same_bits(plain["summary"], graphed["summary"]), what
             rows = [
                 i
                 for i in range(STEPS)
@@ -346,7 +354,7 @@ def test_whole_step_main_grads_are_pinned_in_its_pool():
 
 
 def test_whole_step_graph_is_bit_identical_to_eager():
-    variants = VARIANTS[:4]  # one rank: fp32 accumulation is a copy, nothing to exchange
+    variants = [*VARIANTS[:4], VARIANTS[5]]  # one rank: fp32 accumulation is a copy
     results = spawn(_exact_worker, 1, variants, backend="nccl")
     _check_exact(results, variants)
 
@@ -357,7 +365,7 @@ def test_whole_step_graph_is_bit_identical_to_eager_on_two_ranks(monkeypatch):
     # collectives and the gradients' all-to-all inside it (the all-to-all needs NCCL's graph
     # registration off: capture/step.py [Note: NCCL graph registration and the all-to-all])
     monkeypatch.setenv("NCCL_GRAPH_REGISTER", "0")
-    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[3], VARIANTS[4]]
+    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[3], VARIANTS[4], VARIANTS[5]]
     results = spawn(_exact_worker, 2, variants, backend="nccl")
     _check_exact(results, variants)
 
@@ -447,7 +455,14 @@ TIMED_STEPS, TIMED_WARMUP = 20, 3
 
 
 def _whole_step_row(
-    rank: int, world: int, spec, *, clip=None, overlap: bool = False, units: int = 2
+    rank: int,
+    world: int,
+    spec,
+    *,
+    clip=None,
+    overlap: bool = False,
+    units: int = 2,
+    beside: bool = False,
 ) -> dict:
     """graph_fsdp's whole step (one replay per step): warmup steps and the capture's step
     untimed, then ``spec.steps`` timed steps, each generating its batches as the other rows."""
@@ -461,7 +476,12 @@ def _whole_step_row(
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True
     )
-    policy = StepPolicy(clip_grad=clip, overlap_next_gather=overlap, next_gather_units=units)
+    policy = StepPolicy(
+        clip_grad=clip,
+        overlap_next_gather=overlap,
+        next_gather_units=units,
+        norm_beside_last_reduction=beside,
+    )
     runner = WholeStepGraph(model, opt, policy=policy, warmup_steps=spec.warmup)
 
     def step_fn(x, y, *, n):
@@ -913,7 +933,28 @@ def _overlap_rows(world: int) -> list[tuple]:
                 {"overlap": True},
             ),
         ]
+    # the norm over the gradients reduced before the last reduction beside it (grad_norm.py
+    # [Note: the norm beside the last reduction]), ZeRO-3, with and without the levers above
+    for name, row_spec, kwargs in (
+        ("one graph", spec(), {}),
+        (
+            f"one graph{OWN_GROUP}, next gathers overlapped",
+            spec(separate_all_gather_group=True),
+            {"overlap": True},
+        ),
+    ):
+        rows.append(
+            (
+                f"optim_grads_params {name}{BESIDE}",
+                _whole_step_row,
+                row_spec,
+                {**kwargs, "beside": True},
+            )
+        )
     return rows
+
+
+BESIDE = ", norm beside the last reduction"
 
 
 OWN_GROUP = ", all-gathers' own group"
@@ -958,6 +999,12 @@ def test_overlapped_next_gathers_timing_and_memory():
                 rows, own, shared, "own_peak_reserved_gib"
             )
             checked.append(own)
+    for without in ("one graph", f"one graph{OWN_GROUP}, next gathers overlapped"):
+        row = f"optim_grads_params {without}"
+        summary[f"optim_grads_params {without}: norm beside / after step time"] = _ratio(
+            rows, f"{row}{BESIDE}", row
+        )
+        checked.append(f"{row}{BESIDE}")
     print(json.dumps({k: v for k, v in summary.items() if k != "rows"}))
     path = os.environ.get("GRAPH_FSDP_OVERLAP_TIMING_JSON")
     if path:  # written before the checks: a failed bound's numbers come back too

@@ -104,3 +104,18 @@ def test_other_parameters_keep_torchs_clipping():
     assert torch.allclose(fn(model.parameters(), 1e9), expected)
     with pytest.raises(ValueError, match="norm_type must be positive"):
         graph_fsdp.clip_grad_norm_(model.parameters(), 1.0, norm_type=0)
+
+
+def test_early_reductions_split_every_group_but_the_last():
+    """grad_norm.py [Note: the norm beside the last reduction]: the groups reduced before the
+    last one, and the event after the last of them; nothing to split without a stream, with
+    fewer than two reductions, or where one has no event (HSDP's replica stream)."""
+    from graph_fsdp.fsdp.grad_norm import EarlyReductions
+
+    a, b, c = object(), object(), object()
+    ea, eb, ec = "event a", "event b", "event c"  # what the side stream waits on
+    early = EarlyReductions.of([(a, ea), (b, eb), (c, ec)], stream="side")
+    assert early.groups == {id(a), id(b)} and early.event == eb and early.stream == "side"
+    assert EarlyReductions.of([(a, ea), (b, eb)], stream=None) is None
+    assert EarlyReductions.of([(a, ea)], stream="side") is None
+    assert EarlyReductions.of([(a, ea), (b, None)], stream="side") is None
