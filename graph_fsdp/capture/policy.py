@@ -75,6 +75,10 @@ class GraphPolicy:
     """With ``optimizer``: the step updates the next forward's first units first and queues
     their next-step gathers under the rest of the optimizer step (``StepPolicy.
     overlap_next_gather``, next_gather.py [Note: the next step's gathers in the step graph])."""
+    norm_beside_last_reduction: bool = False
+    """With ``optimizer``: the global norm over the gradients reduced before the step's last
+    reduction runs beside it (``StepPolicy.norm_beside_last_reduction``, grad_norm.py [Note:
+    the norm beside the last reduction])."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scopes", tuple(self.scopes))
@@ -90,6 +94,12 @@ class GraphPolicy:
                 "--cuda-graph-overlap-next-gather (overlap_next_gather=True) queues the next "
                 "step's gathers inside the whole-step graph's optimizer step: add "
                 "--cuda-graph-optimizer (optimizer=True), or drop it"
+            )
+        elif self.norm_beside_last_reduction:
+            raise GraphConfigError(
+                "--cuda-graph-norm-beside-last-reduction (norm_beside_last_reduction=True) "
+                "moves the whole-step graph's gradient norm: add --cuda-graph-optimizer "
+                "(optimizer=True), or drop it"
             )
         if not self.enabled:
             return
@@ -205,6 +215,7 @@ class GraphPolicy:
                 policy=StepPolicy(
                     clip_grad=clip_grad if clip_grad > 0 else None,
                     overlap_next_gather=self.overlap_next_gather,
+                    norm_beside_last_reduction=self.norm_beside_last_reduction,
                 ),
                 warmup_steps=self.warmup_steps,
                 eager=not self.enabled,

@@ -78,6 +78,14 @@ def add_graph_args(parser: argparse.ArgumentParser) -> None:
         "with and without it, beside full_iteration with the eager optimizer.",
     )
     g.add_argument(
+        "--cuda-graph-norm-beside-last-reduction",
+        dest="cuda_graph_norm_beside_last_reduction",
+        action="store_true",
+        help="With --cuda-graph-optimizer: the global gradient norm over the gradients "
+        "reduced before the step's last reduction (a ZeRO-3 GPT's input embedding) runs on a "
+        "side stream beside that reduction instead of after it. Same bits.",
+    )
+    g.add_argument(
         "--cuda-graph-warmup-steps",
         type=int,
         default=2,
@@ -245,6 +253,9 @@ def graph_policy(
             verify=bool(getattr(args, "cuda_graph_verify", None)),
             optimizer=args.cuda_graph_optimizer,
             overlap_next_gather=getattr(args, "cuda_graph_overlap_next_gather", False),
+            norm_beside_last_reduction=getattr(
+                args, "cuda_graph_norm_beside_last_reduction", False
+            ),
         )
         policy.check_optimizer(
             fused=getattr(args, "fused_adamw", True),  # train/compare: fused with the flag

@@ -489,6 +489,7 @@ def run_graphs(
         scope_modules=scope_modules or {},
         optimizer=args.cuda_graph_optimizer,
         overlap_next_gather=getattr(args, "cuda_graph_overlap_next_gather", False),
+        norm_beside_last_reduction=getattr(args, "cuda_graph_norm_beside_last_reduction", False),
     )
 
 

@@ -56,6 +56,10 @@ MCORE = ["--model", "mcore-gpt", "--device", "cpu", "--nproc", "2"]
             ["train", *TINY, "--cuda-graph-overlap-next-gather", *FULL, *STATIC],
             ["--cuda-graph-overlap-next-gather", "add --cuda-graph-optimizer"],
         ),
+        (
+            ["train", *TINY, "--cuda-graph-norm-beside-last-reduction", *FULL, *STATIC],
+            ["--cuda-graph-norm-beside-last-reduction", "add --cuda-graph-optimizer"],
+        ),
         # Allowed by every rule: the environment is what remains on this CPU machine.
         (["train", *TINY, "--cuda-graph-optimizer", *FULL, *STATIC], ["needs a CUDA device"]),
     ],
@@ -114,3 +118,15 @@ def test_overlap_next_gather_reaches_the_runner_and_the_bench_rows() -> None:
     assert on.optimizer and on.overlap_next_gather
     # The eager row is the one-graph step's eager twin, with the same switches.
     assert rows["graph_fsdp eager"].overlap_next_gather
+
+
+def test_the_norm_beside_the_last_reduction_and_the_gathers_group_reach_the_run() -> None:
+    from graph_fsdp.cli.options import resolve
+
+    args = build_parser().parse_args(
+        ["train", *TINY, "--cuda-graph-impl", "torch", "--cuda-graph-scope", "full_iteration"]
+        + ["--optimizer-cuda-graph", "--cuda-graph-norm-beside-last-reduction"]
+        + ["--create-all-gather-group", "--fsdp-double-buffer"]
+    )
+    cfg = resolve(args, graph_scope_sets=[["full_iteration"]], graphs_optional=True).cfg
+    assert cfg.graphs.norm_beside_last_reduction and cfg.separate_all_gather_group
