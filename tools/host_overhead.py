@@ -121,8 +121,8 @@ def install_fakes(cuda_comm: bool) -> None:
 
         orig_init = comm.CommContext.__init__
 
-        def init(self, device, group, replicate_group=None):
-            orig_init(self, device, group, replicate_group)
+        def init(self, device, group, replicate_group=None, **kwargs):
+            orig_init(self, device, group, replicate_group, **kwargs)
             self.cuda = True
             self.ag_stream, self.rs_stream = _FakeStream(), _FakeStream()
 
