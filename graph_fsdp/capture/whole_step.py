@@ -279,7 +279,7 @@ class WholeStepGraph(RunnerLifecycle):
         )
         self._tracker = ModuleTracker.for_model(model)
         self._recorded: _Recorded | None = None
-        self._pool = None
+        self._pool = self._mem_pool = None
         self._main_grad_pins = MainGradPins(self)
         """The groups whose main gradients the graph writes ([Note: main gradients in the step
         graph's pool])."""
@@ -374,7 +374,7 @@ class WholeStepGraph(RunnerLifecycle):
         if self.next_gather is not None:
             self.next_gather.forget()
         self.captured_generation = None
-        self._pool = None
+        self._pool = self._mem_pool = None
         self._main_grad_pins.unpin()  # [Note: main gradients in the step graph's pool]
 
     def suspend(self) -> None:
@@ -393,7 +393,7 @@ class WholeStepGraph(RunnerLifecycle):
     def graph_pool_bytes(self) -> dict[str, int]:
         """Bytes of the graph's private memory pool: ``reserved`` (its segments) and
         ``allocated`` (blocks live now); zeros when nothing is captured."""
-        return pool_bytes([self._pool.id] if self._pool is not None else [])
+        return pool_bytes([self._pool] if self._pool is not None else [])
 
     def report(self) -> dict:
         rec = self._recorded
@@ -519,10 +519,13 @@ class WholeStepGraph(RunnerLifecycle):
         # Main gradients ([Note: main gradients in the step graph's pool]) and idle slots
         # first: pools.py [Note: capture memory].
         release_for_capture(groups, self._allocator)
-        self._pool = torch.cuda.MemPool()
+        # A pool object of its own (held while the graph lives), so that the held units'
+        # slots can be made in it before the capture (next_gather.py [Note: the held slots
+        # in the graph's pool]).
+        self._mem_pool = torch.cuda.MemPool()
+        self._pool = self._mem_pool.id
         if self.next_gather is not None and self.next_gather.held:
-            # next_gather.py [Note: the held slots in the graph's pool]
-            rec.next_addresses = self.next_gather.gather_into(self._pool)
+            rec.next_addresses = self.next_gather.gather_into(self._mem_pool)
         rec.static_inputs = [sig.static_copies() for sig in rec.signatures]
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]
         graph = new_cuda_graph()
@@ -541,7 +544,7 @@ class WholeStepGraph(RunnerLifecycle):
                         capturable_for_capture(self.optimizer),
                         graph_capture(self.states, keeper_pool=False)(
                             graph,
-                            pool=self._pool.id,
+                            pool=self._pool,
                             stream=self.stream,
                             capture_error_mode=CAPTURE_ERROR_MODE,
                         ),
