@@ -26,6 +26,9 @@ reserved-memory ratios of ``RESERVED_BOUNDS``. The step-time targets are printed
 asserted. Run with
 ``NCCL_GRAPH_REGISTER=0`` on 2 GPUs to add the rows whose graphs capture the gradients'
 all-to-all (capture/step.py [Note: NCCL graph registration and the all-to-all]).
+``GRAPH_FSDP_TIMING_REPEATS=N`` runs every timing row N times in turn (a row's time: the
+median of its runs' medians); ``GRAPH_FSDP_TIMING_SHAPE=hidden2048`` times hidden 2048 at
+seq 2048.
 
     GRAPH_FSDP_GPU_TEST_WORLD=1 python -m pytest -q -s -m gpu tests/capture/test_whole_step_gpu.py
 """
