@@ -190,15 +190,13 @@ def _runner_groups(runner: RunnerLifecycle) -> list:
     states = getattr(runner, "states", None)
     if not states:
         return []
-    groups = {}
-    for comm in [states[0].comm] + [group.comm for state in states for group in state.groups]:
-        for pg in (comm.group, comm.gather_group):
-            groups.setdefault(id(pg), pg)
+    found = [states[0].comm.group, states[0].comm.gather_group]
     for state in states:
         for group in state.groups:
+            found += [group.comm.group, group.comm.gather_group]
             if group.expert is not None:
-                groups.setdefault(id(group.expert.ep), group.expert.ep)
-    return list(groups.values())
+                found.append(group.expert.ep)
+    return list({id(pg): pg for pg in found}.values())
 
 
 def close_live_runners(group: dist.ProcessGroup | None = None) -> int:
