@@ -123,17 +123,19 @@ class NextGather:
                     group.dirty = True
         self.held = []
 
-    def gather_into(self, pool: torch.cuda.MemPool) -> list[int]:
-        """Before a capture (the device synchronized, the cached blocks given back): the held
-        units gathered again with their slots' bytes in the graph's ``pool`` - the capture
-        keeps them ([Note: the held slots in the graph's pool]) - and the addresses the
-        graph's forward reads them at."""
-        allocator = self.root_state.allocator
+    def let_go(self) -> None:
+        """Before a capture, ahead of its release of idle slots and cached blocks (pools.py
+        ``release_for_capture``): the held ZeRO-3 units give their slots back, so that their
+        default-pool bytes go with the rest ([Note: the held slots in the graph's pool]).
+        ``held`` stays: :meth:`gather_into` gathers them again."""
         for state in self.held:
             if state.placements.params:
                 state.reshard()
-        allocator.release_idle()  # the held slots' bytes in the default pool go back
-        torch.cuda.empty_cache()
+
+    def gather_into(self, pool: torch.cuda.MemPool) -> list[int]:
+        """After :meth:`let_go` and the release: the held units gathered again with their
+        slots' bytes in the graph's ``pool`` - the capture keeps them ([Note: the held slots
+        in the graph's pool]) - and the addresses the graph's forward reads them at."""
         with torch.cuda.use_mem_pool(pool):
             return self.gather_now()
 

@@ -516,15 +516,18 @@ class WholeStepGraph(RunnerLifecycle):
         for g in groups:
             g.renew_unsharded()  # fresh autograd leaves (full_iteration.py [Note: ...])
         self.states[0].root.capture.forget_events()
-        # Main gradients ([Note: main gradients in the step graph's pool]) and idle slots
-        # first: pools.py [Note: capture memory].
+        # The held units' slots too (next_gather.py [Note: the held slots in the graph's
+        # pool]), then main gradients ([Note: main gradients in the step graph's pool]) and
+        # idle slots first: pools.py [Note: capture memory].
+        regather = self.next_gather is not None and bool(self.next_gather.held)
+        if regather:
+            self.next_gather.let_go()
         release_for_capture(groups, self._allocator)
         # A pool object of its own (held while the graph lives), so that the held units'
-        # slots can be made in it before the capture (next_gather.py [Note: the held slots
-        # in the graph's pool]).
+        # slots can be made in it before the capture.
         self._mem_pool = torch.cuda.MemPool()
         self._pool = self._mem_pool.id
-        if self.next_gather is not None and self.next_gather.held:
+        if regather:
             rec.next_addresses = self.next_gather.gather_into(self._mem_pool)
         rec.static_inputs = [sig.static_copies() for sig in rec.signatures]
         calls = [sig.rebuild(inputs) for sig, inputs in zip(rec.signatures, rec.static_inputs)]
